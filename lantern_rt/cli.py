@@ -1,0 +1,191 @@
+"""The ``lantern`` command line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+EXIT_BAD_INPUT = 2
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from lantern_rt.models.checkpoint import CheckpointError
+    from lantern_rt.models.config import ConfigError
+    from lantern_rt.runtime.acceptance import AcceptanceError
+    from lantern_rt.runtime.sampling import SamplingError
+    from lantern_rt.runtime.tree import TreeError
+
+    return (UserError, CheckpointError, ConfigError, SamplingError, TreeError, AcceptanceError)
+
+
+def reports_errors(fn):
+    """Turn the package's input errors into ``error: ...`` on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+
+    return wrapper
+
+
+def _writable_output(path: Path | None, what: str) -> None:
+    if path is None:
+        return
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {what} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"cannot write {what} {path}: permission denied")
+    if path.is_dir():
+        raise UserError(f"cannot write {what} {path}: it is a folder")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="lantern-rt")
+def main() -> None:
+    """lantern-rt: fast LANTERN++ speculative decoding for visual autoregressive models."""
+
+
+@main.command()
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory (config.json + weights). Default: the built-in Fashion-MNIST demo.",
+)
+@click.option(
+    "--class",
+    "--classes",
+    "classes",
+    multiple=True,
+    help="Class ids or names, comma-separated or repeated. Default: every class.",
+)
+@click.option(
+    "--num-images", "-n", type=click.IntRange(min=1), default=4, show_default=True, help="Images per class."
+)
+@click.option(
+    "--cfg-scale",
+    type=float,
+    default=None,
+    help="Classifier-free guidance scale s in u + s*(c - u). Default: the model's (3.0 for the demo).",
+)
+@click.option(
+    "--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature; 0 means greedy."
+)
+@click.option(
+    "--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."
+)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
+@click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0).")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Random seed; the same seed and settings give the same tokens.",
+)
+@click.option("--method", type=click.Choice(["ar"]), default="ar", show_default=True, help="Decoding method.")
+@click.option(
+    "--backend", type=click.Choice(["torch"]), default="torch", show_default=True, help="Runtime backend."
+)
+@click.option("--device", default="cpu", show_default=True, help="torch device for the torch backend.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=Path("lantern.png"),
+    show_default=True,
+    help="PNG grid, one row per class.",
+)
+@click.option(
+    "--save-tokens",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the tokens as an int64 .npy array [images, tokens].",
+)
+@click.option(
+    "--stats-json",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write timings and acceptance statistics as JSON.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@reports_errors
+def generate(
+    model_path,
+    classes,
+    num_images,
+    cfg_scale,
+    temperature,
+    top_k,
+    top_p,
+    greedy,
+    seed,
+    method,
+    backend,
+    device,
+    output,
+    save_tokens,
+    stats_json,
+    quiet,
+):
+    """Generate images and write them as a PNG grid (one row per class)."""
+    t0 = time.perf_counter()
+    import numpy as np
+
+    from lantern_rt.generate import generate as run
+    from lantern_rt.images import atomic_write, grid, save_png
+    from lantern_rt.models.model_dir import open_model_dir
+    from lantern_rt.runtime.sampling import SamplingConfig
+
+    md = open_model_dir(model_path)
+    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
+        str(i) for i in range(md.gpt.num_classes)
+    ]
+    class_ids = [md.class_id(s) for s in specs]
+    if cfg_scale is None:
+        cfg_scale = float(md.raw.get("sampling_defaults", {}).get("cfg_scale", 4.0))
+    sampling = SamplingConfig(
+        cfg_scale=cfg_scale, temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p
+    )
+    for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_json, "stats")):
+        _writable_output(path, what)
+    if save_tokens is not None and save_tokens.suffix != ".npy":
+        raise UserError(f"--save-tokens must end in .npy, got {save_tokens}")
+
+    labels = [c for c in class_ids for _ in range(num_images)]
+    result = run(
+        md, labels, sampling, seed=seed, method=method, backend=backend, device=device, progress=not quiet
+    )
+    scale = max(1, 64 // md.image_size)
+    save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
+    if save_tokens is not None:
+        atomic_write(save_tokens, lambda tmp: np.save(tmp, result.tokens.numpy()))
+    stats = dict(result.stats, total_seconds=time.perf_counter() - t0, output=str(output))
+    if stats_json is not None:
+        atomic_write(stats_json, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
+    per_image = stats["decode_seconds"] / max(1, stats["num_images"])
+    click.echo(
+        f"{stats['num_images']} images ({method}, {backend}) in {stats['total_seconds']:.1f}s: "
+        f"{per_image:.3f}s/image decode, mean accepted length {stats['mean_accepted_length']:.2f} -> {output}",
+        err=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

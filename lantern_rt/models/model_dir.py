@@ -1,0 +1,117 @@
+"""A model directory: ``config.json`` naming the target, tokenizer (and drafter) weight files.
+
+The built-in demo is such a directory inside the package. A user with LlamaGen's released
+checkpoints writes a ``config.json`` beside them, for example::
+
+    {"gpt": {"preset": "GPT-B", "num_classes": 1000, "vocab_size": 16384, "block_size": 256},
+     "vq": {"preset": "VQ-16", "codebook_size": 16384, "codebook_embed_dim": 8},
+     "files": {"gpt": "c2i_B_256.pt", "vq": "vq_ds16_c2i.pt"}, "image_size": 256}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
+from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict, read_json
+from lantern_rt.models.target import Transformer
+from lantern_rt.models.vq import VQModel
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ModelDir:
+    """A parsed model directory (nothing loaded yet)."""
+
+    root: Path
+    raw: dict[str, Any]
+    gpt: GPTConfig
+    vq: VQConfig
+    files: dict[str, str]
+    image_size: int
+    class_names: list[str] = field(default_factory=list)
+
+    def path(self, key: str) -> Path:
+        if key not in self.files:
+            raise ConfigError(f"{self.root / 'config.json'} names no '{key}' file")
+        return self.root / self.files[key]
+
+    @property
+    def name(self) -> str:
+        return str(self.raw.get("name", self.root.name))
+
+    def class_id(self, spec: str | int) -> int:
+        """A class id from an integer or a class name (case-insensitive); validated."""
+        text = str(spec).strip()
+        lowered = [n.lower() for n in self.class_names]
+        if text.lower() in lowered:
+            return lowered.index(text.lower())
+        try:
+            cid = int(text)
+        except ValueError:
+            raise ConfigError(
+                f"unknown class {text!r}; use an id 0..{self.gpt.num_classes - 1} or one of: {', '.join(self.class_names)}"
+            ) from None
+        if not 0 <= cid < self.gpt.num_classes:
+            raise ConfigError(f"class id {cid} is out of range 0..{self.gpt.num_classes - 1}")
+        return cid
+
+
+def open_model_dir(path: str | Path | None = None) -> ModelDir:
+    """Parse ``path``/config.json (the built-in demo when ``path`` is None)."""
+    root = DEMO_DIR if path is None else Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"model directory not found: {root}")
+    raw = read_json(root / "config.json")
+    version = raw.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ConfigError(
+            f"{root} uses model format version {version}; this lantern-rt reads version {FORMAT_VERSION}"
+        )
+    for key in ("gpt", "vq", "files"):
+        if not isinstance(raw.get(key), dict):
+            raise ConfigError(f"{root / 'config.json'} lacks a '{key}' object")
+    gpt = config_from_dict(GPTConfig, raw["gpt"])
+    vq = config_from_dict(VQConfig, raw["vq"])
+    if gpt.vocab_size != vq.codebook_size:
+        raise ConfigError(f"target vocabulary {gpt.vocab_size} != tokenizer codebook {vq.codebook_size}")
+    image_size = int(raw.get("image_size", gpt.grid_size * vq.downsample))
+    if image_size != gpt.grid_size * vq.downsample:
+        raise ConfigError(
+            f"image_size {image_size} != token grid {gpt.grid_size} x VQ downsampling {vq.downsample}"
+        )
+    names = list(raw.get("class_names", []))
+    return ModelDir(root, raw, gpt, vq, dict(raw["files"]), image_size, names)
+
+
+def load_target(
+    md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """The target with its weights, in eval mode."""
+    model = Transformer(md.gpt)
+    load_strict(model, read_state_dict(md.path("gpt")), f"target checkpoint {md.path('gpt')}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_vq(md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> VQModel:
+    """The VQ tokenizer with its weights, in eval mode."""
+    model = VQModel(md.vq)
+    load_strict(model, read_state_dict(md.path("vq")), f"tokenizer checkpoint {md.path('vq')}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "ModelDir",
+    "open_model_dir",
+    "load_target",
+    "load_vq",
+    "DEMO_DIR",
+]

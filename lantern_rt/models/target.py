@@ -1,0 +1,264 @@
+"""The target: a class- or text-conditional GPT in LlamaGen's exact parameter layout.
+
+Parameter names match LlamaGen's ``autoregressive/models/gpt.py`` so its released checkpoints
+load strictly. The forward pass is written as a pure step function for the runtime:
+(embeddings, rope rows, mask, past K/V) -> (logits, hidden, new K/V); caches live outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lantern_rt.models.config import GPTConfig
+
+# Rows of zero rotation appended after the image grid so that tree nodes drafted past the last
+# image token still index the table (such nodes are never committed).
+ROPE_PAD_ROWS = 32
+
+
+def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> Tensor:
+    """LlamaGen's 2D RoPE table [cls + grid^2 + pad, head_dim/2, 2] of (cos, sin).
+
+    The condition prefix rows are all zero (LlamaGen zeroes q and k there, it does not use the
+    identity rotation); the first half of each head rotates with the row, the second with the
+    column.
+    """
+    half = head_dim // 2
+    freqs = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+    t = torch.arange(grid_size, dtype=torch.float32)
+    freqs = torch.outer(t, freqs)
+    grid = torch.cat(
+        [freqs[:, None, :].expand(-1, grid_size, -1), freqs[None, :, :].expand(grid_size, -1, -1)],
+        dim=-1,
+    )
+    cache = torch.stack([torch.cos(grid), torch.sin(grid)], dim=-1).flatten(0, 1)
+    return torch.cat([torch.zeros(cls_token_num, half, 2), cache, torch.zeros(ROPE_PAD_ROWS, half, 2)])
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate interleaved pairs of ``x`` [B, S, H, D] by ``rope`` [S, D/2, 2] or [B, S, D/2, 2]."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)
+    rope = rope.unsqueeze(2)
+    out = torch.stack(
+        [
+            xs[..., 0] * rope[..., 0] - xs[..., 1] * rope[..., 1],
+            xs[..., 1] * rope[..., 0] + xs[..., 0] * rope[..., 1],
+        ],
+        dim=-1,
+    )
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.ffn_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_head: int, n_kv_head: int, attn_dropout: float, resid_dropout: float):
+        super().__init__()
+        self.dim, self.n_head, self.n_kv_head = dim, n_head, n_kv_head
+        self.head_dim = dim // n_head
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.attn_dropout_p = attn_dropout
+        self.resid_dropout = nn.Dropout(resid_dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: Tensor,
+        mask: Tensor | None = None,
+        past_k: Tensor | None = None,
+        past_v: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Attend ``x`` [B, S, dim] over past K/V [B, Hkv, P, D] plus itself.
+
+        ``mask`` [B or 1, 1, S, P + S] is True where attention is allowed; None means causal
+        over ``x`` alone (training). Returns (output, k, v) with k/v of the new positions only.
+        """
+        b, s, _ = x.shape
+        kv = self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([self.dim, kv, kv], dim=-1)
+        q = apply_rope(q.view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if self.n_kv_head != self.n_head:
+            rep = self.n_head // self.n_kv_head
+            keys = keys.repeat_interleave(rep, dim=1)
+            values = values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.attn_dropout_p if self.training else 0.0,
+        )
+        out = out.transpose(1, 2).reshape(b, s, self.dim)
+        return self.resid_dropout(self.wo(out)), k, v
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attention = Attention(
+            config.dim, config.n_head, config.kv_heads, config.attn_dropout_p, config.resid_dropout_p
+        )
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden, config.ffn_dropout_p)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, rope, mask=None, past_k=None, past_v=None):
+        a, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v)
+        h = x + a
+        return h + self.feed_forward(self.ffn_norm(h)), k, v
+
+
+class LabelEmbedder(nn.Module):
+    """Class id -> one prefix embedding; id ``num_classes`` is the null (unconditional) class."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), dim)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def forward(self, labels: Tensor, train: bool = False) -> Tensor:
+        if train and self.dropout_prob > 0:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+            labels = torch.where(drop, self.num_classes, labels)
+        return self.embedding_table(labels).unsqueeze(1)
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, hidden: int, out_features: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden, bias=False)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CaptionEmbedder(nn.Module):
+    """Caption features [B, T, C] -> prefix embeddings; a learned null caption for CFG."""
+
+    def __init__(self, in_channels: int, dim: int, uncond_prob: float, token_num: int):
+        super().__init__()
+        self.cap_proj = MLP(in_channels, dim, dim)
+        self.register_buffer("uncond_embedding", torch.randn(token_num, in_channels) / in_channels**0.5)
+        self.uncond_prob = uncond_prob
+
+    def forward(self, caption: Tensor, train: bool = False) -> Tensor:
+        if train and self.uncond_prob > 0:
+            drop = torch.rand(caption.shape[0], device=caption.device) < self.uncond_prob
+            caption = torch.where(drop[:, None, None], self.uncond_embedding, caption)
+        return self.cap_proj(caption)
+
+
+class Transformer(nn.Module):
+    """LlamaGen's GPT (c2i or t2i) with a pure, cache-external step function."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        if config.model_type == "c2i":
+            self.cls_embedding: nn.Module = LabelEmbedder(
+                config.num_classes, config.dim, config.class_dropout_prob
+            )
+        else:
+            self.cls_embedding = CaptionEmbedder(
+                config.caption_dim, config.dim, config.class_dropout_prob, config.cls_token_num
+            )
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_dropout = nn.Dropout(config.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.register_buffer(
+            "freqs_cis",
+            rope_table_2d(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num),
+            persistent=False,
+        )
+        self.apply(self._init_weights)
+        nn.init.zeros_(self.output.weight)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data.normal_(0.0, 0.02)
+            if getattr(module, "bias", None) is not None:
+                module.bias.data.zero_()
+
+    @property
+    def null_condition(self) -> Tensor:
+        """The unconditional condition for one row: the null class id or the null caption."""
+        if self.config.model_type == "c2i":
+            return torch.tensor(self.config.num_classes, device=self.output.weight.device)
+        return self.cls_embedding.uncond_embedding
+
+    def embed_condition(self, cond: Tensor) -> Tensor:
+        """Class ids [B] or caption features [B, T, C] -> prefix embeddings [B, cls_token_num, dim]."""
+        return self.cls_embedding(cond, train=False)[:, : self.config.cls_token_num]
+
+    def step(
+        self, h: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One decode call over new embeddings ``h`` [B, S, dim] at ``positions`` [S] or [B, S].
+
+        ``past_k``/``past_v``: [n_layer, B, Hkv, P, D]; ``mask``: bool [B or 1, 1, S, P + S].
+        Returns fp32 logits [B, S, V], the final-norm hidden state [B, S, dim] and the new
+        keys/values [n_layer, B, Hkv, S, D] of these S positions.
+        """
+        rope = self.freqs_cis[positions]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer(h, rope, mask, past_k[i], past_v[i])
+            new_k.append(k)
+            new_v.append(v)
+        hidden = self.norm(h)
+        return self.output(hidden).float(), hidden, torch.stack(new_k), torch.stack(new_v)
+
+    def forward(self, idx: Tensor, cond: Tensor, train: bool = False) -> Tensor:
+        """Teacher-forced logits as LlamaGen computes them in training.
+
+        ``idx`` [B, T] image tokens (usually all but the last), ``cond`` class ids or captions.
+        Returns logits [B, T + 1, V] for the positions that predict image tokens 0..T.
+        """
+        hidden = self.hidden_states(idx, cond, train)
+        return self.output(hidden).float()[:, self.config.cls_token_num - 1 :]
+
+    def hidden_states(self, idx: Tensor, cond: Tensor, train: bool = False) -> Tensor:
+        """Final-norm hidden states [B, cls + T, dim] of a full causal forward."""
+        prefix = self.cls_embedding(cond, train=train)[:, : self.config.cls_token_num]
+        h = self.tok_dropout(torch.cat([prefix, self.tok_embeddings(idx)], dim=1))
+        rope = self.freqs_cis[: h.shape[1]]
+        for layer in self.layers:
+            h, _, _ = layer(h, rope)
+        return self.norm(h)

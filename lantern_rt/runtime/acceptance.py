@@ -1,0 +1,212 @@
+"""Verification of one drafted tree: exact, LANTERN and LANTERN++ acceptance (METHOD.md section 5).
+
+Sampling mode is recursive rejection sampling without replacement over each node's drafted
+children, with the target mass of a child optionally relaxed by crediting it the mass of its
+nearest latent neighbours. With no relaxation it is lossless. Greedy mode accepts a child iff it
+is the argmax of the (relaxed) target. All tensors may live on any device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lantern_rt.runtime.tree import StaticTree
+
+METHODS = ("exact", "lantern", "lantern++")
+
+
+class AcceptanceError(ValueError):
+    """Relaxation settings or verification inputs are invalid."""
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """How much target mass a drafted token may borrow from its ``k`` nearest latent neighbours."""
+
+    method: str  # "exact" | "lantern" | "lantern++"
+    k: int = 0  # neighbours considered (0 for exact)
+    delta: float = 0.0  # LANTERN total-variation budget, 0 <= delta <= 1
+    lam: float = 1.0  # LANTERN++ lambda >= 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise AcceptanceError(
+                f"relaxation method must be one of {', '.join(METHODS)}, got {self.method!r}"
+            )
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
+            raise AcceptanceError(f"neighbour count k must be an integer >= 0, got {self.k!r}")
+        if not 0.0 <= self.delta <= 1.0:
+            raise AcceptanceError(f"LANTERN delta must be in [0, 1], got {self.delta}")
+        if not (math.isfinite(self.lam) and self.lam >= 1.0):
+            raise AcceptanceError(f"LANTERN++ lambda must be a finite number >= 1, got {self.lam}")
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether any neighbour mass can be credited at all."""
+        return self.method != "exact" and self.k > 0
+
+    def cap(self, r_x: Tensor) -> Tensor:
+        """Most neighbour mass that may be credited to a token whose own mass is ``r_x``."""
+        if self.method == "lantern":
+            return torch.full_like(r_x, self.delta)
+        if self.method == "lantern++":
+            return (self.lam - 1.0) * r_x
+        return torch.zeros_like(r_x)
+
+
+@dataclass
+class StepResult:
+    """Outcome of verifying one tree."""
+
+    path: list[int]  # accepted node ids (root excluded), root to deepest
+    bonus: int  # the token emitted after the accepted path
+    credited: list[tuple[float, float, float]]  # per accepted node: (S, pt, r_x) when it was tested
+
+
+def _relaxed_target(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[Tensor, float, float]:
+    """(rt, S, r_x): ``r`` with x credited the longest neighbour prefix whose mass S fits the cap.
+
+    The credited neighbours are zeroed in ``rt`` and x holds pt = r_x + S. ``r`` is never
+    modified; with no neighbours ``rt`` is ``r`` itself.
+    """
+    r_x = r[x]
+    if nbrs is None:
+        return r, 0.0, r_x.item()
+    cum = torch.cumsum(r[nbrs[x]], dim=0)  # non-decreasing, so the admissible prefix is a count
+    used = int((cum <= relax.cap(r_x)).sum().item())
+    if used == 0:
+        return r, 0.0, r_x.item()
+    s = cum[used - 1]
+    rt = r.clone()
+    rt[nbrs[x, :used]] = 0.0
+    rt[x] = r_x + s
+    return rt, s.item(), r_x.item()
+
+
+def _normalized(t: Tensor) -> Tensor:
+    """``t`` divided by its sum (left as is when the sum is not positive)."""
+    total = t.sum()
+    return t / total if total.item() > 0 else t
+
+
+def _residual(rt: Tensor, qq: Tensor) -> Tensor:
+    """normalize(max(rt - qq, 0)), or normalize(rt) when that has no mass left."""
+    res = (rt - qq).clamp_min(0.0)
+    if res.sum().item() <= torch.finfo(res.dtype).eps:
+        return _normalized(rt)
+    return _normalized(res)
+
+
+def _drop_drawn(qq: Tensor, x: int) -> Tensor:
+    """The drafter distribution of the next sibling: x removed (drawn without replacement)."""
+    qq = qq.clone()
+    qq[x] = 0.0
+    return _normalized(qq)
+
+
+def _pick_sampled(
+    r: Tensor,
+    qq: Tensor,
+    children: list[tuple[int, int]],
+    nbrs: Tensor | None,
+    relax: Relaxation,
+    generator: torch.Generator | None,
+) -> tuple[int | None, tuple[float, float, float] | None, Tensor]:
+    """Test (node id, token) children in order; returns (accepted node or None, credit, final residual)."""
+    for node, x in children:
+        q_x = qq[x].item()
+        if q_x <= 0.0:
+            continue
+        rt, s, r_x = _relaxed_target(r, x, nbrs, relax)
+        pt = rt[x].item()
+        u = torch.rand((), generator=generator, device=r.device).item()
+        if u * q_x < pt:
+            return node, (s, pt, r_x), r
+        r = _residual(rt, qq)
+        qq = _drop_drawn(qq, x)
+    return None, None, r
+
+
+def _pick_greedy(
+    p: Tensor, children: list[tuple[int, int]], nbrs: Tensor | None, relax: Relaxation
+) -> tuple[int | None, tuple[float, float, float] | None]:
+    """First child whose token is the argmax of the relaxed target built from ``p``."""
+    for node, x in children:
+        rt, s, r_x = _relaxed_target(p, x, nbrs, relax)
+        if int(torch.argmax(rt).item()) == x:
+            return node, (s, rt[x].item(), r_x)
+    return None, None
+
+
+def _neighbour_rows(neighbors: Tensor | None, relax: Relaxation) -> Tensor | None:
+    """The first ``k`` neighbours of every token, or None when nothing can be credited."""
+    if not relax.relaxed:
+        return None
+    if neighbors is None:
+        raise AcceptanceError(f"{relax.method} needs a latent-neighbour table; pass neighbors=[V, k_max]")
+    if neighbors.dim() != 2 or neighbors.shape[1] < relax.k:
+        raise AcceptanceError(f"neighbour table {tuple(neighbors.shape)} has fewer than k={relax.k} columns")
+    return neighbors[:, : relax.k]
+
+
+def _check_shapes(tree: StaticTree, tokens: Tensor, valid: Tensor, p: Tensor, q: Tensor) -> None:
+    n = tree.num_nodes + 1
+    if tokens.shape != (n,) or valid.shape != (n,):
+        raise AcceptanceError(
+            f"tokens and valid must have shape ({n},), got {tuple(tokens.shape)}, {tuple(valid.shape)}"
+        )
+    if p.dim() != 2 or p.shape[0] != n or q.shape != p.shape:
+        raise AcceptanceError(
+            f"p and q must both have shape ({n}, V), got {tuple(p.shape)}, {tuple(q.shape)}"
+        )
+
+
+def _as_float(t: Tensor) -> Tensor:
+    """Half-precision probabilities are upcast so residual arithmetic stays accurate."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def verify_tree(
+    tree: StaticTree,
+    tokens: Tensor,
+    valid: Tensor,
+    p: Tensor,
+    q: Tensor,
+    neighbors: Tensor | None,
+    relax: Relaxation,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> StepResult:
+    """Walk the tree from the root, accepting at most one child per node, then emit a bonus token.
+
+    tokens [N+1] (tokens[0] the root), valid [N+1] (False: skip that drafted child), p [N+1, V]
+    target and q [N+1, V] drafter probabilities at each node, neighbors [V, k_max] nearest-first
+    (None for exact). ``generator`` must live on the tensors' device.
+    """
+    _check_shapes(tree, tokens, valid, p, q)
+    nbrs = _neighbour_rows(neighbors, relax)
+    p, q = _as_float(p), _as_float(q)
+    token_ids, is_valid = tokens.tolist(), valid.tolist()
+    path: list[int] = []
+    credited: list[tuple[float, float, float]] = []
+    node, residual = 0, p[0]
+    while True:
+        children = [(c, token_ids[c]) for c in tree.children[node] if is_valid[c]]
+        if greedy:
+            child, credit = _pick_greedy(p[node], children, nbrs, relax)
+        else:
+            child, credit, residual = _pick_sampled(p[node], q[node], children, nbrs, relax, generator)
+        if child is None or credit is None:
+            break
+        path.append(child)
+        credited.append(credit)
+        node = child
+    if greedy:
+        bonus = int(torch.argmax(p[node]).item())
+    else:
+        bonus = int(torch.multinomial(residual, 1, generator=generator).item())
+    return StepResult(path=path, bonus=bonus, credited=credited)

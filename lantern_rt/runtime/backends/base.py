@@ -1,0 +1,30 @@
+"""The contract between the decode loop and a backend."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from lantern_rt.runtime.kv_cache import KVCache
+
+
+class TargetBackend(Protocol):
+    """Runs the target's prefill and step graphs over two CFG rows and owns its KV cache.
+
+    ``cache.commit`` keeps the accepted entries of the last ``step``.
+    """
+
+    name: str
+    cache: KVCache
+    cls_token_num: int
+
+    def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
+        """Condition rows (class ids [2] or captions [2, T, C]) -> logits [2, V] and hidden
+        [2, D] at the last prefix slot; the prefix K/V are committed to the cache."""
+        ...
+
+    def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens [S] at ``positions`` [S] seeing each other through ``tree_mask`` [S, S] and
+        the whole committed cache -> logits [2, S, V] and hidden [2, S, D]; K/V are staged."""
+        ...

@@ -1,0 +1,184 @@
+"""``lantern generate``: outputs, determinism, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from lantern_rt.cli import main
+from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["generate", "-q", *args])
+
+
+def test_generate_writes_grid_tokens_and_stats(tiny_model_dir, tmp_path):
+    out, tok, stats = tmp_path / "g.png", tmp_path / "t.npy", tmp_path / "s.json"
+    r = run(
+        "--model",
+        str(tiny_model_dir),
+        "--classes",
+        "0,b",
+        "--class",
+        "4",
+        "-n",
+        "3",
+        "-o",
+        str(out),
+        "--save-tokens",
+        str(tok),
+        "--stats-json",
+        str(stats),
+    )
+    assert r.exit_code == 0, r.output
+    tokens = np.load(tok)
+    assert tokens.shape == (9, 16) and tokens.dtype == np.int64 and tokens.min() >= 0 and tokens.max() < 64
+    s = json.loads(stats.read_text())
+    assert s["method"] == "ar" and s["backend"] == "torch" and s["num_images"] == 9
+    assert s["tokens_per_image"] == 16 and s["mean_accepted_length"] == 1.0
+    assert s["target_calls"] == 9 * 16  # one prefill + 15 steps per image
+    assert s["labels"] == [0, 0, 0, 1, 1, 1, 4, 4, 4]
+    assert 0 < s["decode_seconds"] <= s["total_seconds"]
+    img = Image.open(out)
+    # 3 rows x 3 columns of 8 px images upscaled x8 with 2 px padding
+    assert img.size == (3 * 66 + 2, 3 * 66 + 2)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(tiny_model_dir, tmp_path):
+    def tokens(seed: int, name: str) -> np.ndarray:
+        path = tmp_path / f"{name}.npy"
+        r = run(
+            "--model",
+            str(tiny_model_dir),
+            "--class",
+            "2",
+            "-n",
+            "2",
+            "--seed",
+            str(seed),
+            "-o",
+            str(tmp_path / "x.png"),
+            "--save-tokens",
+            str(path),
+        )
+        assert r.exit_code == 0, r.output
+        return np.load(path)
+
+    a, b, c = tokens(1, "a"), tokens(1, "b"), tokens(2, "c")
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert not np.array_equal(a[0], a[1])  # images of one run differ
+
+
+def test_greedy_matches_argmax_of_full_forward(tiny_model_dir, tmp_path):
+    """Greedy AR through the cached runtime equals argmax decoding with full forwards."""
+    path = tmp_path / "g.npy"
+    r = run(
+        "--model",
+        str(tiny_model_dir),
+        "--class",
+        "3",
+        "-n",
+        "1",
+        "--greedy",
+        "--cfg-scale",
+        "2",
+        "-o",
+        str(tmp_path / "x.png"),
+        "--save-tokens",
+        str(path),
+    )
+    assert r.exit_code == 0, r.output
+    model = tiny_gpt()
+    seq = torch.zeros(0, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(16):
+            logits = model(seq.expand(2, -1), torch.tensor([3, 5]))[:, -1]
+            mixed = logits[1] + 2.0 * (logits[0] - logits[1])
+            seq = torch.cat([seq, mixed.argmax().view(1)])
+    assert np.array_equal(np.load(path)[0], seq.numpy())
+
+
+def corrupt(md: Path) -> None:
+    (md / "gpt.safetensors").write_bytes(b"\x00garbage" * 10)
+
+
+def other_architecture(md: Path) -> None:
+    cfg = json.loads((md / "config.json").read_text())
+    cfg["gpt"]["n_layer"] = 3
+    (md / "config.json").write_text(json.dumps(cfg))
+
+
+def corrupt_pt(md: Path) -> None:
+    cfg = json.loads((md / "config.json").read_text())
+    cfg["files"]["gpt"] = "broken.pt"
+    (md / "config.json").write_text(json.dumps(cfg))
+    (md / "broken.pt").write_bytes(b"PK\x03\x04 not really a zip")
+
+
+def missing_weights(md: Path) -> None:
+    (md / "gpt.safetensors").unlink()
+
+
+BAD = {
+    "unknown class id": (["--class", "7"], None, "out of range"),
+    "unknown class name": (["--class", "boots"], None, "unknown class"),
+    "negative cfg": (["--cfg-scale", "-1"], None, "CFG scale"),
+    "nan cfg": (["--cfg-scale", "nan"], None, "CFG scale"),
+    "top-p zero": (["--top-p", "0"], None, "top-p"),
+    "top-p above one": (["--top-p", "1.5"], None, "top-p"),
+    "corrupt safetensors": ([], corrupt, "cannot read"),
+    "corrupt pt": ([], corrupt_pt, "cannot read"),
+    "missing checkpoint": ([], missing_weights, "not found"),
+    "other architecture": ([], other_architecture, "missing keys: layers.2"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_exit_2_no_output(tiny_model_dir, tmp_path, case):
+    args, damage, message = BAD[case]
+    if damage:
+        damage(tiny_model_dir)
+    out = tmp_path / "never.png"
+    r = run("--model", str(tiny_model_dir), "-o", str(out), "--stats-json", str(tmp_path / "s.json"), *args)
+    assert r.exit_code == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert "Traceback" not in r.output
+    assert not out.exists() and not (tmp_path / "s.json").exists()
+    assert list(tmp_path.glob(".never*")) == []
+
+
+def test_missing_model_dir_and_unwritable_outputs(tiny_model_dir, tmp_path):
+    r = run("--model", str(tmp_path / "nope"), "-o", str(tmp_path / "x.png"))
+    assert r.exit_code == 2 and "model directory not found" in r.stderr
+    r = run("--model", str(tiny_model_dir), "-o", str(tmp_path / "no" / "such" / "x.png"))
+    assert r.exit_code == 2 and "does not exist" in r.stderr
+    r = run("--model", str(tiny_model_dir), "-o", str(tmp_path))
+    assert r.exit_code == 2 and "is a folder" in r.stderr
+    r = run(
+        "--model",
+        str(tiny_model_dir),
+        "-o",
+        str(tmp_path / "x.png"),
+        "--save-tokens",
+        str(tmp_path / "t.txt"),
+    )
+    assert r.exit_code == 2 and ".npy" in r.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bundle_from_another_format_version(tmp_path):
+    md = write_model_dir(tmp_path / "m", tiny_gpt(), tiny_vq())
+    cfg = json.loads((md / "config.json").read_text())
+    cfg["format_version"] = 99
+    (md / "config.json").write_text(json.dumps(cfg))
+    r = run("--model", str(md), "-o", str(tmp_path / "x.png"))
+    assert r.exit_code == 2 and "format version 99" in r.stderr

@@ -1,0 +1,177 @@
+"""The target: LlamaGen numerics, KV-cache decoding, checkpoint layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lantern_rt.models.checkpoint import CheckpointError
+from lantern_rt.models.config import GPTConfig, gpt_config
+from lantern_rt.models.model_dir import load_target, open_model_dir
+from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.backends.torch_backend import TorchTarget
+from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, write_model_dir
+from tests.llamagen_reference import reference_logits
+
+VARIANTS = {
+    "c2i": {},
+    "c2i-gqa": {"n_head": 4, "n_kv_head": 2},
+    "t2i": {"model_type": "t2i", "cls_token_num": 3, "caption_dim": 12},
+}
+
+
+def condition(model: Transformer, batch: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if cfg.model_type == "c2i":
+        return torch.randint(0, cfg.num_classes + 1, (batch,), generator=g)
+    return torch.randn(batch, cfg.cls_token_num, cfg.caption_dim, generator=g)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_full_forward_matches_llamagen_reference(variant):
+    model = tiny_gpt(1, **VARIANTS[variant])
+    cfg = model.config
+    idx = torch.randint(
+        0, cfg.vocab_size, (3, cfg.block_size - 1), generator=torch.Generator().manual_seed(2)
+    )
+    cond = condition(model, 3)
+    ours = model(idx, cond)
+    ref = reference_logits(model.state_dict(), cfg, idx, cond)[:, cfg.cls_token_num - 1 :]
+    assert ours.shape == (3, cfg.block_size, cfg.vocab_size)
+    torch.testing.assert_close(ours.double(), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_reference_sees_a_rope_change():
+    """The reference is sensitive to the prefix rotation: identity rotation there differs."""
+    model = tiny_gpt(1)
+    idx = torch.randint(0, 64, (2, 15))
+    cond = torch.tensor([0, 5])
+    base = model(idx, cond)
+    model.freqs_cis[: model.config.cls_token_num, :, 0] = 1.0  # cos = 1: identity, not LlamaGen's zero
+    assert not torch.allclose(model(idx, cond), base, atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kv_cache_decoding_matches_full_forward(variant):
+    model = tiny_gpt(3, **VARIANTS[variant])
+    cfg = model.config
+    cond_row = condition(model, 1)[0]
+    null = model.null_condition
+    rows = (
+        torch.stack([cond_row, null]) if cfg.model_type == "t2i" else torch.stack([cond_row, null.view(())])
+    )
+    tokens = torch.randint(
+        0, cfg.vocab_size, (cfg.block_size - 1,), generator=torch.Generator().manual_seed(4)
+    )
+    full = model(tokens.expand(2, -1), rows)  # [2, T, V]
+    target = TorchTarget(model)
+    logits, _ = target.prefill(rows)
+    stepped = [logits]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    for t in tokens:
+        logits, _ = target.step(t.view(1), torch.tensor([target.cache.length]), one)
+        target.cache.commit([0])
+        stepped.append(logits[:, 0])
+    torch.testing.assert_close(torch.stack(stepped, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_ignores_stale_entries():
+    """Entries past the committed length (a rejected branch) must not change the logits."""
+    model = tiny_gpt(5)
+    target = TorchTarget(model)
+    rows = torch.tensor([1, 5])
+    target.prefill(rows)
+    before, _ = target.step(torch.tensor([7]), torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
+    target.cache.k[:, :, :, 5:] = 123.0
+    target.cache.v[:, :, :, 5:] = -77.0
+    after, _ = target.step(torch.tensor([7]), torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
+    torch.testing.assert_close(before, after)
+
+
+LLAMAGEN_C2I_KEYS = {
+    "cls_embedding.embedding_table.weight",
+    "tok_embeddings.weight",
+    "norm.weight",
+    "output.weight",
+} | {
+    f"layers.{i}.{name}.weight"
+    for i in range(2)
+    for name in (
+        "attention.wqkv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+        "attention_norm",
+        "ffn_norm",
+    )
+}
+
+
+def test_state_dict_has_llamagen_keys():
+    assert set(tiny_gpt().state_dict()) == LLAMAGEN_C2I_KEYS
+    t2i = set(tiny_gpt(model_type="t2i", cls_token_num=3, caption_dim=12).state_dict())
+    assert t2i == (LLAMAGEN_C2I_KEYS - {"cls_embedding.embedding_table.weight"}) | {
+        "cls_embedding.cap_proj.fc1.weight",
+        "cls_embedding.cap_proj.fc2.weight",
+        "cls_embedding.uncond_embedding",
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["model", "module", "state_dict", None])
+def test_llamagen_pt_checkpoint_reproduces_the_model(tmp_path, wrapper):
+    model = tiny_gpt(7)
+    state = model.state_dict()
+    md = write_model_dir(tmp_path / "m", tiny_gpt(8), tiny_vq(), gpt_file="ck.pt")
+    torch.save(state if wrapper is None else {wrapper: state, "steps": 10}, md / "ck.pt")
+    loaded = load_target(open_model_dir(md))
+    idx = torch.randint(0, 64, (2, 15))
+    cond = torch.tensor([1, 2])
+    torch.testing.assert_close(loaded(idx, cond), model(idx, cond))
+
+
+def test_missing_and_unexpected_keys_are_named(tmp_path):
+    model = tiny_gpt()
+    state = model.state_dict()
+    state.pop("layers.1.attention.wo.weight")
+    state["extra.weight"] = torch.zeros(1)
+    md = write_model_dir(tmp_path / "m", model, tiny_vq(), gpt_file="ck.pt")
+    torch.save({"model": state}, md / "ck.pt")
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing keys: layers\.1\.attention\.wo\.weight.*unexpected keys: extra\.weight",
+    ):
+        load_target(open_model_dir(md))
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    md = write_model_dir(tmp_path / "m", tiny_gpt(dim=48, n_head=3), tiny_vq())
+    import json
+
+    cfg = json.loads((md / "config.json").read_text())
+    cfg["gpt"] = dict(TINY_GPT)
+    (md / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape mismatches"):
+        load_target(open_model_dir(md))
+
+
+@pytest.mark.parametrize(
+    "preset,millions",
+    [("GPT-B", 111), ("GPT-L", 343), ("GPT-XL", 775), ("GPT-XXL", 1400)],
+)
+def test_presets_have_llamagen_sizes(preset, millions):
+    cfg = gpt_config(preset, num_classes=1000, vocab_size=16384, block_size=256)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n = sum(p.numel() for p in model.parameters()) / 1e6
+    assert abs(n - millions) / millions < 0.03, n
+
+
+def test_config_validation():
+    from lantern_rt.models.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        GPTConfig(block_size=15)
+    with pytest.raises(ConfigError):
+        gpt_config("GPT-Z")
