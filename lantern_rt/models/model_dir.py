@@ -18,6 +18,8 @@ import torch
 
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict, read_json
+from lantern_rt.models.drafter import Drafter, DrafterConfig, clean_eagle_state
+from lantern_rt.models.neighbors import latent_neighbors, load_neighbors_file
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 
@@ -104,6 +106,55 @@ def load_vq(md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype
     model = VQModel(md.vq)
     load_strict(model, read_state_dict(md.path("vq")), f"tokenizer checkpoint {md.path('vq')}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "drafter.safetensors")
+
+
+def _drafter_source(md: ModelDir, path: str | Path | None) -> tuple[Path, dict]:
+    """(weights file, config dict) from an explicit path, or the model directory's entry."""
+    if path is None:
+        if "drafter" not in md.files:
+            raise ConfigError(
+                f"{md.root} has no drafter; train one with 'lantern train-drafter' or pass --drafter"
+            )
+        path = md.path("drafter")
+        if not Path(path).is_dir():
+            return Path(path), md.raw.get("drafter", {})
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"drafter not found: {path} (give an EAGLE folder with config.json and weights)")
+    for name in EAGLE_WEIGHT_FILES:
+        if (path / name).is_file():
+            return path / name, read_json(path / "config.json")
+    raise ConfigError(f"{path} holds none of {', '.join(EAGLE_WEIGHT_FILES)}")
+
+
+def load_drafter(
+    md: ModelDir,
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Drafter:
+    """The drafter of ``md`` (or the EAGLE-layout folder ``path``), checked against the target."""
+    weights, raw = _drafter_source(md, path)
+    model = Drafter(DrafterConfig.from_dict(raw or DrafterConfig.for_target(md.gpt).__dict__), md.gpt)
+    load_strict(model, clean_eagle_state(read_state_dict(weights)), f"drafter checkpoint {weights}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_neighbors(md: ModelDir, k: int, vq: VQModel | None = None) -> torch.Tensor:
+    """[V, >= k] latent-neighbour table: the stored one when wide enough, else computed."""
+    if not 0 <= k < md.vq.codebook_size:
+        raise ConfigError(
+            f"lantern k must be in 0..{md.vq.codebook_size - 1} (the codebook has {md.vq.codebook_size} codes), got {k}"
+        )
+    if "neighbors" in md.files and md.path("neighbors").is_file():
+        table = load_neighbors_file(md.path("neighbors"))
+        if table.shape[1] >= k:
+            return table
+    vq = vq if vq is not None else load_vq(md)
+    return latent_neighbors(vq.quantize.codebook(), max(k, 1))
 
 
 __all__ = [

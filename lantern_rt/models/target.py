@@ -53,6 +53,17 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return out.flatten(3).type_as(x)
 
 
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA written out for ONNX export: the scores and the softmax in fp32 whatever the dtype.
+
+    ``mask`` is bool (True = may attend); a masked score gets the fp32 minimum, not -inf, so no
+    row can turn into NaN. Equal to ``F.scaled_dot_product_attention`` where a row sees a key.
+    """
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).float()
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -112,14 +123,17 @@ class Attention(nn.Module):
             rep = self.n_head // self.n_kv_head
             keys = keys.repeat_interleave(rep, dim=1)
             values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=self.attn_dropout_p if self.training else 0.0,
-        )
+        if mask is not None and torch.onnx.is_in_onnx_export():
+            out = masked_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                dropout_p=self.attn_dropout_p if self.training else 0.0,
+            )
         out = out.transpose(1, 2).reshape(b, s, self.dim)
         return self.resid_dropout(self.wo(out)), k, v
 
@@ -228,18 +242,20 @@ class Transformer(nn.Module):
         return self.cls_embedding(cond, train=False)[:, : self.config.cls_token_num]
 
     def step(
-        self, h: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
+        self, h: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None, past_v: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One decode call over new embeddings ``h`` [B, S, dim] at ``positions`` [S] or [B, S].
 
-        ``past_k``/``past_v``: [n_layer, B, Hkv, P, D]; ``mask``: bool [B or 1, 1, S, P + S].
-        Returns fp32 logits [B, S, V], the final-norm hidden state [B, S, dim] and the new
-        keys/values [n_layer, B, Hkv, S, D] of these S positions.
+        ``past_k``/``past_v``: [n_layer, B, Hkv, P, D], or None for an empty cache (P = 0);
+        ``mask``: bool [B or 1, 1, S, P + S]. Returns fp32 logits [B, S, V], the final-norm
+        hidden state [B, S, dim] and the new keys/values [n_layer, B, Hkv, S, D] of these S
+        positions.
         """
         rope = self.freqs_cis[positions]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, rope, mask, past_k[i], past_v[i])
+            past = (None, None) if past_k is None or past_v is None else (past_k[i], past_v[i])
+            h, k, v = layer(h, rope, mask, *past)
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(h)

@@ -1,7 +1,7 @@
 """The one decode loop: prefill, then (draft, verify the tree, accept, compact) until done.
 
-Plain autoregressive decoding is the same loop with a tree that holds only the root: each
-target call then scores one token and the "bonus" token is an ordinary sample.
+Plain autoregressive decoding is the same loop without a drafter: the tree holds only the
+root, each target call scores one token and the "bonus" token is an ordinary sample.
 """
 
 from __future__ import annotations
@@ -12,19 +12,31 @@ import torch
 from torch import Tensor
 
 from lantern_rt.runtime.acceptance import Relaxation, verify_tree
-from lantern_rt.runtime.backends.base import TargetBackend
+from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
+from lantern_rt.runtime.drafting import Draft, draft_tree
 from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution, sample
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
-EXACT = Relaxation("exact")
+
+@dataclass(frozen=True)
+class Speculation:
+    """What speculative decoding adds to plain decoding."""
+
+    drafter: DrafterBackend
+    tree: StaticTree
+    relax: Relaxation
+    neighbors: Tensor | None = None  # [V, k_max] latent neighbours, needed when relaxed
 
 
 @dataclass
 class ImageResult:
-    """The tokens of one image and the tokens committed by each target call (bonus included)."""
+    """The tokens of one image and the tokens committed by each verify call (bonus included)."""
 
     tokens: Tensor
     accepted: list[int]
+
+
+EXACT = Relaxation("exact")
 
 
 def decode_image(
@@ -33,25 +45,44 @@ def decode_image(
     num_tokens: int,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-    tree: StaticTree = ROOT_ONLY,
-    relax: Relaxation = EXACT,
+    spec: Speculation | None = None,
 ) -> ImageResult:
     """Generate ``num_tokens`` image tokens for the condition rows ``cond`` (cond, uncond)."""
-    logits, _ = target.prefill(cond)
+    tree = spec.tree if spec else ROOT_ONLY
+    relax = spec.relax if spec else EXACT
+    neighbors = spec.neighbors if spec else None
+    logits, hidden = target.prefill(cond)
     p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-    tokens = [int(sample(p, sampling, generator))]
-    accepted: list[int] = []
     device = p.device
-    depth = tree.depth.to(device)
-    mask = tree.mask.to(device)
-    valid = torch.ones(tree.num_nodes + 1, dtype=torch.bool, device=device)
+    tokens = [int(sample(p, sampling, generator))]
+    pending = torch.tensor(tokens, device=device)
+    pending_hidden = hidden[:, None]
+    if spec:
+        spec.drafter.cache.reset()
+    depth, mask = tree.depth.to(device), tree.mask.to(device)
+    accepted: list[int] = []
     while len(tokens) < num_tokens:
-        draft = torch.tensor([tokens[-1]], device=device)
-        logits, _ = target.step(draft, target.cache.length + depth, mask)
-        p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-        result = verify_tree(tree, draft, valid, p, p, None, relax, sampling.greedy, generator)
-        emitted = ([int(draft[i]) for i in result.path] + [result.bonus])[: num_tokens - len(tokens)]
-        target.cache.commit([0, *result.path])
+        root_position = target.cache.length
+        if spec:
+            draft = draft_tree(
+                spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
+            )
+        else:
+            # no children: q is never read
+            draft = Draft(pending[-1:], torch.ones(1, dtype=torch.bool, device=device), p[None])
+        logits, hidden = target.step(draft.tokens, root_position + depth, mask)
+        p_tree = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
+        result = verify_tree(
+            tree, draft.tokens, draft.valid, p_tree, draft.q, neighbors, relax, sampling.greedy, generator
+        )
+        kept = [0, *result.path]
+        new = draft.tokens[kept[1:]].tolist() + [result.bonus]
+        emitted = new[: num_tokens - len(tokens)]
         tokens.extend(emitted)
         accepted.append(len(emitted))
+        if len(tokens) == num_tokens:
+            break
+        target.cache.commit(kept)
+        pending = torch.tensor(new, device=device)
+        pending_hidden = hidden[:, kept]
     return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)

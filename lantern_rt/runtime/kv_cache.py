@@ -34,15 +34,30 @@ class KVCache:
         self.length = 0
         self._staged = None
 
-    def mask(self, new_mask: Tensor) -> Tensor:
+    def mask(self, new_mask: Tensor, scratch: Tensor | None = None) -> Tensor:
         """Attention mask [1, 1, S, capacity + S] for S new tokens whose mutual visibility is
-        ``new_mask`` [S, S]: every committed entry is visible, stale entries are not."""
+        ``new_mask`` [S, S]: every committed entry is visible, stale entries are not, except
+        that ``scratch`` [S, M] opens the M slots right after ``length`` (see ``place``)."""
         s = new_mask.shape[0]
-        past = torch.arange(self.capacity, device=new_mask.device) < self.length
-        return torch.cat([past.expand(s, -1), new_mask], dim=1)[None, None]
+        past = (torch.arange(self.capacity, device=new_mask.device) < self.length).expand(s, -1)
+        if scratch is not None:
+            past = past.clone()
+            past[:, self.length : self.length + scratch.shape[1]] = scratch
+        return torch.cat([past, new_mask], dim=1)[None, None]
 
     def stage(self, new_k: Tensor, new_v: Tensor) -> None:
         self._staged = (new_k, new_v)
+
+    def place(self, offsets: Tensor | list[int]) -> None:
+        """Write every staged entry to slot ``length + offset`` without committing it (drafted
+        tree levels that deeper levels attend to; overwritten by later commits)."""
+        assert self._staged is not None, "place without a staged call"
+        new_k, new_v = self._staged
+        slots = self.length + torch.as_tensor(offsets, device=new_k.device, dtype=torch.long)
+        if int(slots.max()) >= self.capacity:
+            raise RuntimeError(f"KV cache overflow: slot {int(slots.max())} >= {self.capacity}")
+        self.k[:, :, :, slots] = new_k
+        self.v[:, :, :, slots] = new_v
 
     def commit(self, keep: Tensor | list[int]) -> None:
         """Append staged entries ``keep`` (indices along the new-token axis) after ``length``."""

@@ -28,3 +28,18 @@ class TargetBackend(Protocol):
         """Tokens [S] at ``positions`` [S] seeing each other through ``tree_mask`` [S, S] and
         the whole committed cache -> logits [2, S, V] and hidden [2, S, D]; K/V are staged."""
         ...
+
+
+class DrafterBackend(Protocol):
+    """Runs the drafter (with the target's LM head) over two CFG rows; owns the drafter cache."""
+
+    name: str
+    cache: KVCache
+
+    def step(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """Pairs (tokens [S], previous hidden [2, S, D]) at ``positions`` [S]; ``new_mask``
+        [S, S] and ``scratch`` (see ``KVCache.mask``) -> logits [2, S, V] and predicted hidden
+        [2, S, D]; K/V are staged."""
+        ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.kv_cache import KVCache
 
@@ -51,3 +52,28 @@ class TorchTarget:
         )
         self.cache.stage(k, v)
         return logits, hidden
+
+
+class TorchDrafter:
+    """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head."""
+
+    name = "torch"
+
+    def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int):
+        c = drafter.config
+        self.drafter, self.head = drafter, head
+        weight = drafter.fc.weight
+        self.cache = KVCache(
+            c.num_hidden_layers, 2, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
+        )
+
+    @torch.inference_mode()
+    def step(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        mask = self.cache.mask(new_mask, scratch)
+        h, k, v = self.drafter.step(
+            tokens.unsqueeze(0).expand(2, -1), hidden, positions, mask, self.cache.k, self.cache.v
+        )
+        self.cache.stage(k, v)
+        return self.head(h).float(), h

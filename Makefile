@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make demo` (images from the built-in model) and
+# `make test` (the test suite). Each creates .venv and installs what it needs on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; any torch in the package's range works (see pyproject.toml).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lantern generate --num-images 8 -o demo.png --stats-json demo.json
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check lantern_rt tests
+	$(VENV)/bin/ruff check lantern_rt tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

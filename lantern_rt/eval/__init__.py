@@ -1,0 +1,1 @@
+"""Offline image-quality evaluation: ``classifier`` (the in-repo feature extractor) and ``metrics``."""

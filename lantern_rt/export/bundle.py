@@ -1,0 +1,259 @@
+"""The bundle: fixed-shape ONNX graphs plus ``manifest.json``, the contract with every runtime.
+
+:func:`export_bundle` exports, lints and numerically checks every graph against the torch model
+in a temporary folder beside ``out`` and renames it into place only when all of them pass.
+:func:`load_manifest` refuses a bundle whose files or declared graph shapes do not match.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
+from lantern_rt.export.graphs import GraphModule, TargetPrefill, TargetStep, VQDecode, cache_capacity
+from lantern_rt.models.config import to_dict
+from lantern_rt.models.model_dir import ModelDir, load_target, load_vq
+
+FORMAT = "lantern-rt-bundle"
+BUNDLE_VERSION = 1
+MANIFEST = "manifest.json"
+NULL_CAPTION = "null_caption.npy"
+DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+TOLERANCE = {"fp32": (1e-4, 1e-4), "fp16": (2e-2, 1e-2)}  # atol, rtol against max |reference|
+EXTERNAL_DATA_BYTES = 1 << 30  # larger graphs keep their weights in a side file
+
+
+class ExportError(ValueError):
+    """A graph could not be exported, broke a rule, or disagrees with the torch model."""
+
+
+class BundleError(ValueError):
+    """A bundle is missing, tampered with, or from another bundle version."""
+
+
+def export_bundle(
+    model_dir: ModelDir,
+    out: Path,
+    tree_sizes: Sequence[int] = (),
+    dtype: str = "fp32",
+    opset: int = DEFAULT_OPSET,
+    threads: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Export the target (prefill, step 1 and each step S in ``tree_sizes``) and the VQ decoder.
+
+    ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default).
+    """
+    out = Path(out)
+    sizes = _check_args(out, tree_sizes, dtype, opset, overwrite)
+    target, vq = load_target(model_dir), load_vq(model_dir)
+    graphs = _graphs(target, vq, sizes, DTYPES[dtype])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        entries = {}
+        for module, reference in graphs:
+            entries[module.spec.name] = _export_checked(module, reference, tmp, opset, dtype, threads)
+        if target.config.model_type == "t2i":
+            np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
+        manifest = _manifest(model_dir, target, sizes, dtype, opset, entries)
+        manifest["files"] = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_manifest(bundle: Path) -> dict[str, Any]:
+    """The bundle's manifest, after checking its version, every file's sha256 and every graph's
+    declared inputs and outputs against its ONNX file."""
+    bundle = Path(bundle)
+    path = bundle / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{bundle} is not a lantern-rt bundle: no {MANIFEST}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BundleError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{path} is not a {FORMAT} manifest")
+    if manifest.get("bundle_version") != BUNDLE_VERSION:
+        raise BundleError(
+            f"{bundle} is bundle version {manifest.get('bundle_version')}; this lantern-rt reads "
+            f"version {BUNDLE_VERSION}: re-export it"
+        )
+    for name, digest in manifest.get("files", {}).items():
+        file = bundle / name
+        if not file.is_file():
+            raise BundleError(f"{bundle}: {name} is missing")
+        if _sha256(file) != digest:
+            raise BundleError(f"{bundle}: {name} does not match its sha256 in {MANIFEST} (modified?)")
+    for name, graph in manifest.get("graphs", {}).items():
+        if graph.get("file") not in manifest.get("files", {}):
+            raise BundleError(f"{bundle}: graph {name} names an unlisted file {graph.get('file')!r}")
+        inputs, outputs = io_specs(bundle / graph["file"])
+        if inputs != graph.get("inputs") or outputs != graph.get("outputs"):
+            raise BundleError(f"{bundle}: graph {name}'s inputs/outputs differ from {MANIFEST}")
+    return manifest
+
+
+def _check_args(out: Path, tree_sizes: Sequence[int], dtype: str, opset: int, overwrite: bool) -> list[int]:
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ExportError(f"opset must be in {MIN_OPSET}..{MAX_OPSET} (TensorRT 10.3), not {opset}")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in tree_sizes):
+        raise ExportError(f"tree sizes must be integers >= 1, got {list(tree_sizes)}")
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists; choose another folder or overwrite it")
+    return sorted({1, *tree_sizes})
+
+
+def _graphs(
+    target: torch.nn.Module, vq: torch.nn.Module, sizes: list[int], dtype: torch.dtype
+) -> list[tuple[GraphModule, GraphModule]]:
+    """(graph to export, fp32 reference) pairs; the VQ decoder always runs in fp32 (its softmax
+    and GroupNorms are not fp16-safe, and it runs once per image)."""
+    low = target if dtype == torch.float32 else copy.deepcopy(target).to(dtype)
+    pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low), TargetPrefill(target))]
+    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in sizes]
+    decode = VQDecode(vq, target.config.grid_size)
+    return [*pairs, (decode, decode)]
+
+
+def _export_checked(
+    module: GraphModule, reference: GraphModule, folder: Path, opset: int, dtype: str, threads: int
+) -> dict[str, Any]:
+    """Export one graph, lint it and compare it with the reference; its manifest entry."""
+    spec = module.spec
+    path = folder / f"{spec.name}.onnx"
+    big = sum(p.numel() * p.element_size() for p in module.parameters()) > EXTERNAL_DATA_BYTES
+    try:
+        torch.onnx.export(
+            module.eval(),
+            module.example_inputs(torch.Generator().manual_seed(0)),
+            str(path),
+            input_names=[t.name for t in spec.inputs],
+            output_names=[t.name for t in spec.outputs],
+            opset_version=opset,
+            dynamo=True,
+            external_data=big,
+            verbose=False,
+        )
+    except Exception as err:  # the exporter raises many types; report one line
+        raise ExportError(f"{spec.name}: torch.onnx.export failed: {_first_line(err)}") from err
+    problems = check_graph(path, spec)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ExportError(f"{spec.name}: {problems[0]}{more}")
+    errors = compare_with_torch(path, module, reference, threads)
+    atol, rtol = TOLERANCE[dtype if spec.compute_dtype != torch.float32 else "fp32"]
+    for name, (err, scale) in errors.items():
+        if not err <= atol + rtol * scale:  # also catches NaN
+            raise ExportError(
+                f"{spec.name}: output {name} differs from torch by {err:.3g} "
+                f"(tolerance {atol + rtol * scale:.3g})"
+            )
+    entry = {"file": path.name, **spec.to_dict()}
+    entry["max_abs_err"] = {name: err for name, (err, _) in errors.items()}
+    return entry
+
+
+def compare_with_torch(
+    path: Path, module: GraphModule, reference: GraphModule, threads: int = 0, seed: int = 1
+) -> dict[str, tuple[float, float]]:
+    """Run the ONNX graph (onnxruntime CPU) and ``reference`` (torch, fp32) on random valid
+    inputs: output name -> (max abs difference, max abs reference value)."""
+    inputs = module.example_inputs(torch.Generator().manual_seed(seed))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {t.name: x.numpy() for t, x in zip(module.spec.inputs, inputs, strict=True)})
+    with torch.inference_mode():
+        want = reference(*(x.float() if x.is_floating_point() else x for x in inputs))
+    want = want if isinstance(want, tuple) else (want,)
+    return {
+        t.name: (float(np.abs(g.astype(np.float64) - w.double().numpy()).max()), float(w.abs().max()))
+        for t, g, w in zip(module.spec.outputs, got, want, strict=True)
+    }
+
+
+def _manifest(
+    md: ModelDir, target: torch.nn.Module, sizes: list[int], dtype: str, opset: int, graphs: dict
+) -> dict[str, Any]:
+    c = target.config
+    constants = {
+        "model_type": c.model_type,
+        "cls_token_num": c.cls_token_num,
+        "block_size": c.block_size,
+        "grid_size": c.grid_size,
+        "cache_capacity": cache_capacity(target),
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "step_sizes": sizes,
+        "null_condition": {"class_id": c.num_classes} if c.model_type == "c2i" else {"file": NULL_CAPTION},
+    }
+    return {
+        "format": FORMAT,
+        "bundle_version": BUNDLE_VERSION,
+        "versions": {
+            "lantern_rt": importlib.metadata.version("lantern-rt"),
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+        },
+        "opset": opset,
+        "dtype": dtype,
+        "model_name": md.name,
+        "gpt": to_dict(md.gpt),
+        "vq": to_dict(md.vq),
+        "class_names": md.class_names,
+        "image_size": md.image_size,
+        "constants": constants,
+        "sampling_defaults": md.raw.get("sampling_defaults", {}),
+        "graphs": graphs,
+    }
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is replaced only after that succeeds."""
+    old = out.with_name(f".{out.name}.old") if out.exists() else None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

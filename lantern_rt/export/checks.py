@@ -1,0 +1,85 @@
+"""Lint an exported ONNX graph against the rules TensorRT 10.3 (JetPack 6) and the runtime need.
+
+:func:`check_graph` returns human-readable violations; an empty list means the graph is fine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+
+from lantern_rt.export.graphs import GraphSpec
+
+MIN_OPSET, MAX_OPSET = 17, 20  # TensorRT 10.3 parses opsets up to 20
+SCATTER_OPS = {"Scatter", "ScatterElements", "ScatterND"}
+COMPLEX = {TensorProto.COMPLEX64, TensorProto.COMPLEX128}
+
+
+def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
+    """Every rule the graph at ``path`` breaks; with ``spec``, also where its I/O differs."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
+        return [f"onnx.checker: {str(err).splitlines()[0]}"]
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
+    graph = model.graph
+    problems = _opset(model)
+    typed = [*graph.input, *graph.output]
+    problems += [f"{v.name}: dims {_dims(v)} are not all static" for v in typed if not _static(v)]
+    loose = [v.name for v in graph.value_info if not _static(v)]
+    if loose:
+        problems.append(f"{len(loose)} intermediate tensors have non-static dims, e.g. {loose[0]}")
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*typed, *graph.value_info]}
+    elem.update({t.name: t.data_type for t in graph.initializer})
+    problems += [f"tensor {name} is complex" for name, t in elem.items() if t in COMPLEX]
+    for node in graph.node:
+        if node.op_type in SCATTER_OPS and any(a.name == "reduction" for a in node.attribute):
+            problems.append(f"{node.op_type} node {node.name} has a 'reduction' attribute")
+        if node.op_type == "Softmax" and elem.get(node.input[0]) != TensorProto.FLOAT:
+            problems.append(f"Softmax node {node.name} does not run in float32")
+    if spec is not None:
+        problems += _io_mismatches(graph, spec)
+    return problems
+
+
+def io_specs(path: Path) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The graph's declared inputs and outputs in the manifest's form (name, shape, dtype)."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [_as_dict(v) for v in graph.input], [_as_dict(v) for v in graph.output]
+
+
+def _opset(model: onnx.ModelProto) -> list[str]:
+    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if len(versions) != 1 or not MIN_OPSET <= versions[0] <= MAX_OPSET:
+        return [f"opset {versions} is outside {MIN_OPSET}..{MAX_OPSET}"]
+    return []
+
+
+def _static(value: onnx.ValueInfoProto) -> bool:
+    t = value.type.tensor_type
+    return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str]:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+def _as_dict(value: onnx.ValueInfoProto) -> dict[str, object]:
+    t = value.type.tensor_type
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+    return {"name": value.name, "shape": _dims(value), "dtype": dtype}
+
+
+def _io_mismatches(graph: onnx.GraphProto, spec: GraphSpec) -> list[str]:
+    problems = []
+    for kind, declared, actual in (
+        ("inputs", spec.inputs, graph.input),
+        ("outputs", spec.outputs, graph.output),
+    ):
+        want = [t.to_dict() for t in declared]
+        got = [_as_dict(v) for v in actual]
+        if want != got:
+            problems.append(f"{kind} {got} differ from the declared {want}")
+    return problems

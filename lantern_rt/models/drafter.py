@@ -1,0 +1,189 @@
+"""The EAGLE-1 style drafter, in the parameter layout of the authors' LlamaGen drafter.
+
+Input fusion ``fc(concat(embed(x_t), f_{t-1}))`` (2H -> H, with bias), then Llama decoder
+layers (layer 0 without input RMSNorm, as in EAGLE), no final norm. It predicts the target's
+next final-norm hidden state; the target's frozen LM head turns it into logits. Key names match
+the authors' checkpoints (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...), so their
+``config.json`` + state dict and our safetensors files load the same way.
+
+Positions follow the target: the pair holding token x_j uses the target's RoPE row of x_j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.target import RMSNorm, apply_rope, rope_table_2d
+
+
+@dataclass
+class DrafterConfig:
+    """Field names of the Hugging Face Llama config the authors' drafters ship with."""
+
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    num_hidden_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_hidden_layers < 1:
+            raise ConfigError("a drafter needs at least one layer")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("drafter hidden_size is not divisible by num_attention_heads")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
+        """From our config or an EAGLE/HF ``config.json`` (unknown keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in names})
+        except TypeError as exc:
+            raise ConfigError(f"drafter config: {exc}") from exc
+
+    @classmethod
+    def for_target(cls, target: GPTConfig, num_hidden_layers: int = 1) -> DrafterConfig:
+        """A drafter shaped like the target's blocks (what EAGLE prescribes)."""
+        return cls(
+            hidden_size=target.dim,
+            num_attention_heads=target.n_head,
+            num_key_value_heads=target.n_kv_head,
+            intermediate_size=target.ffn_hidden,
+            vocab_size=target.vocab_size,
+            num_hidden_layers=num_hidden_layers,
+            rms_norm_eps=target.norm_eps,
+        )
+
+
+def check_compatible(drafter: DrafterConfig, target: GPTConfig) -> None:
+    """The drafter must read the target's hidden states and emit its vocabulary."""
+    if drafter.hidden_size != target.dim:
+        raise ConfigError(f"drafter hidden size {drafter.hidden_size} != target hidden size {target.dim}")
+    if drafter.vocab_size != target.vocab_size:
+        raise ConfigError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {target.vocab_size}")
+    if drafter.head_dim != target.head_dim:
+        raise ConfigError(
+            f"drafter head dim {drafter.head_dim} != target head dim {target.head_dim} (RoPE table)"
+        )
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = c.num_attention_heads, c.kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, c.hidden_size, bias=False)
+
+    def forward(
+        self, x: Tensor, rope: Tensor, mask: Tensor | None, past_k: Tensor | None, past_v: Tensor | None
+    ):
+        b, s, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).view(b, s, self.n_kv, self.head_dim), rope).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if self.n_kv != self.n_head:
+            keys = keys.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            values = values.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), k, v
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, c: DrafterConfig, index: int):
+        super().__init__()
+        self.self_attn = DrafterAttention(c)
+        self.mlp = DrafterMLP(c)
+        if index != 0:
+            self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, rope, mask=None, past_k=None, past_v=None):
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        a, k, v = self.self_attn(h, rope, mask, past_k, past_v)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class Drafter(nn.Module):
+    """EAGLE-1 drafter over a target of config ``target``; the LM head is the target's."""
+
+    def __init__(self, config: DrafterConfig, target: GPTConfig):
+        super().__init__()
+        check_compatible(config, target)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
+        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
+        self.register_buffer(
+            "freqs_cis",
+            rope_table_2d(target.grid_size, target.head_dim, target.rope_base, target.cls_token_num),
+            persistent=False,
+        )
+
+    def step(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Pairs (token [B, S], previous target hidden [B, S, H]) at ``positions`` [S].
+
+        ``past_k``/``past_v`` [n_layer, B, Hkv, P, D], ``mask`` bool [B or 1, 1, S, P + S].
+        Returns the predicted hidden states [B, S, H] and the new K/V [n_layer, B, Hkv, S, D].
+        """
+        h = self.fc(torch.cat([self.embed_tokens(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
+        rope = self.freqs_cis[positions]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer(h, rope, mask, past_k[i], past_v[i])
+            new_k.append(k)
+            new_v.append(v)
+        return h, torch.stack(new_k), torch.stack(new_v)
+
+    def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
+        """Causal training forward over whole sequences of pairs: [B, S] and [B, S, H] -> [B, S, H]."""
+        h = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))
+        rope = self.freqs_cis[positions]
+        for layer in self.layers:
+            h, _, _ = layer(h, rope)
+        return h
+
+
+# Keys older transformers versions saved with a drafter; they carry no learned state.
+IGNORED_EAGLE_KEYS = ("rotary_emb.inv_freq",)
+
+
+def clean_eagle_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop keys that do not belong to the drafter's learned state."""
+    return {k: v for k, v in state.items() if not k.endswith(IGNORED_EAGLE_KEYS)}

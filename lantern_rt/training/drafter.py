@@ -1,0 +1,137 @@
+"""Training the EAGLE drafter against a frozen target (EAGLE-1 loss).
+
+Data: image codes (VQ-encoded real images) with their class labels; the target runs
+teacher-forced on them (10% of rows with the null condition, for CFG's unconditional row) and
+its final-norm hidden states are the drafter's inputs and regression targets. Loss:
+SmoothL1(predicted hidden, next target hidden) + 0.1 x cross-entropy between the frozen LM
+head's distributions of the two.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from lantern_rt.models.drafter import Drafter
+from lantern_rt.models.target import Transformer
+
+
+@dataclass(frozen=True)
+class DrafterTraining:
+    steps: int = 2000
+    batch: int = 16
+    lr: float = 1e-3
+    warmup: int = 50
+    uncond_fraction: float = 0.1
+    p_weight: float = 0.1
+    noise: float = 0.05  # uniform input noise on target hidden states, relative to their RMS
+    seed: int = 0
+    save_every: int = 100
+
+
+def drafter_batch(target: Transformer, codes: torch.Tensor, labels: torch.Tensor, uncond: torch.Tensor):
+    """(tokens [B, T], input hidden [B, T, D], positions [T], target hidden [B, T, D]).
+
+    Pair j holds token x_j with the target hidden state of the position before it and must
+    predict the target hidden state at x_j's own position.
+    """
+    cfg = target.config
+    cond = torch.where(uncond, torch.full_like(labels, cfg.num_classes), labels)
+    with torch.no_grad():
+        hidden = target.hidden_states(codes, cond)  # [B, cls + T, D]
+    t = codes.shape[1]
+    positions = torch.arange(cfg.cls_token_num, cfg.cls_token_num + t)
+    return codes, hidden[:, cfg.cls_token_num - 1 : -1], positions, hidden[:, cfg.cls_token_num :]
+
+
+def eagle_loss(drafter: Drafter, head: torch.nn.Linear, batch, noise: float, p_weight: float, generator=None):
+    """EAGLE-1 loss on one batch; returns (loss, regression loss, classification loss)."""
+    tokens, h_in, positions, h_target = batch
+    if noise > 0:
+        rms = h_in.pow(2).mean().sqrt()
+        h_in = h_in + (torch.rand(h_in.shape, generator=generator) - 0.5) * 2 * noise * rms
+    pred = drafter(tokens, h_in, positions)
+    vloss = F.smooth_l1_loss(pred, h_target)
+    with torch.no_grad():
+        p_target = torch.softmax(head(h_target).float(), dim=-1)
+    ploss = -(p_target * torch.log_softmax(head(pred).float(), dim=-1)).sum(-1).mean()
+    return vloss + p_weight * ploss, vloss, ploss
+
+
+def _lr(step: int, cfg: DrafterTraining) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_drafter(
+    target: Transformer,
+    drafter: Drafter,
+    codes: np.ndarray,
+    labels: np.ndarray,
+    cfg: DrafterTraining,
+    state_path: Path | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Train ``drafter`` in place; resumes from and saves to ``state_path`` atomically.
+
+    Returns the per-step losses of this run.
+    """
+    target.eval().requires_grad_(False)
+    drafter.embed_tokens.weight.data.copy_(target.tok_embeddings.weight.data)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start = 0
+    if state_path is not None and state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        drafter.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start = int(state["step"])
+    gen = torch.Generator().manual_seed(cfg.seed)
+    all_codes = torch.from_numpy(codes.astype(np.int64))
+    all_labels = torch.from_numpy(labels.astype(np.int64))
+    order = torch.cat(
+        [
+            torch.randperm(len(all_codes), generator=gen)
+            for _ in range(1 + cfg.steps * cfg.batch // len(all_codes))
+        ]
+    )
+    drafter.train()
+    losses = []
+    bar = tqdm(
+        range(start, cfg.steps),
+        initial=start,
+        total=cfg.steps,
+        desc="drafter",
+        disable=not progress,
+        mininterval=5,
+    )
+    for step in bar:
+        step_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        sel = order[step * cfg.batch : (step + 1) * cfg.batch]
+        uncond = torch.rand(len(sel), generator=step_gen) < cfg.uncond_fraction
+        batch = drafter_batch(target, all_codes[sel], all_labels[sel], uncond)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg)
+        loss, vloss, ploss = eagle_loss(drafter, target.output, batch, cfg.noise, cfg.p_weight, step_gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(params, 0.5)
+        opt.step()
+        losses.append(loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(v=f"{vloss.item():.4f}", p=f"{ploss.item():.3f}")
+        if state_path is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"model": drafter.state_dict(), "optim": opt.state_dict(), "step": step + 1}, tmp)
+            os.replace(tmp, state_path)
+    drafter.eval()
+    return losses
