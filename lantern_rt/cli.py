@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -99,7 +100,35 @@ def main() -> None:
     show_default=True,
     help="Random seed; the same seed and settings give the same tokens.",
 )
-@click.option("--method", type=click.Choice(["ar"]), default="ar", show_default=True, help="Decoding method.")
+@click.option(
+    "--method",
+    type=click.Choice(["ar", "exact", "lantern", "lantern++"]),
+    default=None,
+    help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++). "
+    "Default: lantern++ when the model has a drafter, else ar.",
+)
+@click.option(
+    "--tree",
+    default="naive_extend_57",
+    show_default=True,
+    help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths.",
+)
+@click.option(
+    "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
+)
+@click.option(
+    "--lantern-delta", type=float, default=0.1, show_default=True, help="LANTERN TV budget in [0, 1]."
+)
+@click.option(
+    "--lantern-lambda", type=float, default=5.0, show_default=True, help="LANTERN++ cap lambda >= 1."
+)
+@click.option(
+    "--drafter",
+    "drafter_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Drafter folder (EAGLE layout: config.json + weights). Default: the model's own.",
+)
 @click.option(
     "--backend", type=click.Choice(["torch"]), default="torch", show_default=True, help="Runtime backend."
 )
@@ -137,6 +166,11 @@ def generate(
     greedy,
     seed,
     method,
+    tree,
+    lantern_k,
+    lantern_delta,
+    lantern_lambda,
+    drafter_path,
     backend,
     device,
     output,
@@ -148,6 +182,7 @@ def generate(
     t0 = time.perf_counter()
     import numpy as np
 
+    from lantern_rt.generate import MethodConfig
     from lantern_rt.generate import generate as run
     from lantern_rt.images import atomic_write, grid, save_png
     from lantern_rt.models.model_dir import open_model_dir
@@ -168,9 +203,14 @@ def generate(
     if save_tokens is not None and save_tokens.suffix != ".npy":
         raise UserError(f"--save-tokens must end in .npy, got {save_tokens}")
 
+    if method is None:
+        method = "lantern++" if ("drafter" in md.files or drafter_path is not None) else "ar"
+    drafter = None if drafter_path is None else str(drafter_path)
+    mc = MethodConfig(method, tree, lantern_k, lantern_delta, lantern_lambda, drafter)
+    mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
     result = run(
-        md, labels, sampling, seed=seed, method=method, backend=backend, device=device, progress=not quiet
+        md, labels, sampling, seed=seed, method=mc, backend=backend, device=device, progress=not quiet
     )
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
@@ -189,3 +229,94 @@ def generate(
 
 if __name__ == "__main__":
     main()
+
+
+@main.command("train-drafter")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory. Default: the built-in demo.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Folder for the drafter (config.json + drafter.safetensors) and its resumable training state.",
+)
+@click.option(
+    "--codes",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Training data: .npz with 'codes' [N, tokens] and 'labels' [N]. Default: Fashion-MNIST encoded by the model's tokenizer.",
+)
+@click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+@reports_errors
+def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, threads):
+    """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt)."""
+    import numpy as np
+    import torch
+
+    from lantern_rt.models.checkpoint import save_safetensors
+    from lantern_rt.models.drafter import Drafter, DrafterConfig
+    from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
+    from lantern_rt.training.drafter import DrafterTraining, train_drafter
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    md = open_model_dir(model_path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    data = _drafter_data(md, codes, load_vq)
+    target = load_target(md)
+    config = DrafterConfig.for_target(md.gpt)
+    drafter = Drafter(config, md.gpt)
+    cfg = DrafterTraining(steps=steps, batch=batch, lr=lr, seed=seed)
+    t0 = time.perf_counter()
+    losses = train_drafter(target, drafter, data["codes"], data["labels"], cfg, out / "train_state.pt")
+    save_safetensors(drafter, out / "drafter.safetensors")
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    tail = np.mean(losses[-50:]) if losses else float("nan")
+    click.echo(
+        f"drafter trained for {steps} steps in {time.perf_counter() - t0:.0f}s (final loss {tail:.4f}) -> {out}",
+        err=True,
+    )
+
+
+def _drafter_data(md, codes: Path | None, load_vq) -> dict:
+    """Codes and labels to train on: a user's .npz, or Fashion-MNIST through the model's tokenizer."""
+    import numpy as np
+    import torch
+
+    if codes is not None:
+        if not codes.is_file():
+            raise UserError(f"codes file not found: {codes}")
+        try:
+            data = np.load(codes)
+            return {"codes": data["codes"], "labels": data["labels"]}
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(
+                f"cannot read {codes}: expected an .npz with 'codes' and 'labels' ({exc})"
+            ) from None
+    from lantern_rt.training.data import DatasetMissing, load_fashion_mnist, to_model_range
+
+    if md.image_size != 32 or md.vq.in_channels != 1:
+        raise UserError(
+            "this model is not a 32x32 greyscale model: pass --codes with your own training codes"
+        )
+    try:
+        x, y = load_fashion_mnist("train")
+    except DatasetMissing as exc:
+        raise UserError(str(exc)) from None
+    vq = load_vq(md)
+    images = torch.from_numpy(to_model_range(x))
+    with torch.inference_mode():
+        coded = [vq.encode(images[i : i + 500])[1].flatten(1) for i in range(0, len(images), 500)]
+    return {"codes": torch.cat(coded).numpy(), "labels": y}

@@ -12,14 +12,55 @@ import torch
 from tqdm import tqdm
 
 from lantern_rt.images import to_uint8
-from lantern_rt.models.model_dir import ModelDir, load_target, load_vq
+from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.backends.torch_backend import TorchTarget
-from lantern_rt.runtime.decode import decode_image
+from lantern_rt.runtime.acceptance import Relaxation
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import Speculation, decode_image
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import load_tree, tree_to_json
 
-METHODS = ("ar",)
+METHODS = ("ar", "exact", "lantern", "lantern++")
 BACKENDS = ("torch",)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """A decoding method and its parameters (ignored by ``ar``)."""
+
+    method: str = "ar"
+    tree: str = "naive_extend_57"
+    k: int = 10
+    delta: float = 0.1
+    lam: float = 5.0
+    drafter: str | None = None  # an EAGLE-layout folder overriding the model's drafter
+
+    def relaxation(self) -> Relaxation:
+        if self.method == "lantern":
+            return Relaxation("lantern", k=self.k, delta=self.delta)
+        if self.method == "lantern++":
+            return Relaxation("lantern++", k=self.k, lam=self.lam)
+        return Relaxation("exact")
+
+    def params(self) -> dict[str, Any]:
+        """The parameters that matter for this method, for reports."""
+        if self.method == "ar":
+            return {}
+        extra = {"lantern": {"k": self.k, "delta": self.delta}, "lantern++": {"k": self.k, "lambda": self.lam}}
+        return {"tree": self.tree, **extra.get(self.method, {})}
+
+
+def speculation(md: ModelDir, target: Transformer, mc: MethodConfig, device: str) -> Speculation | None:
+    """Drafter, tree, relaxation and neighbour table for a speculative method (None for ar)."""
+    if mc.method == "ar":
+        return None
+    relax = mc.relaxation()
+    tree = load_tree(mc.tree, max_width=MAX_DRAFT_WIDTH)
+    drafter = load_drafter(md, mc.drafter, device)
+    neighbors = load_neighbors(md, relax.k).to(device) if relax.relaxed else None
+    capacity = md.gpt.block_size + tree.num_nodes + 1
+    return Speculation(TorchDrafter(drafter, target.output, capacity), tree, relax, neighbors)
 
 
 def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -50,7 +91,7 @@ def generate(
     labels: Iterable[int],
     sampling: SamplingConfig,
     seed: int = 0,
-    method: str = "ar",
+    method: MethodConfig = MethodConfig(),
     backend: str = "torch",
     device: str = "cpu",
     progress: bool = True,
@@ -61,13 +102,14 @@ def generate(
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     target = TorchTarget(target_model)
+    spec = speculation(md, target_model, method, device)
     n_tokens = md.gpt.block_size
     all_tokens, accepted, per_image = [], [], []
-    for i, label in enumerate(tqdm(labels, desc=f"{method}/{backend}", unit="img", disable=not progress)):
+    desc = f"{method.method}/{backend}"
+    for i, label in enumerate(tqdm(labels, desc=desc, unit="img", disable=not progress)):
         t0 = time.perf_counter()
-        result = decode_image(
-            target, condition_rows(target_model, label), n_tokens, sampling, image_generator(seed, i, device)
-        )
+        cond = condition_rows(target_model, label)
+        result = decode_image(target, cond, n_tokens, sampling, image_generator(seed, i, device), spec)
         per_image.append(time.perf_counter() - t0)
         all_tokens.append(result.tokens)
         accepted.extend(result.accepted)
@@ -84,7 +126,9 @@ def generate(
     calls = len(accepted)
     stats = {
         "model": md.name,
-        "method": method,
+        "method": method.method,
+        "params": method.params(),
+        "tree": tree_to_json(spec.tree) if spec else None,
         "backend": backend,
         "device": device,
         "num_images": len(labels),
@@ -92,6 +136,7 @@ def generate(
         "target_calls": calls + len(labels),
         "verify_calls": calls,
         "mean_accepted_length": (sum(accepted) / calls) if calls else 0.0,
+        "accepted_length_histogram": {str(n): accepted.count(n) for n in sorted(set(accepted))},
         "decode_seconds": sum(per_image),
         "seconds_per_image": per_image,
         "total_seconds": time.perf_counter() - t_start,

@@ -35,10 +35,11 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
     elem.update({t.name: t.data_type for t in graph.initializer})
     problems += [f"tensor {name} is complex" for name, t in elem.items() if t in COMPLEX]
     for node in graph.node:
+        label = f"{node.op_type} node {node.name or node.output[0]}"
         if node.op_type in SCATTER_OPS and any(a.name == "reduction" for a in node.attribute):
-            problems.append(f"{node.op_type} node {node.name} has a 'reduction' attribute")
+            problems.append(f"{label} has a 'reduction' attribute")
         if node.op_type == "Softmax" and elem.get(node.input[0]) != TensorProto.FLOAT:
-            problems.append(f"Softmax node {node.name} does not run in float32")
+            problems.append(f"{label} does not run in float32")
     if spec is not None:
         problems += _io_mismatches(graph, spec)
     return problems

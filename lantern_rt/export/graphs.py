@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.models.target import Transformer
+from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
 
 ROWS = 2  # CFG rows: conditional, unconditional
@@ -139,18 +139,20 @@ class TargetStep(nn.Module):
         return self.model.step(h, positions, mask, past_k, past_v)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random tokens after a random committed length; a random tree-like mask (each token
-        sees itself and some earlier ones); random, partly stale caches."""
+        """Random tokens after a random committed length at sorted depths the RoPE table holds;
+        a random tree-like mask (each token sees itself and some earlier ones); random, partly
+        stale caches."""
         c = self.model.config
         s = self.spec.inputs[0].shape[0]
         cap = cache_capacity(self.model)
-        length = int(torch.randint(c.cls_token_num, cap - s + 1, (), generator=g))
+        length = int(torch.randint(c.cls_token_num, cap, (), generator=g))
+        depths = torch.randint(min(s, ROPE_PAD_ROWS), (s,), generator=g).sort().values
         new = torch.rand(s, s, generator=g).lt(0.5).tril() | torch.eye(s, dtype=torch.bool)
         past = (torch.arange(cap) < length).expand(s, -1)
         kv = self.spec.inputs[3]
         return (
             torch.randint(c.vocab_size, (s,), generator=g),
-            length + torch.randint(s, (s,), generator=g).sort().values,
+            length + depths,
             torch.cat([past, new], dim=1)[None, None],
             torch.randn(kv.shape, generator=g).to(kv.dtype),
             torch.randn(kv.shape, generator=g).to(kv.dtype),

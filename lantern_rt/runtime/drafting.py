@@ -23,6 +23,10 @@ from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution, d
 from lantern_rt.runtime.tree import StaticTree
 
 
+# Most distinct children drafted per node: tree ranks must stay below it (the authors' TOPK).
+MAX_DRAFT_WIDTH = 10
+
+
 @dataclass
 class Draft:
     """A drafted tree: tokens [N+1] (root first), valid [N+1], drafter probabilities q [N+1, V]."""
