@@ -47,7 +47,10 @@ class MethodConfig:
         """The parameters that matter for this method, for reports."""
         if self.method == "ar":
             return {}
-        extra = {"lantern": {"k": self.k, "delta": self.delta}, "lantern++": {"k": self.k, "lambda": self.lam}}
+        extra = {
+            "lantern": {"k": self.k, "delta": self.delta},
+            "lantern++": {"k": self.k, "lambda": self.lam},
+        }
         return {"tree": self.tree, **extra.get(self.method, {})}
 
 

@@ -74,7 +74,10 @@ def test_every_graph_matches_torch(bundles, name):
 
 def test_declared_shapes_and_dtypes(bundles):
     graphs = load_manifest(bundles["t2i-gqa-fp16"])["graphs"]
-    shapes = {g: {t["name"]: (t["shape"], t["dtype"]) for t in graphs[g]["inputs"] + graphs[g]["outputs"]} for g in graphs}
+    shapes = {
+        g: {t["name"]: (t["shape"], t["dtype"]) for t in graphs[g]["inputs"] + graphs[g]["outputs"]}
+        for g in graphs
+    }
     kv = [2, 2, 2]  # n_layer, CFG rows, kv heads
     assert shapes["target_prefill"] == {
         "cond": ([2, 3, 12], "float32"),
@@ -200,7 +203,11 @@ def test_checks_catch_each_rule(tmp_path):
     ]
     assert lint(tmp_path, softmax, *fp32, opset=21) == ["opset [21] is outside 17..20"]
     scatter = [helper.make_node("ScatterND", ["d", "i", "u"], ["o"], reduction="none")]
-    inputs = [io("d", TensorProto.FLOAT, [4]), io("i", TensorProto.INT64, [1, 1]), io("u", TensorProto.FLOAT, [1])]
+    inputs = [
+        io("d", TensorProto.FLOAT, [4]),
+        io("i", TensorProto.INT64, [1, 1]),
+        io("u", TensorProto.FLOAT, [1]),
+    ]
     assert lint(tmp_path, scatter, inputs, [io("o", TensorProto.FLOAT, [4])]) == [
         "ScatterND node o has a 'reduction' attribute"
     ]

@@ -22,7 +22,6 @@ from lantern_rt.runtime.backends.base import DrafterBackend
 from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution, draw_distinct
 from lantern_rt.runtime.tree import StaticTree
 
-
 # Most distinct children drafted per node: tree ranks must stay below it (the authors' TOPK).
 MAX_DRAFT_WIDTH = 10
 

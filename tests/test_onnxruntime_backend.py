@@ -1,0 +1,95 @@
+"""The onnxruntime backend against the torch reference on a tiny fp32 bundle."""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+import torch
+
+from lantern_rt.export.bundle import BundleError
+from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
+from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, OrtTarget, OrtVQDecoder
+from lantern_rt.runtime.backends.torch_backend import TorchTarget
+from lantern_rt.runtime.decode import decode_image
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import load_tree
+from tests.test_export import shared_bundle
+
+GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+COND = torch.tensor([2, 5])  # class 2, null class
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return shared_bundle(tmp_path_factory, "c2i-fp32")
+
+
+@pytest.fixture(scope="module")
+def model_dir(bundle):
+    return open_model_dir(bundle.parent / "c2i-fp32-model")
+
+
+def backends(bundle, model_dir, **kwargs) -> tuple[OrtTarget, TorchTarget]:
+    return OrtTarget(bundle, threads=1, **kwargs), TorchTarget(load_target(model_dir))
+
+
+def test_greedy_decoding_matches_torch(bundle, model_dir):
+    ours, reference = backends(bundle, model_dir)
+    n = model_dir.gpt.block_size
+    got = decode_image(ours, COND, n, GREEDY, None)
+    want = decode_image(reference, COND, n, GREEDY, None)
+    assert torch.equal(got.tokens, want.tokens)
+    length = reference.cache.length
+    assert ours.cache.length == length == n  # the prefix slot and every token but the last
+    torch.testing.assert_close(ours.cache.v[:, :, :, :length], reference.cache.v[:, :, :, :length])
+
+
+def test_tree_verify_step_matches_torch(bundle, model_dir):
+    """Prefill, three committed tokens, then one verify call over the 26-node tree."""
+    ours, reference = backends(bundle, model_dir)
+    tree = load_tree("mc_sim_7b_63")
+    tokens = torch.randint(0, 64, (tree.num_nodes + 1,), generator=torch.Generator().manual_seed(0))
+    one = torch.ones(1, 1, dtype=torch.bool)
+    results = []
+    for target in (ours, reference):
+        target.prefill(COND)
+        for t in (7, 11, 13):
+            target.step(torch.tensor([t]), torch.tensor([target.cache.length]), one)
+            target.cache.commit([0])
+        results.append(target.step(tokens, target.cache.length + tree.depth, tree.mask))
+        target.cache.commit([0, 1, 5])
+    for got, want in zip(*results, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours.cache.k, reference.cache.k, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_size_that_was_not_exported_is_refused(bundle):
+    target = OrtTarget(bundle, threads=1)
+    target.prefill(COND)
+    with pytest.raises(BundleError, match=r"no target_step_5 graph \(it has steps of \[1, 26\] tokens\)"):
+        target.step(
+            torch.zeros(5, dtype=torch.long), torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril()
+        )
+
+
+def test_vq_decoder_matches_torch(bundle, model_dir):
+    codes = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    images = OrtVQDecoder(bundle, threads=1).decode(codes)
+    torch.testing.assert_close(
+        images, load_vq(model_dir).decode_code(codes, 4).detach(), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.skipif(
+    CUDA not in ort.get_available_providers(), reason="onnxruntime has no CUDAExecutionProvider here"
+)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch has no CUDA device here")
+def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
+    ours = OrtTarget(bundle, providers=[CUDA])
+    reference = TorchTarget(load_target(model_dir).cuda())
+    assert ours.cache.k.is_cuda
+    n = model_dir.gpt.block_size
+    got = decode_image(ours, COND.cuda(), n, GREEDY, None)
+    want = decode_image(reference, COND.cuda(), n, GREEDY, None)
+    assert torch.equal(got.tokens, want.tokens)
