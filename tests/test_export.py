@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 
 from lantern_rt.export import bundle as bundle_module
@@ -68,7 +67,7 @@ def test_every_graph_matches_torch(bundles, name):
     for module, reference in pairs:
         path = bundles[name] / f"{module.spec.name}.onnx"
         errors = compare_with_torch(path, module, reference, threads=1, seed=11)
-        atol, rtol = TOLERANCE[dtype if module.spec.compute_dtype == torch.float16 else "fp32"]
+        atol, rtol = TOLERANCE[module.spec.compute_dtype]
         assert all(err <= atol + rtol * scale for err, scale in errors.values()), (module.spec.name, errors)
 
 

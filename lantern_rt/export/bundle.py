@@ -26,6 +26,8 @@ from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
 from lantern_rt.export.graphs import GraphModule, TargetPrefill, TargetStep, VQDecode, cache_capacity
 from lantern_rt.models.config import to_dict
 from lantern_rt.models.model_dir import ModelDir, load_target, load_vq
+from lantern_rt.models.target import Transformer
+from lantern_rt.models.vq import VQModel
 
 FORMAT = "lantern-rt-bundle"
 BUNDLE_VERSION = 1
@@ -33,7 +35,8 @@ MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-TOLERANCE = {"fp32": (1e-4, 1e-4), "fp16": (2e-2, 1e-2)}  # atol, rtol against max |reference|
+# compute dtype -> (atol, rtol against the largest reference value)
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2)}
 EXTERNAL_DATA_BYTES = 1 << 30  # larger graphs keep their weights in a side file
 
 
@@ -67,12 +70,13 @@ def export_bundle(
     try:
         entries = {}
         for module, reference in graphs:
-            entries[module.spec.name] = _export_checked(module, reference, tmp, opset, dtype, threads)
+            entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
         if target.config.model_type == "t2i":
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
         manifest = _manifest(model_dir, target, sizes, dtype, opset, entries)
-        manifest["files"] = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        manifest["files"] = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        tmp.chmod(0o755)  # mkdtemp made it private
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,14 +102,17 @@ def load_manifest(bundle: Path) -> dict[str, Any]:
             f"{bundle} is bundle version {manifest.get('bundle_version')}; this lantern-rt reads "
             f"version {BUNDLE_VERSION}: re-export it"
         )
-    for name, digest in manifest.get("files", {}).items():
+    files, graphs = manifest.get("files"), manifest.get("graphs")
+    if not isinstance(files, dict) or not isinstance(graphs, dict):
+        raise BundleError(f"{path} lacks its 'files' or 'graphs' object")
+    for name, digest in files.items():
         file = bundle / name
         if not file.is_file():
             raise BundleError(f"{bundle}: {name} is missing")
-        if _sha256(file) != digest:
+        if sha256(file) != digest:
             raise BundleError(f"{bundle}: {name} does not match its sha256 in {MANIFEST} (modified?)")
-    for name, graph in manifest.get("graphs", {}).items():
-        if graph.get("file") not in manifest.get("files", {}):
+    for name, graph in graphs.items():
+        if graph.get("file") not in files:
             raise BundleError(f"{bundle}: graph {name} names an unlisted file {graph.get('file')!r}")
         inputs, outputs = io_specs(bundle / graph["file"])
         if inputs != graph.get("inputs") or outputs != graph.get("outputs"):
@@ -126,7 +133,7 @@ def _check_args(out: Path, tree_sizes: Sequence[int], dtype: str, opset: int, ov
 
 
 def _graphs(
-    target: torch.nn.Module, vq: torch.nn.Module, sizes: list[int], dtype: torch.dtype
+    target: Transformer, vq: VQModel, sizes: list[int], dtype: torch.dtype
 ) -> list[tuple[GraphModule, GraphModule]]:
     """(graph to export, fp32 reference) pairs; the VQ decoder always runs in fp32 (its softmax
     and GroupNorms are not fp16-safe, and it runs once per image)."""
@@ -137,10 +144,11 @@ def _graphs(
     return [*pairs, (decode, decode)]
 
 
-def _export_checked(
-    module: GraphModule, reference: GraphModule, folder: Path, opset: int, dtype: str, threads: int
+def export_graph(
+    module: GraphModule, reference: GraphModule, folder: Path, opset: int = DEFAULT_OPSET, threads: int = 0
 ) -> dict[str, Any]:
-    """Export one graph, lint it and compare it with the reference; its manifest entry."""
+    """Export ``module`` to ``folder``/<name>.onnx, lint it and compare it with ``reference``
+    (fp32 torch); its manifest entry. Raises :class:`ExportError`."""
     spec = module.spec
     path = folder / f"{spec.name}.onnx"
     big = sum(p.numel() * p.element_size() for p in module.parameters()) > EXTERNAL_DATA_BYTES
@@ -163,7 +171,7 @@ def _export_checked(
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ExportError(f"{spec.name}: {problems[0]}{more}")
     errors = compare_with_torch(path, module, reference, threads)
-    atol, rtol = TOLERANCE[dtype if spec.compute_dtype != torch.float32 else "fp32"]
+    atol, rtol = TOLERANCE[spec.compute_dtype]
     for name, (err, scale) in errors.items():
         if not err <= atol + rtol * scale:  # also catches NaN
             raise ExportError(
@@ -195,7 +203,7 @@ def compare_with_torch(
 
 
 def _manifest(
-    md: ModelDir, target: torch.nn.Module, sizes: list[int], dtype: str, opset: int, graphs: dict
+    md: ModelDir, target: Transformer, sizes: list[int], dtype: str, opset: int, graphs: dict
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -246,7 +254,8 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The file's sha256 as hex, as the manifest's ``files`` holds it."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.config import GPTConfig, VQConfig, to_dict
+from lantern_rt.models.neighbors import latent_neighbors, save_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 from lantern_rt.training.data import CLASS_NAMES, load_fashion_mnist, to_model_range
@@ -53,8 +55,10 @@ DEMO_GPT = GPTConfig(
     vocab_size=1024,
     block_size=256,
 )
-VQ_STEPS, VQ_BATCH = 1600, 32
-GPT_STEPS, BATCH = 1500, 32
+# The tokenizer follows a 1600-step cosine schedule stopped at 1200 steps (CPU budget).
+VQ_STEPS, VQ_SCHEDULE, VQ_BATCH = 1200, 1600, 32
+GPT_STEPS, BATCH = 1600, 32
+NEIGHBORS_K = 1000  # LANTERN's default k; LANTERN++ uses far fewer
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 
 
@@ -98,7 +102,7 @@ def train_vq(work: Path, steps: int = VQ_STEPS, seed: int = 0) -> VQModel:
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="vq", mininterval=10)
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, steps, 5e-4, 100)
+            g["lr"] = cosine_lr(step, VQ_SCHEDULE, 5e-4, 100)
         batch = data[order[step * VQ_BATCH : (step + 1) * VQ_BATCH]]
         recon, vq_loss = model(batch)
         rec = F.mse_loss(recon, batch)
@@ -132,7 +136,7 @@ def encode_dataset(vq: VQModel, split: str) -> tuple[np.ndarray, np.ndarray]:
 def train_gpt(
     work: Path, tokens: np.ndarray, labels: np.ndarray, steps: int = GPT_STEPS, seed: int = 0
 ) -> Transformer:
-    """Train the class-conditional target on cached codes (bf16 autocast) and return it."""
+    """Train the class-conditional target on cached codes (fp32) and return it."""
     torch.manual_seed(seed)
     model = Transformer(DEMO_GPT)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -157,9 +161,8 @@ def train_gpt(
             g["lr"] = cosine_lr(step, steps, 1e-3, 60)
         sel = order[step * BATCH : (step + 1) * BATCH]
         z, c = codes[sel], cls[sel]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(z[:, :-1], c, train=True)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), z.reshape(-1))
+        logits = model(z[:, :-1], c, train=True)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), z.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -183,6 +186,10 @@ def package(vq: VQModel, gpt: Transformer, out: Path = PACKAGE_DIR) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(vq, out / "vq.safetensors", torch.float16)
     save_safetensors(gpt, out / "gpt.safetensors", torch.float16)
+    codebook = vq.quantize.codebook().detach()
+    save_neighbors(
+        latent_neighbors(codebook, min(NEIGHBORS_K, DEMO_VQ.codebook_size - 1)), out / "neighbors.npy"
+    )
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     config.update(
         {
@@ -191,7 +198,12 @@ def package(vq: VQModel, gpt: Transformer, out: Path = PACKAGE_DIR) -> None:
             "name": "fashion-mnist-demo",
             "gpt": to_dict(DEMO_GPT),
             "vq": to_dict(DEMO_VQ),
-            "files": {**config.get("files", {}), "gpt": "gpt.safetensors", "vq": "vq.safetensors"},
+            "files": {
+                **config.get("files", {}),
+                "gpt": "gpt.safetensors",
+                "vq": "vq.safetensors",
+                "neighbors": "neighbors.npy",
+            },
             "class_names": list(CLASS_NAMES),
             "image_size": 32,
             "sampling_defaults": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
@@ -205,8 +217,10 @@ def package(vq: VQModel, gpt: Transformer, out: Path = PACKAGE_DIR) -> None:
 @click.pass_context
 def main(ctx: click.Context, work: Path) -> None:
     """Train the built-in demo model (VQ tokenizer, then target GPT)."""
+    # Subnormal floats slow CPU training several-fold. Set before the thread pool starts:
+    # worker threads inherit the flag only when created after it.
+    torch.set_flush_denormal(True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    torch.set_flush_denormal(True)  # subnormal floats slow CPU training several-fold
     work.mkdir(parents=True, exist_ok=True)
     ctx.obj = work
 
@@ -242,13 +256,32 @@ def gpt(work: Path) -> None:
 
 
 @main.command("package")
+@click.option(
+    "--drafter",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="A folder written by 'lantern train-drafter' to ship with the demo.",
+)
 @click.pass_obj
-def package_cmd(work: Path) -> None:
-    """Stage 3: copy the final weights into the package."""
+def package_cmd(work: Path, drafter: Path | None) -> None:
+    """Stage 3: copy the final weights (and optionally a trained drafter) into the package."""
     g = Transformer(DEMO_GPT)
     g.load_state_dict(torch.load(work / "gpt_state.pt", map_location="cpu", weights_only=True)["model"])
     package(_load_vq(work), g.eval())
+    if drafter is not None:
+        ship_drafter(drafter)
     click.echo(f"wrote {PACKAGE_DIR}")
+
+
+def ship_drafter(folder: Path, out: Path = PACKAGE_DIR) -> None:
+    """Copy a trained drafter folder (config.json + drafter.safetensors) into the demo."""
+    target = out / "drafter"
+    target.mkdir(exist_ok=True)
+    for name in ("config.json", "drafter.safetensors"):
+        shutil.copyfile(folder / name, target / name)
+    config = json.loads((out / "config.json").read_text())
+    config["files"]["drafter"] = "drafter"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 @main.command("all")
