@@ -20,13 +20,23 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from lantern_rt.export.bundle import BundleError, ExportError
     from lantern_rt.models.checkpoint import CheckpointError
     from lantern_rt.models.config import ConfigError
     from lantern_rt.runtime.acceptance import AcceptanceError
     from lantern_rt.runtime.sampling import SamplingError
     from lantern_rt.runtime.tree import TreeError
 
-    return (UserError, CheckpointError, ConfigError, SamplingError, TreeError, AcceptanceError)
+    return (
+        UserError,
+        CheckpointError,
+        ConfigError,
+        SamplingError,
+        TreeError,
+        AcceptanceError,
+        BundleError,
+        ExportError,
+    )
 
 
 def reports_errors(fn):
@@ -41,6 +51,24 @@ def reports_errors(fn):
             sys.exit(EXIT_BAD_INPUT)
 
     return wrapper
+
+
+def _source(model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None):
+    """(model info, what to build the pipeline from, whether a drafter is available)."""
+    from lantern_rt.models.model_dir import open_model_dir
+
+    if bundle is None:
+        md = open_model_dir(model_path)
+        return md, md, "drafter" in md.files or drafter_path is not None
+    from lantern_rt.export.bundle import load_manifest
+    from lantern_rt.generate import bundle_info
+
+    if model_path is not None or drafter_path is not None:
+        raise UserError("--bundle runs an exported bundle: drop --model and --drafter")
+    if backend == "torch":
+        raise UserError("a bundle runs on onnxruntime: drop --backend torch or --bundle")
+    manifest = load_manifest(bundle)
+    return bundle_info(bundle, manifest), bundle, bool(manifest["constants"].get("drafter"))
 
 
 def _writable_output(path: Path | None, what: str) -> None:
@@ -130,9 +158,22 @@ def main() -> None:
     help="Drafter folder (EAGLE layout: config.json + weights). Default: the model's own.",
 )
 @click.option(
-    "--backend", type=click.Choice(["torch"]), default="torch", show_default=True, help="Runtime backend."
+    "--backend",
+    type=click.Choice(["onnxruntime", "torch"]),
+    default=None,
+    help="Runtime backend. Default: onnxruntime (a model directory is exported once into a cache "
+    "folder, $LANTERN_CACHE or ~/.cache/lantern-rt).",
+)
+@click.option(
+    "--bundle",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Run an exported bundle (from 'lantern export') on onnxruntime instead of a model directory.",
 )
 @click.option("--device", default="cpu", show_default=True, help="torch device for the torch backend.")
+@click.option(
+    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
+)
 @click.option(
     "-o",
     "--output",
@@ -172,7 +213,9 @@ def generate(
     lantern_lambda,
     drafter_path,
     backend,
+    bundle,
     device,
+    threads,
     output,
     save_tokens,
     stats_json,
@@ -182,13 +225,17 @@ def generate(
     t0 = time.perf_counter()
     import numpy as np
 
-    from lantern_rt.generate import MethodConfig
+    from lantern_rt.generate import MethodConfig, make_pipeline
     from lantern_rt.generate import generate as run
     from lantern_rt.images import atomic_write, grid, save_png
-    from lantern_rt.models.model_dir import open_model_dir
     from lantern_rt.runtime.sampling import SamplingConfig
 
-    md = open_model_dir(model_path)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    md, source, has_drafter = _source(model_path, bundle, backend, drafter_path)
+    backend = backend or "onnxruntime"
     specs = [s for c in classes for s in c.split(",") if s.strip()] or [
         str(i) for i in range(md.gpt.num_classes)
     ]
@@ -204,14 +251,13 @@ def generate(
         raise UserError(f"--save-tokens must end in .npy, got {save_tokens}")
 
     if method is None:
-        method = "lantern++" if ("drafter" in md.files or drafter_path is not None) else "ar"
+        method = "lantern++" if has_drafter else "ar"
     drafter = None if drafter_path is None else str(drafter_path)
     mc = MethodConfig(method, tree, lantern_k, lantern_delta, lantern_lambda, drafter)
     mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
-    result = run(
-        md, labels, sampling, seed=seed, method=mc, backend=backend, device=device, progress=not quiet
-    )
+    pipe = make_pipeline(source, backend, mc, device, threads)
+    result = run(pipe, labels, sampling, seed=seed, progress=not quiet)
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
     if save_tokens is not None:
@@ -225,10 +271,6 @@ def generate(
         f"{per_image:.3f}s/image decode, mean accepted length {stats['mean_accepted_length']:.2f} -> {output}",
         err=True,
     )
-
-
-if __name__ == "__main__":
-    main()
 
 
 @main.command("train-drafter")
@@ -320,3 +362,211 @@ def _drafter_data(md, codes: Path | None, load_vq) -> dict:
     with torch.inference_mode():
         coded = [vq.encode(images[i : i + 500])[1].flatten(1) for i in range(0, len(images), 500)]
     return {"codes": torch.cat(coded).numpy(), "labels": y}
+
+
+@main.command("export")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory. Default: the built-in demo.",
+)
+@click.option(
+    "--tree",
+    "trees",
+    multiple=True,
+    default=("naive_extend_57",),
+    show_default=True,
+    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N or JSON file.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Bundle folder to write (written to a temporary folder, then renamed).",
+)
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (17..20).")
+@click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@reports_errors
+def export_cmd(model_path, trees, out, dtype, opset, force):
+    """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
+    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.models.model_dir import open_model_dir
+    from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+    from lantern_rt.runtime.tree import load_tree
+
+    t0 = time.perf_counter()
+    md = open_model_dir(model_path)
+    parsed = [load_tree(t, max_width=MAX_DRAFT_WIDTH) for t in trees]
+    export_bundle(md, out, trees=parsed, dtype=dtype, opset=opset, overwrite=force)
+    click.echo(
+        f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}) in {time.perf_counter() - t0:.0f}s -> {out}",
+        err=True,
+    )
+
+
+@main.command("inspect")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "--graph", default=None, help="Also show polygraphy's view of this graph (needs the trt extra)."
+)
+@reports_errors
+def inspect_cmd(bundle, graph):
+    """Print a bundle's manifest as a readable table (after verifying its hashes)."""
+    from lantern_rt.export.bundle import load_manifest
+
+    m = load_manifest(bundle)
+    c = m["constants"]
+    click.echo(f"bundle   {bundle}  (format {m['format']} v{m['bundle_version']})")
+    click.echo(
+        f"model    {m['model_name']}: {m['gpt']['model_type']}, dim {m['gpt']['dim']}, {m['gpt']['n_layer']} layers, vocab {c['vocab_size']}, {c['block_size']} tokens"
+    )
+    click.echo(
+        f"export   {m['dtype']}, opset {m['opset']}, "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    )
+    for name, tree in m.get("trees", {}).items():
+        click.echo(f"tree     {name}: {len(tree['paths'])} nodes")
+    click.echo("")
+    click.echo(f"{'graph':<22} {'io':<4} {'name':<12} {'dtype':<9} shape")
+    for name, entry in m["graphs"].items():
+        for io, specs in (("in", entry["inputs"]), ("out", entry["outputs"])):
+            for spec in specs:
+                click.echo(f"{name:<22} {io:<4} {spec['name']:<12} {spec['dtype']:<9} {spec['shape']}")
+    if graph is not None:
+        if graph not in m["graphs"]:
+            raise UserError(f"no graph {graph!r} in the bundle; it has {', '.join(m['graphs'])}")
+        _polygraphy_view(Path(bundle) / m["graphs"][graph]["file"])
+
+
+def _polygraphy_view(path: Path) -> None:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("polygraphy")
+    if exe is None:
+        raise UserError("polygraphy is not installed: pip install 'lantern-rt[trt]'")
+    subprocess.run([exe, "inspect", "model", str(path)], check=False)
+
+
+@main.command("bench")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory. Default: the built-in demo.",
+)
+@click.option(
+    "--bundle", type=click.Path(path_type=Path), default=None, help="Benchmark an exported bundle instead."
+)
+@click.option(
+    "--backend",
+    "backends",
+    type=click.Choice(["torch", "onnxruntime"]),
+    multiple=True,
+    help="Backend(s) to measure (repeatable). Default: torch and onnxruntime; onnxruntime for --bundle.",
+)
+@click.option(
+    "--config",
+    "configs",
+    multiple=True,
+    help="METHOD[:key=val,...] (repeatable): ar, exact[:tree=T], lantern[:tree=T,k=K,delta=D], "
+    "lantern++[:tree=T,k=K,lambda=L], e.g. 'lantern++:k=5,lambda=10'. Default: ar, exact, "
+    "lantern:k=1000,delta=0.1 and lantern++ with (k, lambda) = (10, 5), (5, 10), (5, 20). "
+    "AR on every backend is always run: it is the speedup reference.",
+)
+@click.option(
+    "--tree",
+    "trees",
+    multiple=True,
+    help="Tree(s) for configs that name none (repeatable: every such config runs on each). "
+    "Default: naive_extend_57.",
+)
+@click.option(
+    "--num-images",
+    "-n",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Images per class and configuration (FD wants many: 50+ per class for figures that mean something).",
+)
+@click.option("--class", "--classes", "classes", multiple=True, help="Class ids or names. Default: all.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Untimed images per configuration, run first.",
+)
+@click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option(
+    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
+)
+@click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
+@click.option(
+    "--ar-seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="AR sample sets (seeds SEED, SEED+1, ...) for the seed-noise calibration; 1 = none.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Folder for results.json, results.md, quality_vs_speedup.png and accepted_lengths.png.",
+)
+@reports_errors
+def bench_cmd(
+    model_path,
+    bundle,
+    backends,
+    configs,
+    trees,
+    num_images,
+    classes,
+    seed,
+    warmup,
+    cfg_scale,
+    temperature,
+    threads,
+    no_quality,
+    ar_seeds,
+    out,
+):
+    """Measure decoding methods side by side (speed, acceptance, quality) and write a report."""
+    import shlex
+
+    from lantern_rt.eval.bench import DEFAULT_CONFIGS, DEFAULT_TREE, BenchSettings, run_bench
+    from lantern_rt.eval.report import speed_table
+
+    settings = BenchSettings(
+        out=out,
+        model=model_path,
+        bundle=bundle,
+        backends=backends,
+        configs=configs or DEFAULT_CONFIGS,
+        trees=trees or (DEFAULT_TREE,),
+        num_images=num_images,
+        classes=tuple(s for c in classes for s in c.split(",") if s.strip()),
+        seed=seed,
+        warmup=warmup,
+        cfg_scale=cfg_scale,
+        temperature=temperature,
+        threads=threads,
+        quality=not no_quality,
+        ar_seeds=ar_seeds,
+        command=shlex.join(["lantern", *sys.argv[1:]]),
+    )
+    results = run_bench(settings)
+    click.echo(speed_table(results["rows"]))
+    click.echo(f"wrote results.json, results.md and plots -> {out}", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import os
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,9 +18,12 @@ import torch
 from tqdm import tqdm
 
 from lantern_rt.images import to_uint8
+from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
+from lantern_rt.models.neighbors import load_neighbors_file
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import Relaxation
+from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
@@ -22,7 +31,6 @@ from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree, tree_to_json
 
 METHODS = ("ar", "exact", "lantern", "lantern++")
-BACKENDS = ("torch",)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,164 @@ def condition_rows(model: Transformer, cond: int | torch.Tensor) -> torch.Tensor
 
 
 @dataclass
+class Pipeline:
+    """Everything that turns class labels into images on one backend."""
+
+    info: ModelDir  # names, classes and geometry (for a bundle: rebuilt from its manifest)
+    backend: str
+    target: TargetBackend
+    spec: Speculation | None
+    condition: Callable[[int], torch.Tensor]  # label -> the two CFG condition rows
+    decode_codes: Callable[[torch.Tensor], torch.Tensor]  # codes [N, T] -> images [N, C, H, W]
+    method: MethodConfig
+    device: str = "cpu"
+
+
+def torch_pipeline(md: ModelDir, method: MethodConfig = MethodConfig(), device: str = "cpu") -> Pipeline:
+    """The reference pipeline: the torch models of a model directory, eager."""
+    target_model = load_target(md, device)
+    vq = load_vq(md, device)
+    grid = md.gpt.grid_size
+
+    @torch.inference_mode()
+    def decode_codes(codes: torch.Tensor) -> torch.Tensor:
+        return vq.decode_code(codes.to(device), grid)
+
+    return Pipeline(
+        info=md,
+        backend="torch",
+        target=TorchTarget(target_model),
+        spec=speculation(md, target_model, method, device),
+        condition=lambda label: condition_rows(target_model, label),
+        decode_codes=decode_codes,
+        method=method,
+        device=device,
+    )
+
+
+BACKENDS = ("torch", "onnxruntime")
+
+
+def make_pipeline(
+    source: ModelDir | Path,
+    backend: str,
+    method: MethodConfig = MethodConfig(),
+    device: str = "cpu",
+    threads: int = 0,
+) -> Pipeline:
+    """A pipeline for a model directory (torch) or an exported bundle folder (onnxruntime)."""
+    if backend == "torch":
+        if not isinstance(source, ModelDir):
+            raise ConfigError(
+                "the torch backend runs a model directory, not a bundle: use --backend onnxruntime"
+            )
+        return torch_pipeline(source, method, device)
+    if backend == "onnxruntime":
+        if isinstance(source, ModelDir):
+            source = cached_bundle(source, method)
+        return onnxruntime_pipeline(Path(source), method, threads)
+    raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def cache_root() -> Path:
+    """Where exported bundles are cached: ``$LANTERN_CACHE`` or ``~/.cache/lantern-rt``."""
+    return Path(os.environ.get("LANTERN_CACHE", Path.home() / ".cache" / "lantern-rt")) / "bundles"
+
+
+def model_fingerprint(md: ModelDir) -> str:
+    """sha256 over the model's config and every weight file it names (folders included)."""
+    h = hashlib.sha256((md.root / "config.json").read_bytes())
+    for key in sorted(md.files):
+        path = md.path(key)
+        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if file.is_file() and file.name != "train_state.pt":
+                h.update(file.name.encode())
+                h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Path:
+    """The bundle of ``md`` for ``method``'s tree, exported on first use into the cache."""
+    from lantern_rt.export.bundle import export_bundle
+
+    trees = (
+        []
+        if method.method == "ar" or "drafter" not in md.files
+        else [load_tree(method.tree, MAX_DRAFT_WIDTH)]
+    )
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "model": model_fingerprint(md),
+                "trees": [tree_to_json(t) for t in trees],
+                "dtype": dtype,
+                "version": importlib.metadata.version("lantern-rt"),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:16]
+    out = cache_root() / f"{md.name}-{key}"
+    if not (out / "manifest.json").is_file():
+        print(f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr)
+        export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True)
+    return out
+
+
+def bundle_info(bundle: Path, manifest: dict[str, Any]) -> ModelDir:
+    """Names, classes and geometry of a bundle, in the shape the pipeline reports them."""
+    return ModelDir(
+        root=bundle,
+        raw={"name": manifest["model_name"], "sampling_defaults": manifest.get("sampling_defaults", {})},
+        gpt=config_from_dict(GPTConfig, manifest["gpt"]),
+        vq=config_from_dict(VQConfig, manifest["vq"]),
+        files={},
+        image_size=manifest["image_size"],
+        class_names=list(manifest.get("class_names", [])),
+    )
+
+
+def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
+    """A bundle run on onnxruntime (CPU, or CUDA with onnxruntime-gpu); no torch model is built."""
+    from lantern_rt.export.bundle import load_manifest
+    from lantern_rt.runtime.backends.onnxruntime_backend import OrtDrafter, OrtTarget, OrtVQDecoder
+
+    manifest = load_manifest(bundle)
+    info = bundle_info(bundle, manifest)
+    if info.gpt.model_type != "c2i":
+        raise ConfigError("the command line runs class-conditional bundles; use the Python API for captions")
+    target = OrtTarget(bundle, threads)
+    spec = None
+    if method.method != "ar":
+        if not manifest["constants"].get("drafter"):
+            raise ConfigError(f"bundle {bundle} has no drafter graphs: re-export a model that has a drafter")
+        tree = load_tree(method.tree, MAX_DRAFT_WIDTH)
+        exported = {json.dumps(t["paths"]) for t in manifest.get("trees", {}).values()}
+        if json.dumps(tree_to_json(tree)["paths"]) not in exported:
+            raise ConfigError(
+                f"bundle {bundle} was not exported for tree {method.tree}; export it with --tree {method.tree}"
+            )
+        relax = method.relaxation()
+        neighbors = load_neighbors_file(bundle / "neighbors.npy")[:, : relax.k] if relax.relaxed else None
+        if neighbors is not None and neighbors.shape[1] < relax.k:
+            raise ConfigError(
+                f"bundle {bundle} stores {neighbors.shape[1]} neighbours per code, fewer than k={relax.k}"
+            )
+        spec = Speculation(OrtDrafter(bundle, threads), tree, relax, neighbors)
+    decoder = OrtVQDecoder(bundle, threads)
+    null = info.gpt.num_classes
+    return Pipeline(
+        info=info,
+        backend="onnxruntime",
+        target=target,
+        spec=spec,
+        condition=lambda label: torch.tensor([int(label), null]),
+        decode_codes=decoder.decode,
+        method=method,
+        device=str(target.cache.k.device),
+    )
+
+
+@dataclass
 class Generation:
     labels: list[int]
     tokens: torch.Tensor  # [N, T] int64
@@ -90,40 +256,36 @@ class Generation:
 
 
 def generate(
-    md: ModelDir,
+    pipe: Pipeline,
     labels: Iterable[int],
     sampling: SamplingConfig,
     seed: int = 0,
-    method: MethodConfig = MethodConfig(),
-    backend: str = "torch",
-    device: str = "cpu",
     progress: bool = True,
+    start_index: int = 0,
 ) -> Generation:
-    """Generate one image per entry of ``labels``; timings and acceptance stats in ``stats``."""
+    """Generate one image per entry of ``labels``; timings and acceptance stats in ``stats``.
+
+    Image ``i`` draws from the random stream ``(seed, start_index + i)``, so a run split into
+    pieces gives the same images as one run.
+    """
     t_start = time.perf_counter()
     labels = list(labels)
-    target_model = load_target(md, device)
-    vq = load_vq(md, device)
-    target = TorchTarget(target_model)
-    spec = speculation(md, target_model, method, device)
+    md, method, spec = pipe.info, pipe.method, pipe.spec
     n_tokens = md.gpt.block_size
     all_tokens, accepted, per_image = [], [], []
-    desc = f"{method.method}/{backend}"
+    desc = f"{method.method}/{pipe.backend}"
     for i, label in enumerate(tqdm(labels, desc=desc, unit="img", disable=not progress)):
         t0 = time.perf_counter()
-        cond = condition_rows(target_model, label)
-        result = decode_image(target, cond, n_tokens, sampling, image_generator(seed, i, device), spec)
+        generator = image_generator(seed, start_index + i, pipe.device)
+        result = decode_image(pipe.target, pipe.condition(label), n_tokens, sampling, generator, spec)
         per_image.append(time.perf_counter() - t0)
         all_tokens.append(result.tokens)
         accepted.extend(result.accepted)
     tokens = torch.stack(all_tokens) if all_tokens else torch.zeros(0, n_tokens, dtype=torch.long)
-    with torch.inference_mode():
-        pixels = [
-            vq.decode_code(tokens[i : i + 64].to(device), md.gpt.grid_size) for i in range(0, len(tokens), 64)
-        ]
+    t_vq = time.perf_counter()
     images = (
-        to_uint8(torch.cat(pixels))
-        if pixels
+        to_uint8(torch.cat([pipe.decode_codes(tokens[i : i + 64]) for i in range(0, len(tokens), 64)]))
+        if len(tokens)
         else np.zeros((0, md.image_size, md.image_size, md.vq.out_channels), np.uint8)
     )
     calls = len(accepted)
@@ -132,8 +294,8 @@ def generate(
         "method": method.method,
         "params": method.params(),
         "tree": tree_to_json(spec.tree) if spec else None,
-        "backend": backend,
-        "device": device,
+        "backend": pipe.backend,
+        "device": pipe.device,
         "num_images": len(labels),
         "tokens_per_image": n_tokens,
         "target_calls": calls + len(labels),
@@ -142,6 +304,7 @@ def generate(
         "accepted_length_histogram": {str(n): accepted.count(n) for n in sorted(set(accepted))},
         "decode_seconds": sum(per_image),
         "seconds_per_image": per_image,
+        "vq_decode_seconds": time.perf_counter() - t_vq,
         "total_seconds": time.perf_counter() - t_start,
         "seed": seed,
         "sampling": {

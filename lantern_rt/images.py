@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+
+from lantern_rt.fileio import atomic_write
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -31,19 +31,6 @@ def grid(images: np.ndarray, rows: int, pad: int = 2, scale: int = 1) -> np.ndar
             pad + r * (h + pad) : pad + r * (h + pad) + h, pad + col * (w + pad) : pad + col * (w + pad) + w
         ] = img
     return out
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: no partial file on failure."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_png(array: np.ndarray, path: Path) -> None:

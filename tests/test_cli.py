@@ -16,7 +16,8 @@ from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 
 
 def run(*args: str):
-    return CliRunner().invoke(main, ["generate", "-q", *args])
+    """``lantern generate`` on the torch backend (other backends are tested with bundles)."""
+    return CliRunner().invoke(main, ["generate", "-q", "--backend", "torch", *args])
 
 
 def test_generate_writes_grid_tokens_and_stats(tiny_model_dir, tmp_path):

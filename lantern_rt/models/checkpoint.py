@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 import zipfile
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from lantern_rt.fileio import atomic_write
 
 
 class CheckpointError(ValueError):
@@ -92,11 +92,4 @@ def save_safetensors(
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))

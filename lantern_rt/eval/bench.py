@@ -1,0 +1,534 @@
+"""``lantern bench``: speed and quality of decoding methods, measured side by side in one run.
+
+Every (backend, method) pipeline generates image i before any generates image i + 1, so drift
+of the machine (thermal state, background load) falls on all configurations alike. Speed is the
+decode loop per image (``seconds_per_image_end_to_end`` adds VQ decoding); quality compares each
+configuration's images with the Fashion-MNIST test set in the feature space of the in-repo
+classifier (``lantern_rt/eval/classifier.py``), next to calibration rows that say what a real
+sample, the tokenizer and a second AR seed score.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
+from lantern_rt.eval.metrics import extract_features, frechet_distance, quality_report
+from lantern_rt.generate import (
+    BACKENDS,
+    Generation,
+    MethodConfig,
+    Pipeline,
+    bundle_info,
+    generate,
+    make_pipeline,
+)
+from lantern_rt.images import to_uint8
+from lantern_rt.models.checkpoint import CheckpointError
+from lantern_rt.models.config import ConfigError
+from lantern_rt.models.model_dir import ModelDir, load_vq, open_model_dir
+from lantern_rt.runtime.acceptance import AcceptanceError
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import TreeError, load_tree
+from lantern_rt.training.data import (
+    CLASS_NAMES,
+    FASHION_MNIST_DIR,
+    DatasetMissing,
+    load_fashion_mnist,
+    to_model_range,
+)
+
+FORMAT_VERSION = 1
+SPEC_KEYS: dict[str, tuple[str, ...]] = {
+    "ar": (),
+    "exact": ("tree",),
+    "lantern": ("tree", "k", "delta"),
+    "lantern++": ("tree", "k", "lambda"),
+}
+SPEC_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lantern": {"k": 1000, "delta": 0.1},
+    "lantern++": {"k": 10, "lambda": 5.0},
+}
+KEY_TYPES: dict[str, tuple[type, str]] = {
+    "tree": (str, "a tree name or file"),
+    "k": (int, "an integer"),
+    "delta": (float, "a number"),
+    "lambda": (float, "a number"),
+}
+MC_FIELDS = {"lambda": "lam"}  # spec key -> MethodConfig field, where they differ
+DEFAULT_CONFIGS = (
+    "ar",
+    "exact",
+    "lantern:k=1000,delta=0.1",
+    "lantern++:k=10,lambda=5",
+    "lantern++:k=5,lambda=10",
+    "lantern++:k=5,lambda=20",
+)
+DEFAULT_TREE = MethodConfig().tree
+QUALITY_K = 3  # nearest neighbours of improved precision/recall
+QUALITY_FIELDS = ("fd_classifier", "class_accuracy", "precision", "recall")
+GenerateFn = Callable[..., Generation]
+
+
+# --- configuration specs -------------------------------------------------------------------
+
+
+def _typed(spec: str, key: str, value: str) -> Any:
+    kind, wanted = KEY_TYPES[key]
+    try:
+        if not value:
+            raise ValueError(value)
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"--config {spec!r}: {key} needs {wanted}, got {value!r}") from None
+
+
+def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
+    """``METHOD[:key=val,...]`` -> (method, the parameters it names, typed)."""
+    method, _, rest = spec.strip().partition(":")
+    if method not in SPEC_KEYS:
+        raise ConfigError(f"--config {spec!r}: unknown method {method!r}; choose from {', '.join(SPEC_KEYS)}")
+    allowed, params = SPEC_KEYS[method], {}
+    for item in rest.split(",") if rest.strip() else []:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise ConfigError(f"--config {spec!r}: {item.strip()!r} is not key=value")
+        if key not in allowed:
+            takes = f"takes {', '.join(allowed)}" if allowed else "takes no parameters"
+            raise ConfigError(f"--config {spec!r}: {key!r} is not a parameter of {method}, which {takes}")
+        if key in params:
+            raise ConfigError(f"--config {spec!r}: {key} is given twice")
+        params[key] = _typed(spec, key, value)
+    return method, params
+
+
+def method_config(spec: str, tree: str) -> MethodConfig:
+    """The validated method config of ``spec`` (running on ``tree`` unless the spec names one)."""
+    method, params = parse_config(spec)
+    if method == "ar":
+        return MethodConfig("ar")
+    merged = {**SPEC_DEFAULTS.get(method, {}), "tree": tree, **params}
+    mc = MethodConfig(method, **{MC_FIELDS.get(k, k): v for k, v in merged.items()})
+    try:
+        mc.relaxation()
+        load_tree(mc.tree, MAX_DRAFT_WIDTH)
+    except (AcceptanceError, TreeError) as exc:
+        raise ConfigError(f"--config {spec!r}: {exc}") from None
+    return mc
+
+
+def expand_configs(specs: Sequence[str], trees: Sequence[str]) -> list[MethodConfig]:
+    """AR first, then every spec on each of ``trees`` (a spec naming its tree: that one); no repeats."""
+    return list(dict.fromkeys([MethodConfig("ar")] + [method_config(s, t) for s in specs for t in trees]))
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile, linearly interpolated (numpy's default)."""
+    return float(np.percentile(values, q))
+
+
+def speedup(reference: Sequence[float], values: Sequence[float]) -> float:
+    """Median of ``reference`` seconds over the median of ``values`` seconds."""
+    return median(reference) / median(values)
+
+
+def mean_accepted_length(histogram: Mapping[int | str, int]) -> float:
+    """Tokens committed per verify call, from {accepted length: number of calls}."""
+    calls = sum(histogram.values())
+    return sum(int(n) * c for n, c in histogram.items()) / calls if calls else 0.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far, in MiB."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+# --- the interleaved run -------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    """What one pipeline produced over the timed images."""
+
+    pipe: Pipeline
+    seconds: list[float] = field(default_factory=list)  # decode loop, per image
+    end_to_end: list[float] = field(default_factory=list)  # with VQ decoding, per image
+    histogram: Counter[int] = field(default_factory=Counter)
+    images: list[np.ndarray] = field(default_factory=list)  # uint8 [1, H, W, C] each
+    peak_mb: float = 0.0
+
+    def add(self, gen: Generation) -> None:
+        stats = gen.stats
+        self.seconds.append(stats["decode_seconds"])
+        self.end_to_end.append(stats["total_seconds"])
+        self.histogram.update({int(n): c for n, c in stats["accepted_length_histogram"].items()})
+        self.images.append(gen.images)
+        self.peak_mb = peak_rss_mb()
+
+    def all_images(self) -> np.ndarray:
+        return np.concatenate(self.images)
+
+
+def run_order(num_images: int, warmup: int) -> list[tuple[int, bool]]:
+    """(image index, timed) in run order: ``warmup`` untimed images past the timed range first."""
+    return [(num_images + i, False) for i in range(warmup)] + [(i, True) for i in range(num_images)]
+
+
+def run_interleaved(
+    pipes: Sequence[Pipeline],
+    labels: Sequence[int],
+    sampling: SamplingConfig,
+    seed: int,
+    warmup: int,
+    generate_fn: GenerateFn = generate,
+) -> list[Measurement]:
+    """Every pipeline generates image i (one call each) before any generates image i + 1."""
+    runs = [Measurement(pipe) for pipe in pipes]
+    with tqdm(total=len(pipes) * (warmup + len(labels)), desc="bench", unit="img", file=sys.stderr) as bar:
+        for index, timed in run_order(len(labels), warmup):
+            label = labels[index % len(labels)]
+            for run in runs:
+                gen = generate_fn(run.pipe, [label], sampling, seed=seed, progress=False, start_index=index)
+                if timed:
+                    run.add(gen)
+                bar.update()
+    return runs
+
+
+# --- rows ----------------------------------------------------------------------------------
+
+
+def speed_row(m: Measurement) -> dict[str, Any]:
+    """The result row of a measurement, quality fields still empty and no speedup yet."""
+    mc = m.pipe.method
+    return {
+        "method": mc.method,
+        "backend": m.pipe.backend,
+        "tree": None if mc.method == "ar" else mc.tree,
+        "params": mc.params(),
+        "num_images": len(m.seconds),
+        "mean_accepted_length": mean_accepted_length(m.histogram),
+        "verify_calls": sum(m.histogram.values()),
+        "seconds_per_image": median(m.seconds),
+        "seconds_per_image_p90": percentile(m.seconds, 90),
+        "seconds_per_image_end_to_end": median(m.end_to_end),
+        "speedup_vs_ar": None,
+        **dict.fromkeys(QUALITY_FIELDS),
+        "quality_note": None,
+        "peak_memory_mb": m.peak_mb,
+        "accepted_length_histogram": {str(n): m.histogram[n] for n in sorted(m.histogram)},
+        "seconds_per_image_all": m.seconds,
+    }
+
+
+def add_speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with ``speedup_vs_ar``: the AR row's median seconds on its backend / its own."""
+    ar = {r["backend"]: r["seconds_per_image_all"] for r in rows if r["method"] == "ar"}
+    return [{**r, "speedup_vs_ar": speedup(ar[r["backend"]], r["seconds_per_image_all"])} for r in rows]
+
+
+# --- quality -------------------------------------------------------------------------------
+
+
+@dataclass
+class QualityReference:
+    """The metric classifier and the real images quality is measured against."""
+
+    classifier: nn.Module
+    features: np.ndarray  # test-set features of the benchmarked classes
+    train_images: np.ndarray  # uint8 [N, 32, 32]
+    train_labels: np.ndarray
+
+
+def fashion_mismatch(info: ModelDir) -> str | None:
+    """Why the Fashion-MNIST classifier cannot score this model's images (None when it can)."""
+    shape = (info.image_size, info.vq.out_channels, info.gpt.num_classes)
+    names = [n.lower() for n in info.class_names]
+    if shape == (32, 1, len(CLASS_NAMES)) and names in ([], list(CLASS_NAMES)):
+        return None
+    return (
+        f"the metric classifier scores Fashion-MNIST (10 classes of 32x32 greyscale images); "
+        f"this model makes {info.gpt.num_classes} classes of {info.image_size}x{info.image_size}"
+        f"x{info.vq.out_channels} images"
+    )
+
+
+def quality_reference(
+    info: ModelDir,
+    classes: Sequence[int],
+    num_images: int,
+    enabled: bool,
+    weights: Path = DEFAULT_WEIGHTS,
+    data_root: Path = FASHION_MNIST_DIR,
+) -> tuple[QualityReference | None, str | None]:
+    """The reference for quality metrics, or None and why there is none."""
+    if not enabled:
+        return None, "speed only (--no-quality)"
+    if (mismatch := fashion_mismatch(info)) is not None:
+        return None, mismatch
+    if num_images <= QUALITY_K:
+        return None, f"quality needs more than {QUALITY_K} images per configuration, got {num_images}"
+    try:
+        classifier = load_classifier(weights)
+        test_images, test_labels = load_fashion_mnist("test", data_root)
+        train_images, train_labels = load_fashion_mnist("train", data_root)
+    except (CheckpointError, DatasetMissing) as exc:
+        return None, str(exc)
+    features = extract_features(classifier, test_images[np.isin(test_labels, classes)])[0]
+    return QualityReference(classifier, features, train_images, train_labels), None
+
+
+def quality_fields(ref: QualityReference, images: np.ndarray, labels: Sequence[int]) -> dict[str, float]:
+    """FD, class accuracy, precision and recall of ``images`` against the test-set features."""
+    return quality_report(ref.classifier, images, np.asarray(labels), ref.features, k=QUALITY_K)
+
+
+def matched_subset(train_labels: np.ndarray, labels: Sequence[int], seed: int) -> np.ndarray:
+    """Indices of distinct train images with the classes of ``labels``, in that order."""
+    rng = np.random.default_rng(seed)
+    pools = {c: iter(rng.permutation(np.flatnonzero(train_labels == c))) for c in sorted(set(labels))}
+    return np.array([next(pools[c]) for c in labels])
+
+
+@torch.inference_mode()
+def vq_reconstructions(md: ModelDir, images: np.ndarray, batch: int = 256) -> np.ndarray:
+    """uint8 images [N, H, W] encoded to codes and decoded by the model's tokenizer."""
+    vq = load_vq(md)
+    x = torch.from_numpy(to_model_range(images))
+    codes = torch.cat([vq.encode(x[i : i + batch])[1].flatten(1) for i in range(0, len(x), batch)])
+    return to_uint8(
+        torch.cat(
+            [vq.decode_code(codes[i : i + batch], md.gpt.grid_size) for i in range(0, len(codes), batch)]
+        )
+    )
+
+
+def calibration_row(
+    ref: QualityReference, name: str, description: str, images: np.ndarray, labels: Sequence[int]
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": description,
+        "num_images": len(images),
+        **quality_fields(ref, images, labels),
+        "fd_vs_ar": None,
+    }
+
+
+def calibration_rows(
+    ref: QualityReference,
+    labels: Sequence[int],
+    seed: int,
+    md: ModelDir | None,
+    ar_sets: Sequence[tuple[str, np.ndarray]],
+) -> list[dict[str, Any]]:
+    """Real train images (the floor), VQ reconstructions (the tokenizer's ceiling; model
+    directories only) and AR sample sets of other seeds (seed noise), all vs the test set."""
+    real = ref.train_images[matched_subset(ref.train_labels, labels, seed)]
+    rows = [
+        calibration_row(
+            ref, "real train subset", "Fashion-MNIST train images, same classes and counts", real, labels
+        )
+    ]
+    if md is not None:
+        recon = vq_reconstructions(md, real)
+        rows.append(
+            calibration_row(
+                ref, "VQ reconstruction", "those train images through the tokenizer", recon, labels
+            )
+        )
+    (base_name, base), *others = ar_sets
+    base_features = extract_features(ref.classifier, base)[0]
+    rows.append(calibration_row(ref, base_name, "the AR row's images", base, labels))
+    for name, images in others:
+        row = calibration_row(ref, name, f"another seed; FD vs AR: against {base_name}", images, labels)
+        rows.append(
+            {**row, "fd_vs_ar": frechet_distance(base_features, extract_features(ref.classifier, images)[0])}
+        )
+    return rows
+
+
+# --- the whole benchmark -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Everything ``lantern bench`` takes (see ``lantern bench --help``)."""
+
+    out: Path
+    model: Path | None = None
+    bundle: Path | None = None
+    backends: tuple[str, ...] = ()  # () = torch and onnxruntime; onnxruntime for a bundle
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    trees: tuple[str, ...] = (DEFAULT_TREE,)
+    num_images: int = 4  # per class
+    classes: tuple[str, ...] = ()  # ids or names; () = every class
+    seed: int = 0
+    warmup: int = 1
+    cfg_scale: float | None = None  # None = the model's default
+    temperature: float = 1.0
+    threads: int = 0
+    quality: bool = True
+    ar_seeds: int = 2
+    command: str = ""
+    classifier: Path = DEFAULT_WEIGHTS
+    data_root: Path = FASHION_MNIST_DIR
+
+
+def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Path]:
+    """(model info, what pipelines are built from): a model directory or a bundle folder."""
+    if bundle is None:
+        md = open_model_dir(model)
+        return md, md
+    from lantern_rt.export.bundle import load_manifest
+
+    if model is not None:
+        raise ConfigError("--bundle runs an exported bundle: drop --model")
+    return bundle_info(bundle, load_manifest(bundle)), bundle
+
+
+def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
+    if bundle and "torch" in requested:
+        raise ConfigError("a bundle runs on onnxruntime: drop --backend torch or --bundle")
+    return tuple(dict.fromkeys(requested)) or (("onnxruntime",) if bundle else BACKENDS)
+
+
+def output_dir(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _version(*dists: str) -> str | None:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "onnxruntime": _version("onnxruntime", "onnxruntime-gpu"),
+        "lantern_rt": _version("lantern-rt"),
+    }
+
+
+def sampling_config(info: ModelDir, s: BenchSettings) -> SamplingConfig:
+    """The settings' sampling, with the model's CFG scale unless one is given (as ``lantern generate``)."""
+    default = info.raw.get("sampling_defaults", {}).get("cfg_scale", 4.0)
+    return SamplingConfig(
+        cfg_scale=float(default if s.cfg_scale is None else s.cfg_scale), temperature=s.temperature
+    )
+
+
+def with_quality(
+    rows: Sequence[dict[str, Any]],
+    runs: Sequence[Measurement],
+    ref: QualityReference | None,
+    note: str | None,
+    labels: Sequence[int],
+) -> list[dict[str, Any]]:
+    """Each row with its quality metrics, or with the note saying why there are none."""
+    if ref is None:
+        return [{**r, "quality_note": note} for r in rows]
+    return [{**r, **quality_fields(ref, m.all_images(), labels)} for r, m in zip(rows, runs, strict=True)]
+
+
+def ar_seed_sets(
+    ar: Measurement, labels: Sequence[int], sampling: SamplingConfig, seed: int, count: int
+) -> list[tuple[str, np.ndarray]]:
+    """The AR row's images and ``count - 1`` more AR sample sets (seeds ``seed + 1``, ...), named."""
+
+    def name(s: int) -> str:
+        return f"AR seed {s} ({ar.pipe.backend})"
+
+    extra = [
+        (name(s), generate(ar.pipe, labels, sampling, seed=s).images) for s in range(seed + 1, seed + count)
+    ]
+    return [(name(seed), ar.all_images()), *extra]
+
+
+def run_bench(s: BenchSettings) -> dict[str, Any]:
+    """Run the benchmark and write results.json, results.md and the plots into ``s.out``."""
+    from lantern_rt.eval.report import write_report
+
+    configs = expand_configs(s.configs, s.trees)
+    info, source = open_source(s.model, s.bundle)
+    md = source if isinstance(source, ModelDir) else None
+    backends = resolve_backends(s.backends, md is None)
+    classes = [info.class_id(c) for c in s.classes] or list(range(info.gpt.num_classes))
+    labels = [c for c in classes for _ in range(s.num_images)]
+    sampling = sampling_config(info, s)
+    out = output_dir(s.out)
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    started, load_start = datetime.now(timezone.utc), os.getloadavg()
+    pipes = [make_pipeline(source, b, mc, "cpu", s.threads) for b in backends for mc in configs]
+    runs = run_interleaved(pipes, labels, sampling, s.seed, s.warmup)
+    ref, note = quality_reference(info, classes, len(labels), s.quality, s.classifier, s.data_root)
+    rows = with_quality(add_speedups([speed_row(m) for m in runs]), runs, ref, note, labels)
+    calibration = (
+        []
+        if ref is None
+        else calibration_rows(
+            ref, labels, s.seed, md, ar_seed_sets(runs[0], labels, sampling, s.seed, s.ar_seeds)
+        )
+    )
+    results = {
+        "format_version": FORMAT_VERSION,
+        "date": started.isoformat(timespec="seconds"),
+        "command": s.command,
+        "machine": {**machine_info(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "settings": {
+            "model": info.name,
+            "source": str(source.root if md is not None else source),
+            "backends": list(backends),
+            "classes": classes,
+            "num_images_per_class": s.num_images,
+            "seed": s.seed,
+            "warmup": s.warmup,
+            "ar_seeds": s.ar_seeds,
+            "threads": s.threads,
+            "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},
+        },
+        "quality_note": note,
+        "rows": rows,
+        "calibration": calibration,
+    }
+    write_report(out, results)
+    return results

@@ -1,0 +1,259 @@
+"""``lantern bench``: config specs, the interleaved run order, the numbers it reports, its files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from lantern_rt.cli import main
+from lantern_rt.eval.bench import (
+    BenchSettings,
+    add_speedups,
+    expand_configs,
+    mean_accepted_length,
+    method_config,
+    parse_config,
+    run_bench,
+    run_interleaved,
+)
+from lantern_rt.eval.classifier import FashionClassifier
+from lantern_rt.eval.report import markdown_table, nice_ticks, row_label, speed_table
+from lantern_rt.generate import Generation, MethodConfig
+from lantern_rt.models.checkpoint import save_safetensors
+from lantern_rt.models.config import ConfigError, VQConfig
+from lantern_rt.models.drafter import Drafter, DrafterConfig
+from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.sampling import SamplingConfig
+from tests.conftest import TINY_VQ, randomize, tiny_gpt, tiny_vq, write_model_dir
+
+PLOTS = ("quality_vs_speedup.png", "accepted_lengths.png")
+
+
+def model_with_drafter(root: Path, vq: VQModel, **gpt: int) -> Path:
+    """A tiny model directory whose config names a drafter file (``drafter.safetensors``)."""
+    target = tiny_gpt(**gpt)
+    write_model_dir(root, target, vq)
+    config = DrafterConfig.for_target(target.config)
+    drafter = randomize(Drafter(config, target.config), 1)
+    drafter.embed_tokens.weight.data.copy_(target.tok_embeddings.weight)
+    save_safetensors(drafter, root / "drafter.safetensors")
+    raw = json.loads((root / "config.json").read_text())
+    raw["files"]["drafter"] = "drafter.safetensors"
+    raw["drafter"] = config.__dict__
+    (root / "config.json").write_text(json.dumps(raw))
+    return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_with_drafter(tmp_path_factory.mktemp("bench") / "tiny", tiny_vq())
+
+
+# --- config specs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("ar", MethodConfig("ar")),
+        ("exact:tree=chain-3", MethodConfig("exact", tree="chain-3")),
+        ("lantern", MethodConfig("lantern", k=1000, delta=0.1)),
+        ("lantern:k=20,delta=0.05", MethodConfig("lantern", k=20, delta=0.05)),
+        ("lantern++", MethodConfig("lantern++", k=10, lam=5.0)),
+        (
+            " lantern++: k=5 , lambda=20, tree=mc_sim_7b_63",
+            MethodConfig("lantern++", "mc_sim_7b_63", 5, lam=20.0),
+        ),
+    ],
+)
+def test_good_specs(spec, expected):
+    assert method_config(spec, "naive_extend_57") == expected
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "unknown method ''"),
+        ("medusa", "unknown method 'medusa'"),
+        ("ar:k=3", "ar, which takes no parameters"),
+        ("exact:k=3", "exact, which takes tree"),
+        ("lantern:lambda=5", "'lambda' is not a parameter of lantern, which takes tree, k, delta"),
+        ("lantern++:k", "'k' is not key=value"),
+        ("lantern++:k=ten", "k needs an integer, got 'ten'"),
+        ("lantern++:k=", "k needs an integer, got ''"),
+        ("lantern:k=3,k=4", "k is given twice"),
+        ("lantern:delta=2", "delta must be in [0, 1]"),
+        ("lantern++:lambda=0.5", "lambda must be a finite number >= 1"),
+        ("lantern++:k=-1", "k must be an integer >= 0"),
+        ("exact:tree=no-such-tree", "--config 'exact:tree=no-such-tree'"),
+    ],
+)
+def test_bad_specs(spec, message):
+    with pytest.raises(ConfigError) as err:
+        method_config(spec, "naive_extend_57")
+    assert message in str(err.value)
+
+
+def test_parse_keeps_only_named_parameters():
+    assert parse_config("lantern++:lambda=10") == ("lantern++", {"lambda": 10.0})
+
+
+def test_configs_cross_trees_ar_first_without_repeats():
+    configs = expand_configs(
+        ["exact", "ar", "lantern++:tree=chain-2", "exact:tree=chain-3"], ["chain-3", "chain-4"]
+    )
+    assert configs == [
+        MethodConfig("ar"),
+        MethodConfig("exact", tree="chain-3"),
+        MethodConfig("exact", tree="chain-4"),
+        MethodConfig("lantern++", tree="chain-2"),
+    ]
+
+
+def test_bad_spec_is_one_line_exit_2(tmp_path):
+    out = tmp_path / "never"
+    r = CliRunner().invoke(main, ["bench", "--config", "lantern++:lambda=x", "--out", str(out)])
+    assert r.exit_code == 2
+    assert r.output.strip().count("\n") == 0 and r.output.startswith("error: --config")
+    assert not out.exists()
+
+
+# --- the run order and the numbers ---------------------------------------------------------
+
+
+def test_run_is_image_major_with_warmup_first():
+    calls = []
+
+    def fake_generate(pipe, labels, sampling, seed, progress, start_index):
+        calls.append((pipe.name, start_index, labels))
+        stats = {"decode_seconds": 0.1, "total_seconds": 0.2, "accepted_length_histogram": {"1": 3}}
+        return Generation(labels, torch.zeros(1, 4), np.zeros((1, 2, 2, 1), np.uint8), stats)
+
+    pipes = [SimpleNamespace(name=n, backend="torch", method=MethodConfig()) for n in "abc"]
+    runs = run_interleaved(pipes, [7, 8], SamplingConfig(), seed=0, warmup=1, generate_fn=fake_generate)
+    warm = [(n, 2, [7]) for n in "abc"]
+    timed = [(n, i, [label]) for i, label in enumerate([7, 8]) for n in "abc"]
+    assert calls == warm + timed
+    assert all(len(m.seconds) == 2 and m.histogram == {1: 6} for m in runs)
+
+
+def test_pure_numbers():
+    assert mean_accepted_length({"1": 2, "3": 2}) == 2.0 and mean_accepted_length({}) == 0.0
+    rows = [
+        {"method": "ar", "backend": "torch", "seconds_per_image_all": [4.0, 2.0, 3.0]},
+        {"method": "exact", "backend": "torch", "seconds_per_image_all": [1.0, 2.0]},
+        {"method": "ar", "backend": "onnxruntime", "seconds_per_image_all": [1.0]},
+    ]
+    assert [r["speedup_vs_ar"] for r in add_speedups(rows)] == [1.0, 2.0, 1.0]
+    assert nice_ticks(0.0, 0.93) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(1.0, 1.0)[0] <= 0.9 and nice_ticks(1.0, 1.0)[-1] >= 1.1
+    assert markdown_table(["a", "b"], [["1", "x|y"]]) == "| a | b |\n| --- | --- |\n| 1 | x\\|y |"
+    row = {"method": "lantern++", "params": {"tree": "chain-3", "k": 5, "lambda": 10.0}, "tree": "chain-3"}
+    assert row_label({**row, "backend": "torch"}) == "lantern++ k=5 lambda=10 [chain-3] / torch"
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+
+def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
+    out = tmp_path / "bench"
+    args = f"bench --model {model_dir} --backend torch --config ar --config lantern++:k=5,lambda=10"
+    args += f" --classes 0,e -n 2 --warmup 1 --no-quality --out {out}"
+    r = CliRunner().invoke(main, args.split())
+    assert r.exit_code == 0, r.output
+    results = json.loads((out / "results.json").read_text())
+    assert {"platform", "cpu_count", "torch", "onnxruntime"} <= results["machine"].keys()
+    assert results["command"].startswith("lantern") and results["date"] and results["calibration"] == []
+    assert results["settings"]["classes"] == [0, 4]
+    rows = results["rows"]
+    assert [(r["method"], r["backend"]) for r in rows] == [("ar", "torch"), ("lantern++", "torch")]
+    ar = rows[0]
+    assert ar["mean_accepted_length"] == 1.0 and ar["accepted_length_histogram"] == {"1": 4 * 15}
+    for row in rows:
+        times = row["seconds_per_image_all"]
+        assert len(times) == row["num_images"] == 4
+        assert row["seconds_per_image"] == statistics.median(times)
+        assert row["speedup_vs_ar"] == pytest.approx(
+            statistics.median(ar["seconds_per_image_all"]) / statistics.median(times)
+        )
+        assert row["mean_accepted_length"] == pytest.approx(
+            mean_accepted_length(row["accepted_length_histogram"])
+        )
+        assert row["fd_classifier"] is None and "--no-quality" in row["quality_note"]
+        assert row["peak_memory_mb"] > 0
+    assert rows[1]["params"] == {"tree": "naive_extend_57", "k": 5, "lambda": 10.0}
+    # every committed token is counted: 15 per image after the prefill's
+    hist = rows[1]["accepted_length_histogram"]
+    assert sum(int(n) * c for n, c in hist.items()) == 4 * 15
+    md = (out / "results.md").read_text()
+    assert all(line in md for line in speed_table(rows).splitlines())
+    assert (
+        md.count("| ar |") == 1 and md.count("| lantern++ | k=5 lambda=10 | naive_extend_57 | torch |") == 1
+    )
+    for name in PLOTS:
+        with Image.open(out / name) as img:
+            img.load()
+            assert img.format == "PNG" and img.width > 100
+
+
+def write_fashion_like(root: Path, n: int = 60) -> Path:
+    """Random 28x28 images in Fashion-MNIST's idx.gz layout (the loader skips the headers)."""
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    for prefix in ("train", "t10k"):
+        with gzip.open(root / f"{prefix}-images-idx3-ubyte.gz", "wb") as f:
+            f.write(bytes(16) + rng.integers(0, 256, (n, 28, 28), dtype=np.uint8).tobytes())
+        with gzip.open(root / f"{prefix}-labels-idx1-ubyte.gz", "wb") as f:
+            f.write(bytes(8) + (np.arange(n) % 10).astype(np.uint8).tobytes())
+    return root
+
+
+def test_bench_quality_and_calibration(tmp_path):
+    """A 10-class 32x32 greyscale model, a random classifier and a fake dataset: every quality field."""
+    vq = VQModel(VQConfig(**{**TINY_VQ, "encoder_ch_mult": [1, 1, 1, 1], "decoder_ch_mult": [1, 1, 1, 1]}))
+    model = model_with_drafter(tmp_path / "fashion-tiny", vq.eval(), num_classes=10)
+    raw = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**raw, "class_names": []}))
+    torch.manual_seed(0)
+    save_safetensors(FashionClassifier(), tmp_path / "classifier.safetensors")
+    settings = BenchSettings(
+        out=tmp_path / "out",
+        model=model,
+        backends=("torch",),
+        configs=("exact:tree=chain-2",),
+        num_images=1,
+        classes=("0", "3", "5", "9"),
+        warmup=0,
+        classifier=tmp_path / "classifier.safetensors",
+        data_root=write_fashion_like(tmp_path / "fashion"),
+    )
+    results = run_bench(settings)
+    assert results["quality_note"] is None
+    for row in results["rows"]:
+        assert all(
+            isinstance(row[k], float) for k in ("fd_classifier", "class_accuracy", "precision", "recall")
+        )
+    calibration = {r["name"]: r for r in results["calibration"]}
+    assert list(calibration) == [
+        "real train subset",
+        "VQ reconstruction",
+        "AR seed 0 (torch)",
+        "AR seed 1 (torch)",
+    ]
+    assert calibration["AR seed 0 (torch)"]["fd_classifier"] == results["rows"][0]["fd_classifier"]
+    assert (
+        calibration["AR seed 1 (torch)"]["fd_vs_ar"] > 0
+        and calibration["real train subset"]["fd_vs_ar"] is None
+    )
+    md = (settings.out / "results.md").read_text()
+    assert all(name in md for name in calibration)
+    assert all((settings.out / name).is_file() for name in PLOTS)
