@@ -161,8 +161,8 @@ def main() -> None:
     "--backend",
     type=click.Choice(["onnxruntime", "torch"]),
     default=None,
-    help="Runtime backend. Default: onnxruntime (a model directory is exported once into a cache "
-    "folder, $LANTERN_CACHE or ~/.cache/lantern-rt).",
+    help="Runtime backend. Default: torch, or onnxruntime with --bundle (a model directory run on "
+    "onnxruntime is exported once into $LANTERN_CACHE or ~/.cache/lantern-rt).",
 )
 @click.option(
     "--bundle",
@@ -235,7 +235,7 @@ def generate(
 
         torch.set_num_threads(threads)
     md, source, has_drafter = _source(model_path, bundle, backend, drafter_path)
-    backend = backend or "onnxruntime"
+    backend = backend or ("onnxruntime" if bundle is not None else "torch")
     specs = [s for c in classes for s in c.split(",") if s.strip()] or [
         str(i) for i in range(md.gpt.num_classes)
     ]

@@ -93,7 +93,18 @@ def test_mismatched_drafter_is_refused(tmp_path, field, value, message):
         load_drafter(md, folder)
     r = CliRunner().invoke(
         main,
-        ["generate", "-q", "--backend", "torch", "--model", str(md.root), "--drafter", str(folder), "-o", str(tmp_path / "x.png")],
+        [
+            "generate",
+            "-q",
+            "--backend",
+            "torch",
+            "--model",
+            str(md.root),
+            "--drafter",
+            str(folder),
+            "-o",
+            str(tmp_path / "x.png"),
+        ],
     )
     assert r.exit_code == 2 and message in r.stderr and not (tmp_path / "x.png").exists()
 
@@ -142,7 +153,20 @@ def test_speculative_bad_input(tmp_path, case):
     ]
     out = tmp_path / "x.png"
     r = CliRunner().invoke(
-        main, ["generate", "-q", "--backend", "torch", "--model", str(md), "--drafter", str(folder), "-o", str(out), *args]
+        main,
+        [
+            "generate",
+            "-q",
+            "--backend",
+            "torch",
+            "--model",
+            str(md),
+            "--drafter",
+            str(folder),
+            "-o",
+            str(out),
+            *args,
+        ],
     )
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()

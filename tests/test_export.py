@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,23 +23,69 @@ from lantern_rt.export.bundle import (
     load_manifest,
 )
 from lantern_rt.export.checks import check_graph
-from lantern_rt.export.graphs import TargetPrefill, TargetStep, VQDecode
-from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
-from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
+from lantern_rt.export.graphs import (
+    DrafterStep,
+    TargetPrefill,
+    TargetStep,
+    VQDecode,
+    drafter_step_sizes,
+    target_step_sizes,
+)
+from lantern_rt.models.checkpoint import save_safetensors
+from lantern_rt.models.drafter import Drafter, DrafterConfig
+from lantern_rt.models.model_dir import load_drafter, load_target, load_vq, open_model_dir
+from lantern_rt.models.neighbors import latent_neighbors
+from lantern_rt.models.target import Transformer
+from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.tree import ROOT_ONLY, build_tree, load_tree, tree_to_json
+from tests.conftest import randomize, tiny_gpt, tiny_vq, write_model_dir
 
 T2I_GQA = {"model_type": "t2i", "cls_token_num": 3, "caption_dim": 12, "n_head": 4, "n_kv_head": 2}
-# name -> (model overrides, dtype, tree sizes): between them every feature, fp32 and fp16
-BUNDLES = {"c2i-fp32": ({}, "fp32", [26]), "t2i-gqa-fp16": (T2I_GQA, "fp16", [])}
+# name -> (model overrides, dtype, trees, with a drafter): between them every feature, fp32 and
+# fp16, a bundle without drafter; tests/test_ort_speculative.py exports fp32 drafter graphs
+BUNDLES = {
+    "c2i-fp32": ({}, "fp32", ["mc_sim_7b_63"], False),
+    "t2i-gqa-fp16": (T2I_GQA, "fp16", ["chain-1"], True),
+}
+
+
+def add_drafter(root: Path, drafter: Drafter) -> None:
+    """Give the model directory ``root`` a drafter folder, as ``train-drafter`` writes one."""
+    folder = root / "drafter"
+    folder.mkdir()
+    save_safetensors(drafter, folder / "drafter.safetensors")
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(drafter.config)))
+    config = json.loads((root / "config.json").read_text())
+    config["files"]["drafter"] = "drafter"
+    (root / "config.json").write_text(json.dumps(config))
+
+
+def make_bundle(
+    path: Path, target: Transformer, vq: VQModel, drafter: Drafter | None, trees: list[str], dtype: str
+) -> Path:
+    """Write the models as ``path``-model beside ``path`` and export them to ``path``."""
+    model = write_model_dir(path.with_name(f"{path.name}-model"), target, vq)
+    if drafter is not None:
+        add_drafter(model, drafter)
+    return export_bundle(open_model_dir(model), path, [load_tree(t) for t in trees], dtype=dtype, threads=1)
 
 
 def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """BUNDLES[name] for the tiny model of seed 3, exported once per test session."""
+    """BUNDLES[name] for the tiny models of seed 3, exported once per test session."""
     path = tmp_path_factory.getbasetemp() / "bundles" / name
     if not path.is_dir():
-        overrides, dtype, sizes = BUNDLES[name]
-        model = write_model_dir(path.parent / f"{name}-model", tiny_gpt(3, **overrides), tiny_vq())
-        export_bundle(open_model_dir(model), path, sizes, dtype=dtype, threads=1)
+        overrides, dtype, trees, with_drafter = BUNDLES[name]
+        target = tiny_gpt(3, **overrides)
+        drafter = randomize(Drafter(DrafterConfig.for_target(target.config), target.config), 4)
+        make_bundle(path, target, tiny_vq(), drafter if with_drafter else None, trees, dtype)
     return path
+
+
+def graph_names(trees: list[str], with_drafter: bool) -> set[str]:
+    """The graphs a bundle of these trees holds."""
+    loaded = [load_tree(t) for t in trees]
+    names = {"target_prefill", "vq_decode", *(f"target_step_{s}" for s in target_step_sizes(loaded))}
+    return names | {f"drafter_step_{s}" for s in drafter_step_sizes(loaded) if with_drafter}
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +96,37 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("name", BUNDLES)
 def test_every_graph_passes_the_checks(bundles, name):
     manifest = load_manifest(bundles[name])
-    sizes = [1, *BUNDLES[name][2]]
-    assert set(manifest["graphs"]) == {"target_prefill", "vq_decode", *(f"target_step_{s}" for s in sizes)}
+    _, _, trees, with_drafter = BUNDLES[name]
+    assert set(manifest["graphs"]) == graph_names(trees, with_drafter)
     for graph in manifest["graphs"].values():
         assert check_graph(bundles[name] / graph["file"]) == []
 
 
+def test_drafter_graph_sizes_follow_the_runtime_calls():
+    """A catch-up call of max_depth + 1 rows, then levels 1..max_depth-1, deduplicated."""
+    trees = [load_tree("naive_extend_57"), load_tree("chain-5")]  # levels 5/13/16/14/9; 1/1/1/1/1
+    assert drafter_step_sizes(trees) == [1, 5, 6, 13, 14, 16]
+    assert target_step_sizes(trees) == [1, 6, 58]
+
+
 @pytest.mark.parametrize("name", BUNDLES)
 def test_every_graph_matches_torch(bundles, name):
-    overrides, dtype, _ = BUNDLES[name]
+    _, dtype, trees, with_drafter = BUNDLES[name]
     md = open_model_dir(bundles[name].parent / f"{name}-model")
     target, vq = load_target(md), load_vq(md)
     low = target if dtype == "fp32" else copy.deepcopy(target).half()
     decode = VQDecode(vq, target.config.grid_size)
     pairs = [(TargetPrefill(low), TargetPrefill(target)), (decode, decode)]
-    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in (1, *BUNDLES[name][2])]
+    loaded = [load_tree(t) for t in trees]
+    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in target_step_sizes(loaded)]
+    if with_drafter:
+        drafter = load_drafter(md)
+        low_drafter = drafter if dtype == "fp32" else copy.deepcopy(drafter).half()
+        cap = load_manifest(bundles[name])["constants"]["drafter_capacity"]
+        pairs += [
+            (DrafterStep(low_drafter, low.output, s, cap), DrafterStep(drafter, target.output, s, cap))
+            for s in drafter_step_sizes(loaded)
+        ]
     for module, reference in pairs:
         path = bundles[name] / f"{module.spec.name}.onnx"
         errors = compare_with_torch(path, module, reference, threads=1, seed=11)
@@ -97,18 +160,35 @@ def test_declared_shapes_and_dtypes(bundles):
         "new_v": ([*kv, 1, 8], "float16"),
     }
     assert shapes["vq_decode"] == {"codes": ([1, 16], "int64"), "images": ([1, 1, 8, 8], "float32")}
+    drafter_kv = [1, 2, 2]  # one drafter layer, CFG rows, kv heads
+    assert shapes["drafter_step_2"] == {
+        "tokens": ([2], "int64"),
+        "hidden": ([2, 2, 32], "float16"),
+        "positions": ([2], "int64"),
+        "mask": ([1, 1, 2, 18 + 2], "bool"),
+        "past_k": ([*drafter_kv, 18, 8], "float16"),
+        "past_v": ([*drafter_kv, 18, 8], "float16"),
+        "logits": ([2, 2, 64], "float32"),
+        "hidden_out": ([2, 2, 32], "float16"),
+        "new_k": ([*drafter_kv, 2, 8], "float16"),
+        "new_v": ([*drafter_kv, 2, 8], "float16"),
+    }
 
 
 def test_manifest_describes_the_bundle(bundles):
     path = bundles["t2i-gqa-fp16"]
     manifest = load_manifest(path)
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 1
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 2
     assert manifest["dtype"] == "fp16" and manifest["opset"] == 18
     assert set(manifest["versions"]) == {"lantern_rt", "torch", "onnx"}
     assert manifest["gpt"]["n_kv_head"] == 2 and manifest["vq"]["codebook_size"] == 64
     assert manifest["class_names"] == ["a", "b", "c", "d", "e"] and manifest["image_size"] == 8
     assert manifest["sampling_defaults"] == {"cfg_scale": 2.0}
-    assert manifest["constants"]["cache_capacity"] == 19 and manifest["constants"]["step_sizes"] == [1]
+    constants = manifest["constants"]
+    assert constants["cache_capacity"] == 19 and constants["step_sizes"] == [1, 2]
+    assert constants["drafter"] and constants["drafter_step_sizes"] == [2]
+    assert constants["drafter_capacity"] == 16 + 1 + 1 and constants["max_draft_width"] == 10
+    assert manifest["trees"] == {"chain-1": tree_to_json(load_tree("chain-1"))}
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk
     null = np.load(path / manifest["constants"]["null_condition"]["file"])
@@ -116,7 +196,20 @@ def test_manifest_describes_the_bundle(bundles):
     np.testing.assert_array_equal(null, target.null_condition.numpy())
     c2i = load_manifest(bundles["c2i-fp32"])
     assert c2i["constants"]["null_condition"] == {"class_id": 5}
+    assert not c2i["constants"]["drafter"] and c2i["constants"]["drafter_step_sizes"] == []
+    assert c2i["constants"]["drafter_capacity"] == 16 + 25 + 1 and list(c2i["trees"]) == ["mc_sim_7b_63"]
     assert all(err < 1e-4 for g in c2i["graphs"].values() for err in g["max_abs_err"].values())
+
+
+@pytest.mark.parametrize("name", BUNDLES)
+def test_neighbour_table_is_the_codebook_s(bundles, name):
+    """Every other code, nearest first, stored as uint16 (k = min(1000, V - 1))."""
+    constants = load_manifest(bundles[name])["constants"]
+    assert constants["neighbors"] == {"file": "neighbors.npy", "k": 63}
+    table = np.load(bundles[name] / "neighbors.npy")
+    assert table.dtype == np.uint16
+    vq = load_vq(open_model_dir(bundles[name].parent / f"{name}-model"))
+    np.testing.assert_array_equal(table, latent_neighbors(vq.quantize.codebook(), 63).numpy())
 
 
 def tampered(bundles, tmp_path) -> Path:
@@ -174,8 +267,12 @@ def test_bad_arguments_are_refused(tiny_model_dir, tmp_path):
         export_bundle(md, tmp_path / "b", dtype="bf16")
     with pytest.raises(ExportError, match=r"opset must be in 17\.\.20"):
         export_bundle(md, tmp_path / "b", opset=21)
-    with pytest.raises(ExportError, match="tree sizes must be integers >= 1"):
-        export_bundle(md, tmp_path / "b", tree_sizes=[0])
+    with pytest.raises(ExportError, match="trees must be StaticTrees with at least one node"):
+        export_bundle(md, tmp_path / "b", trees=[ROOT_ONLY])
+    with pytest.raises(ExportError, match="drafts 11 children per node; at most 10"):
+        export_bundle(md, tmp_path / "b", trees=[build_tree([[i] for i in range(11)], name="wide")])
+    with pytest.raises(ExportError, match="two different trees are named chain-2"):
+        export_bundle(md, tmp_path / "b", trees=[load_tree("chain-2"), build_tree([[0]], name="chain-2")])
     with pytest.raises(ExportError, match="already exists"):
         export_bundle(md, tmp_path, threads=1)
 

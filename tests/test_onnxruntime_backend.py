@@ -6,9 +6,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from lantern_rt.export.bundle import BundleError
+from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
-from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, OrtTarget, OrtVQDecoder
+from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, OrtDrafter, OrtTarget, OrtVQDecoder
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -42,6 +42,15 @@ def test_greedy_decoding_matches_torch(bundle, model_dir):
     length = reference.cache.length
     assert ours.cache.length == length > n // 2
     torch.testing.assert_close(ours.cache.v[:, :, :, :length], reference.cache.v[:, :, :, :length])
+
+
+def test_a_bundle_without_drafter_refuses_a_drafter(bundle):
+    """c2i-fp32 has trees but no drafter: AR and tree verification work, drafting does not."""
+    assert not load_manifest(bundle)["constants"]["drafter"]
+    with pytest.raises(
+        BundleError, match="has no drafter graphs; export it from a model directory with a drafter"
+    ):
+        OrtDrafter(bundle, threads=1)
 
 
 def test_tree_verify_step_matches_torch(bundle, model_dir):

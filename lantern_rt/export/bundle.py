@@ -23,16 +23,32 @@ import onnxruntime as ort
 import torch
 
 from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
-from lantern_rt.export.graphs import GraphModule, TargetPrefill, TargetStep, VQDecode, cache_capacity
+from lantern_rt.export.graphs import (
+    DrafterStep,
+    GraphModule,
+    TargetPrefill,
+    TargetStep,
+    VQDecode,
+    cache_capacity,
+    drafter_capacity,
+    drafter_step_sizes,
+    target_step_sizes,
+)
 from lantern_rt.models.config import to_dict
-from lantern_rt.models.model_dir import ModelDir, load_target, load_vq
+from lantern_rt.models.drafter import Drafter
+from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
+from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.tree import StaticTree, tree_to_json
 
 FORMAT = "lantern-rt-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2: drafter graphs, trees, neighbour table
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
+NEIGHBORS = "neighbors.npy"
+NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
 DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 # compute dtype -> (atol, rtol against the largest reference value)
@@ -51,20 +67,24 @@ class BundleError(ValueError):
 def export_bundle(
     model_dir: ModelDir,
     out: Path,
-    tree_sizes: Sequence[int] = (),
+    trees: Sequence[StaticTree] = (),
     dtype: str = "fp32",
     opset: int = DEFAULT_OPSET,
     threads: int = 0,
     overwrite: bool = False,
 ) -> Path:
-    """Export the target (prefill, step 1 and each step S in ``tree_sizes``) and the VQ decoder.
+    """Export the target (prefill, step 1 and the verify step of each tree), the VQ decoder, the
+    neighbour table and, when ``model_dir`` has a drafter, the drafter steps of each tree.
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default).
     """
     out = Path(out)
-    sizes = _check_args(out, tree_sizes, dtype, opset, overwrite)
+    trees = _check_args(out, trees, dtype, opset, overwrite)
     target, vq = load_target(model_dir), load_vq(model_dir)
-    graphs = _graphs(target, vq, sizes, DTYPES[dtype])
+    drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
+    graphs = _graphs(target, vq, drafter, trees, DTYPES[dtype])
+    k = neighbors_k(model_dir)
+    neighbors = load_neighbors(model_dir, k, vq)[:, :k]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
@@ -73,7 +93,8 @@ def export_bundle(
             entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
         if target.config.model_type == "t2i":
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
-        manifest = _manifest(model_dir, target, sizes, dtype, opset, entries)
+        save_neighbors(neighbors, tmp / NEIGHBORS)
+        manifest = _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries)
         manifest["files"] = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         tmp.chmod(0o755)  # mkdtemp made it private
@@ -120,28 +141,55 @@ def load_manifest(bundle: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_args(out: Path, tree_sizes: Sequence[int], dtype: str, opset: int, overwrite: bool) -> list[int]:
+def neighbors_k(md: ModelDir) -> int:
+    """Latent neighbours per code in the bundle's table."""
+    return min(NEIGHBORS_K, md.vq.codebook_size - 1)
+
+
+def _check_args(
+    out: Path, trees: Sequence[StaticTree], dtype: str, opset: int, overwrite: bool
+) -> list[StaticTree]:
+    """The trees without repeats, after checking every argument."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(f"opset must be in {MIN_OPSET}..{MAX_OPSET} (TensorRT 10.3), not {opset}")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in tree_sizes):
-        raise ExportError(f"tree sizes must be integers >= 1, got {list(tree_sizes)}")
+    by_name: dict[str, StaticTree] = {}
+    for tree in trees:
+        if not isinstance(tree, StaticTree) or tree.num_nodes == 0:
+            raise ExportError(f"trees must be StaticTrees with at least one node (load_tree), got {tree!r}")
+        if tree.width > MAX_DRAFT_WIDTH:
+            raise ExportError(
+                f"tree {tree.name} drafts {tree.width} children per node; at most {MAX_DRAFT_WIDTH}"
+            )
+        if by_name.setdefault(tree.name, tree) != tree:
+            raise ExportError(f"two different trees are named {tree.name}; give each a unique name")
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; choose another folder or overwrite it")
-    return sorted({1, *tree_sizes})
+    return list(by_name.values())
 
 
 def _graphs(
-    target: Transformer, vq: VQModel, sizes: list[int], dtype: torch.dtype
+    target: Transformer, vq: VQModel, drafter: Drafter | None, trees: list[StaticTree], dtype: torch.dtype
 ) -> list[tuple[GraphModule, GraphModule]]:
     """(graph to export, fp32 reference) pairs; the VQ decoder always runs in fp32 (its softmax
     and GroupNorms are not fp16-safe, and it runs once per image)."""
-    low = target if dtype == torch.float32 else copy.deepcopy(target).to(dtype)
+    low = _cast(target, dtype)
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low), TargetPrefill(target))]
-    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in sizes]
+    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in target_step_sizes(trees)]
+    if drafter is not None:
+        low_drafter, cap = _cast(drafter, dtype), drafter_capacity(target.config.block_size, trees)
+        pairs += [
+            (DrafterStep(low_drafter, low.output, s, cap), DrafterStep(drafter, target.output, s, cap))
+            for s in drafter_step_sizes(trees)
+        ]
     decode = VQDecode(vq, target.config.grid_size)
     return [*pairs, (decode, decode)]
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module`` itself in fp32, else a copy in ``dtype``."""
+    return module if dtype == torch.float32 else copy.deepcopy(module).to(dtype)
 
 
 def export_graph(
@@ -203,7 +251,13 @@ def compare_with_torch(
 
 
 def _manifest(
-    md: ModelDir, target: Transformer, sizes: list[int], dtype: str, opset: int, graphs: dict
+    md: ModelDir,
+    target: Transformer,
+    trees: list[StaticTree],
+    has_drafter: bool,
+    dtype: str,
+    opset: int,
+    graphs: dict,
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -214,7 +268,12 @@ def _manifest(
         "cache_capacity": cache_capacity(target),
         "vocab_size": c.vocab_size,
         "hidden_size": c.dim,
-        "step_sizes": sizes,
+        "step_sizes": target_step_sizes(trees),
+        "drafter": has_drafter,
+        "drafter_step_sizes": drafter_step_sizes(trees) if has_drafter else [],
+        "drafter_capacity": drafter_capacity(c.block_size, trees),
+        "max_draft_width": MAX_DRAFT_WIDTH,
+        "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
         "null_condition": {"class_id": c.num_classes} if c.model_type == "c2i" else {"file": NULL_CAPTION},
     }
     return {
@@ -234,6 +293,7 @@ def _manifest(
         "image_size": md.image_size,
         "constants": constants,
         "sampling_defaults": md.raw.get("sampling_defaults", {}),
+        "trees": {tree.name: tree_to_json(tree) for tree in trees},
         "graphs": graphs,
     }
 

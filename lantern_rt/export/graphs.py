@@ -1,19 +1,24 @@
-"""The exported graphs: pure, fixed-shape wrappers around the target and the VQ decoder.
+"""The exported graphs: pure, fixed-shape wrappers around the target, the drafter and the VQ decoder.
 
 Each wrapper declares its inputs and outputs once, as a :class:`GraphSpec`, and makes random
 valid inputs for the numerical check. Shapes follow the runtime's contract: two CFG rows, a
-cache of ``cls_token_num + block_size`` slots, and only the new tokens' K/V as outputs.
+target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` plus the
+largest tree's scratch slots, and only the new tokens' K/V as outputs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.drafting import catch_up_rows
+from lantern_rt.runtime.tree import StaticTree
 
 ROWS = 2  # CFG rows: conditional, unconditional
 
@@ -57,9 +62,54 @@ def cache_capacity(model: Transformer) -> int:
     return model.config.cls_token_num + model.config.block_size
 
 
-def _kv_spec(name: str, model: Transformer, length: int, dtype: torch.dtype) -> TensorSpec:
+def drafter_capacity(block_size: int, trees: Iterable[StaticTree]) -> int:
+    """Slots in the drafter's KV cache: every image token, then the scratch slots of the largest
+    tree's nodes and one spare (what ``generate`` gives a ``TorchDrafter`` for one tree)."""
+    return block_size + max((tree.num_nodes for tree in trees), default=0) + 1
+
+
+def target_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
+    """Token counts of the target step graphs: 1 (plain AR decoding) and each tree's N + 1 (verify)."""
+    return sorted({1, *(tree.num_nodes + 1 for tree in trees)})
+
+
+def drafter_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
+    """Row counts of the drafter calls of ``draft_tree``: each tree's catch-up call and its
+    levels 1..max_depth-1 (the deepest level is drawn, never fed back)."""
+    sizes: set[int] = set()
+    for tree in trees:
+        sizes.add(catch_up_rows(tree))
+        sizes.update(len(level) for level in tree.levels[1:-1])
+    return sorted(sizes)
+
+
+KVDims = tuple[int, int, int]  # layers, kv heads, head dim
+
+
+def _kv_spec(name: str, dims: KVDims, length: int, dtype: torch.dtype) -> TensorSpec:
+    layers, heads, head_dim = dims
+    return TensorSpec(name, (layers, ROWS, heads, length, head_dim), dtype)
+
+
+def _target_kv(model: Transformer) -> KVDims:
     c = model.config
-    return TensorSpec(name, (c.n_layer, ROWS, c.kv_heads, length, c.head_dim), dtype)
+    return c.n_layer, c.kv_heads, c.head_dim
+
+
+def _random_tree_mask(g: torch.Generator, s: int, capacity: int, low: int) -> tuple[int, Tensor, Tensor]:
+    """A random committed length in ``low``..``capacity - 1``, sorted random depths [S] the RoPE
+    pad rows hold, and a tree-like mask [1, 1, S, capacity + S]: each new token sees the committed
+    entries, itself and some earlier new tokens."""
+    length = int(torch.randint(low, capacity, (), generator=g))
+    depths = torch.randint(min(s, ROPE_PAD_ROWS), (s,), generator=g).sort().values
+    new = torch.rand(s, s, generator=g).lt(0.5).tril() | torch.eye(s, dtype=torch.bool)
+    past = (torch.arange(capacity) < length).expand(s, -1)
+    return length, depths, torch.cat([past, new], dim=1)[None, None]
+
+
+def _random_cache(g: torch.Generator, spec: TensorSpec) -> tuple[Tensor, Tensor]:
+    """Random, partly stale past K and V of ``spec``'s shape and dtype."""
+    return tuple(torch.randn(spec.shape, generator=g).to(spec.dtype) for _ in range(2))
 
 
 class TargetPrefill(nn.Module):
@@ -81,8 +131,8 @@ class TargetPrefill(nn.Module):
             (
                 TensorSpec("logits", (ROWS, c.vocab_size), torch.float32),
                 TensorSpec("hidden", (ROWS, c.dim), dtype),
-                _kv_spec("new_k", model, c.cls_token_num, dtype),
-                _kv_spec("new_v", model, c.cls_token_num, dtype),
+                _kv_spec("new_k", _target_kv(model), c.cls_token_num, dtype),
+                _kv_spec("new_v", _target_kv(model), c.cls_token_num, dtype),
             ),
             dtype,
         )
@@ -113,21 +163,21 @@ class TargetStep(nn.Module):
         self.model = model
         c = model.config
         dtype = model.output.weight.dtype
-        cap = cache_capacity(model)
+        cap, kv = cache_capacity(model), _target_kv(model)
         self.spec = GraphSpec(
             f"target_step_{s}",
             (
                 TensorSpec("tokens", (s,), torch.int64),
                 TensorSpec("positions", (s,), torch.int64),
                 TensorSpec("mask", (1, 1, s, cap + s), torch.bool),
-                _kv_spec("past_k", model, cap, dtype),
-                _kv_spec("past_v", model, cap, dtype),
+                _kv_spec("past_k", kv, cap, dtype),
+                _kv_spec("past_v", kv, cap, dtype),
             ),
             (
                 TensorSpec("logits", (ROWS, s, c.vocab_size), torch.float32),
                 TensorSpec("hidden", (ROWS, s, c.dim), dtype),
-                _kv_spec("new_k", model, s, dtype),
-                _kv_spec("new_v", model, s, dtype),
+                _kv_spec("new_k", kv, s, dtype),
+                _kv_spec("new_v", kv, s, dtype),
             ),
             dtype,
         )
@@ -144,19 +194,58 @@ class TargetStep(nn.Module):
         stale caches."""
         c = self.model.config
         s = self.spec.inputs[0].shape[0]
-        cap = cache_capacity(self.model)
-        length = int(torch.randint(c.cls_token_num, cap, (), generator=g))
-        depths = torch.randint(min(s, ROPE_PAD_ROWS), (s,), generator=g).sort().values
-        new = torch.rand(s, s, generator=g).lt(0.5).tril() | torch.eye(s, dtype=torch.bool)
-        past = (torch.arange(cap) < length).expand(s, -1)
-        kv = self.spec.inputs[3]
-        return (
-            torch.randint(c.vocab_size, (s,), generator=g),
-            length + depths,
-            torch.cat([past, new], dim=1)[None, None],
-            torch.randn(kv.shape, generator=g).to(kv.dtype),
-            torch.randn(kv.shape, generator=g).to(kv.dtype),
+        length, depths, mask = _random_tree_mask(g, s, cache_capacity(self.model), c.cls_token_num)
+        tokens = torch.randint(c.vocab_size, (s,), generator=g)
+        return (tokens, length + depths, mask, *_random_cache(g, self.spec.inputs[3]))
+
+
+class DrafterStep(nn.Module):
+    """``S`` (token, target hidden) pairs under a mask over the drafter cache -> fp32 logits of
+    the target's LM head ``head`` (its weights are baked in), the predicted hidden states and
+    the new K/V."""
+
+    def __init__(self, drafter: Drafter, head: nn.Linear, s: int, capacity: int):
+        super().__init__()
+        self.drafter, self.head = drafter, head
+        c = drafter.config
+        dtype = drafter.fc.weight.dtype
+        kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
+        self.spec = GraphSpec(
+            f"drafter_step_{s}",
+            (
+                TensorSpec("tokens", (s,), torch.int64),
+                TensorSpec("hidden", (ROWS, s, c.hidden_size), dtype),
+                TensorSpec("positions", (s,), torch.int64),
+                TensorSpec("mask", (1, 1, s, capacity + s), torch.bool),
+                _kv_spec("past_k", kv, capacity, dtype),
+                _kv_spec("past_v", kv, capacity, dtype),
+            ),
+            (
+                TensorSpec("logits", (ROWS, s, c.vocab_size), torch.float32),
+                TensorSpec("hidden_out", (ROWS, s, c.hidden_size), dtype),
+                _kv_spec("new_k", kv, s, dtype),
+                _kv_spec("new_v", kv, s, dtype),
+            ),
+            dtype,
         )
+
+    def forward(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        pairs = tokens.unsqueeze(0).expand(ROWS, -1)
+        h, k, v = self.drafter.step(pairs, hidden, positions, mask, past_k, past_v)
+        return self.head(h).float(), h, k, v
+
+    def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
+        """Random pairs at sorted depths below a random RoPE row (any committed length: the
+        graph cannot tell committed from scratch slots), a random tree-like mask, random caches."""
+        c = self.drafter.config
+        s, capacity = self.spec.inputs[0].shape[0], self.spec.inputs[4].shape[3]
+        _, depths, mask = _random_tree_mask(g, s, capacity, 0)
+        start = int(torch.randint(self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS, (), generator=g))
+        tokens = torch.randint(c.vocab_size, (s,), generator=g)
+        hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
+        return (tokens, hidden, start + depths, mask, *_random_cache(g, self.spec.inputs[4]))
 
 
 class VQDecode(nn.Module):
@@ -182,4 +271,4 @@ class VQDecode(nn.Module):
         return (torch.randint(self.vq.config.codebook_size, self.spec.inputs[0].shape, generator=g),)
 
 
-GraphModule = TargetPrefill | TargetStep | VQDecode
+GraphModule = TargetPrefill | TargetStep | DrafterStep | VQDecode

@@ -186,7 +186,8 @@ def package(vq: VQModel, gpt: Transformer, out: Path = PACKAGE_DIR) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(vq, out / "vq.safetensors", torch.float16)
     save_safetensors(gpt, out / "gpt.safetensors", torch.float16)
-    codebook = vq.quantize.codebook().detach()
+    # neighbours of the codebook as shipped (fp16), which is what the decoder will look up
+    codebook = torch.nn.functional.normalize(vq.quantize.embedding.weight.detach().half().float(), dim=-1)
     save_neighbors(
         latent_neighbors(codebook, min(NEIGHBORS_K, DEMO_VQ.codebook_size - 1)), out / "neighbors.npy"
     )

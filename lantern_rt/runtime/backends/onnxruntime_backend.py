@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 from lantern_rt.export.bundle import BundleError, load_manifest
+from lantern_rt.models.neighbors import load_neighbors_file
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.tree import StaticTree, build_tree
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -65,6 +67,39 @@ class OrtGraph:
         bind(spec["name"], self.device.type, index, np.dtype(spec["dtype"]), spec["shape"], tensor.data_ptr())
 
 
+class StepGraphs:
+    """A bundle's ``{prefix}_{S}`` graphs, one per exported S, and the cache their inputs declare."""
+
+    def __init__(
+        self,
+        bundle: Path,
+        graphs: dict[str, Any],
+        prefix: str,
+        sizes: list[int],
+        threads: int,
+        providers: list[str],
+    ):
+        self.prefix = prefix
+        self.graphs = {s: OrtGraph(bundle, graphs[f"{prefix}_{s}"], threads, providers) for s in sizes}
+
+    def __getitem__(self, s: int) -> OrtGraph:
+        """The graph for ``s`` tokens; :class:`BundleError` when it was not exported."""
+        graph = self.graphs.get(s)
+        if graph is None:
+            raise BundleError(
+                f"the bundle has no {self.prefix}_{s} graph (it has steps of {sorted(self.graphs)} "
+                "tokens); export it with that tree"
+            )
+        return graph
+
+    def new_cache(self) -> KVCache:
+        """An empty cache shaped like the ``past_k`` input of the graphs, on their device."""
+        graph = next(iter(self.graphs.values()))
+        past = next(spec for spec in graph.inputs if spec["name"] == "past_k")
+        n_layer, rows, heads, capacity, head_dim = past["shape"]
+        return KVCache(n_layer, rows, heads, capacity, head_dim, getattr(torch, past["dtype"]), graph.device)
+
+
 class OrtTarget:
     """``TargetBackend`` over a bundle's ``target_prefill`` and ``target_step_{S}`` graphs."""
 
@@ -74,15 +109,11 @@ class OrtTarget:
         bundle = Path(bundle)
         manifest = load_manifest(bundle)
         providers = providers or default_providers()
-        graphs = manifest["graphs"]
         sizes = manifest["constants"]["step_sizes"]
         self.cls_token_num = manifest["constants"]["cls_token_num"]
-        self._prefill = OrtGraph(bundle, graphs["target_prefill"], threads, providers)
-        self._steps = {s: OrtGraph(bundle, graphs[f"target_step_{s}"], threads, providers) for s in sizes}
-        past = graphs["target_step_1"]["inputs"][3]
-        n_layer, rows, heads, capacity, head_dim = past["shape"]
-        dtype, device = getattr(torch, past["dtype"]), self._prefill.device
-        self.cache = KVCache(n_layer, rows, heads, capacity, head_dim, dtype, device)
+        self._prefill = OrtGraph(bundle, manifest["graphs"]["target_prefill"], threads, providers)
+        self._steps = StepGraphs(bundle, manifest["graphs"], "target_step", sizes, threads, providers)
+        self.cache = self._steps.new_cache()
 
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
         self.cache.reset()
@@ -92,16 +123,58 @@ class OrtTarget:
         return logits, hidden
 
     def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-        graph = self._steps.get(len(tokens))
-        if graph is None:
-            raise BundleError(
-                f"the bundle has no target_step_{len(tokens)} graph (it has steps of "
-                f"{sorted(self._steps)} tokens); export it with that tree size"
-            )
+        graph = self._steps[len(tokens)]
         mask = self.cache.mask(tree_mask.to(self.cache.k.device))
         logits, hidden, k, v = graph(tokens, positions, mask, self.cache.k, self.cache.v)
         self.cache.stage(k, v)
         return logits, hidden
+
+
+class OrtDrafter:
+    """``DrafterBackend`` over a bundle's ``drafter_step_{S}`` graphs (the LM head is inside them);
+    its cache has the manifest's ``drafter_capacity``."""
+
+    name = "onnxruntime"
+
+    def __init__(self, bundle: str | Path, threads: int = 0, providers: list[str] | None = None):
+        bundle = Path(bundle)
+        manifest = load_manifest(bundle)
+        constants = manifest["constants"]
+        if not constants["drafter"] or not constants["drafter_step_sizes"]:
+            raise BundleError(
+                f"{bundle} has no drafter graphs; export it from a model directory with a drafter "
+                "and at least one tree"
+            )
+        providers = providers or default_providers()
+        sizes = constants["drafter_step_sizes"]
+        self._steps = StepGraphs(bundle, manifest["graphs"], "drafter_step", sizes, threads, providers)
+        self.cache = self._steps.new_cache()
+
+    def step(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        graph = self._steps[len(tokens)]
+        device = self.cache.k.device
+        mask = self.cache.mask(new_mask.to(device), None if scratch is None else scratch.to(device))
+        logits, out, k, v = graph(tokens, hidden, positions, mask, self.cache.k, self.cache.v)
+        self.cache.stage(k, v)
+        return logits, out
+
+
+def bundle_neighbors(bundle: str | Path) -> Tensor:
+    """The bundle's latent-neighbour table [V, k] as int64 (on the CPU)."""
+    bundle = Path(bundle)
+    return load_neighbors_file(bundle / load_manifest(bundle)["constants"]["neighbors"]["file"])
+
+
+def bundle_trees(bundle: str | Path) -> dict[str, StaticTree]:
+    """The trees the bundle was exported for, by name, validated against its drafting width."""
+    manifest = load_manifest(Path(bundle))
+    width = manifest["constants"]["max_draft_width"]
+    return {
+        name: build_tree(tree["paths"], name=tree["name"], max_width=width)
+        for name, tree in manifest["trees"].items()
+    }
 
 
 class OrtVQDecoder:
