@@ -83,6 +83,15 @@ def _writable_output(path: Path | None, what: str) -> None:
         raise UserError(f"cannot write {what} {path}: it is a folder")
 
 
+model_option = click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory (config.json + weights). Default: the built-in Fashion-MNIST demo.",
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lantern-rt")
 def main() -> None:
@@ -90,13 +99,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option(
-    "--model",
-    "model_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Model directory (config.json + weights). Default: the built-in Fashion-MNIST demo.",
-)
+@model_option
 @click.option(
     "--class",
     "--classes",
@@ -274,13 +277,7 @@ def generate(
 
 
 @main.command("train-drafter")
-@click.option(
-    "--model",
-    "model_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Model directory. Default: the built-in demo.",
-)
+@model_option
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
@@ -335,7 +332,6 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, threads):
 def _drafter_data(md, codes: Path | None, load_vq) -> dict:
     """Codes and labels to train on: a user's .npz, or Fashion-MNIST through the model's tokenizer."""
     import numpy as np
-    import torch
 
     if codes is not None:
         if not codes.is_file():
@@ -347,31 +343,22 @@ def _drafter_data(md, codes: Path | None, load_vq) -> dict:
             raise UserError(
                 f"cannot read {codes}: expected an .npz with 'codes' and 'labels' ({exc})"
             ) from None
-    from lantern_rt.training.data import DatasetMissing, load_fashion_mnist, to_model_range
+    from lantern_rt.training.data import DatasetMissing
+    from lantern_rt.training.demo import encode_dataset
 
     if md.image_size != 32 or md.vq.in_channels != 1:
         raise UserError(
             "this model is not a 32x32 greyscale model: pass --codes with your own training codes"
         )
     try:
-        x, y = load_fashion_mnist("train")
+        coded, labels = encode_dataset(load_vq(md), "train")
     except DatasetMissing as exc:
         raise UserError(str(exc)) from None
-    vq = load_vq(md)
-    images = torch.from_numpy(to_model_range(x))
-    with torch.inference_mode():
-        coded = [vq.encode(images[i : i + 500])[1].flatten(1) for i in range(0, len(images), 500)]
-    return {"codes": torch.cat(coded).numpy(), "labels": y}
+    return {"codes": coded, "labels": labels}
 
 
 @main.command("export")
-@click.option(
-    "--model",
-    "model_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Model directory. Default: the built-in demo.",
-)
+@model_option
 @click.option(
     "--tree",
     "trees",
@@ -452,13 +439,7 @@ def _polygraphy_view(path: Path) -> None:
 
 
 @main.command("bench")
-@click.option(
-    "--model",
-    "model_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Model directory. Default: the built-in demo.",
-)
+@model_option
 @click.option(
     "--bundle", type=click.Path(path_type=Path), default=None, help="Benchmark an exported bundle instead."
 )
