@@ -13,6 +13,10 @@ from pathlib import Path
 import click
 
 EXIT_BAD_INPUT = 2
+# Measured on the demo (BENCHMARKS.md): on a CPU a small chain beats the wide trees, whose
+# verify cost grows with their size; GPUs, memory-bound at these sizes, favour the wide tree.
+CPU_DEFAULT_TREE = "chain-4"
+GPU_DEFAULT_TREE = "naive_extend_57"
 
 
 class UserError(Exception):
@@ -140,9 +144,10 @@ def main() -> None:
 )
 @click.option(
     "--tree",
-    default="naive_extend_57",
-    show_default=True,
-    help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths.",
+    default=None,
+    help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
+    "chain-4 on a CPU (a tree's cost grows with its size there; measured best in BENCHMARKS.md), "
+    "naive_extend_57 on a GPU.",
 )
 @click.option(
     "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
@@ -256,6 +261,8 @@ def generate(
     if method is None:
         method = "lantern++" if has_drafter else "ar"
     drafter = None if drafter_path is None else str(drafter_path)
+    if tree is None:
+        tree = CPU_DEFAULT_TREE if device == "cpu" else GPU_DEFAULT_TREE
     mc = MethodConfig(method, tree, lantern_k, lantern_delta, lantern_lambda, drafter)
     mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
