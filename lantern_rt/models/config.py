@@ -118,24 +118,20 @@ VQ_PRESETS: dict[str, dict[str, list[int]]] = {
 
 def gpt_config(preset: str | None = None, **overrides: Any) -> GPTConfig:
     """A target config from a LlamaGen preset name (or none) plus field overrides."""
-    base: dict[str, Any] = {}
-    if preset is not None:
-        if preset not in GPT_PRESETS:
-            raise ConfigError(f"unknown GPT preset {preset!r}; choose from {', '.join(GPT_PRESETS)}")
-        base.update(GPT_PRESETS[preset])
-    base.update(overrides)
-    return _build(GPTConfig, base)
+    return _build(GPTConfig, _preset_values("GPT", GPT_PRESETS, preset) | overrides)
 
 
 def vq_config(preset: str | None = None, **overrides: Any) -> VQConfig:
     """A tokenizer config from a LlamaGen preset name (or none) plus field overrides."""
-    base: dict[str, Any] = {}
-    if preset is not None:
-        if preset not in VQ_PRESETS:
-            raise ConfigError(f"unknown VQ preset {preset!r}; choose from {', '.join(VQ_PRESETS)}")
-        base.update(VQ_PRESETS[preset])
-    base.update(overrides)
-    return _build(VQConfig, base)
+    return _build(VQConfig, _preset_values("VQ", VQ_PRESETS, preset) | overrides)
+
+
+def _preset_values(kind: str, presets: dict[str, dict[str, Any]], preset: str | None) -> dict[str, Any]:
+    if preset is None:
+        return {}
+    if preset not in presets:
+        raise ConfigError(f"unknown {kind} preset {preset!r}; choose from {', '.join(presets)}")
+    return dict(presets[preset])
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
