@@ -69,7 +69,14 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _save_state(path: Path, **state) -> None:
+def _save_state(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """Everything a resumed run needs, written atomically."""
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "step": step,
+    }
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -113,13 +120,7 @@ def train_vq(work: Path, steps: int = VQ_STEPS, seed: int = 0) -> VQModel:
         if step % 50 == 0:
             bar.set_postfix(rec=f"{rec.item():.4f}", vq=f"{vq_loss.item():.4f}")
         if (step + 1) % 250 == 0 or step + 1 == steps:
-            _save_state(
-                state_path,
-                model=model.state_dict(),
-                optim=opt.state_dict(),
-                rng=torch.get_rng_state(),
-                step=step + 1,
-            )
+            _save_state(state_path, model, opt, step + 1)
     model.eval()
     return model
 
@@ -170,13 +171,7 @@ def train_gpt(
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            _save_state(
-                state_path,
-                model=model.state_dict(),
-                optim=opt.state_dict(),
-                rng=torch.get_rng_state(),
-                step=step + 1,
-            )
+            _save_state(state_path, model, opt, step + 1)
     model.eval()
     return model
 
