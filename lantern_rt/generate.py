@@ -20,7 +20,6 @@ from tqdm import tqdm
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
-from lantern_rt.models.neighbors import load_neighbors_file
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.base import TargetBackend
@@ -209,7 +208,12 @@ def bundle_info(bundle: Path, manifest: dict[str, Any]) -> ModelDir:
 def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
     """A bundle run on onnxruntime (CPU, or CUDA with onnxruntime-gpu); no torch model is built."""
     from lantern_rt.export.bundle import load_manifest
-    from lantern_rt.runtime.backends.onnxruntime_backend import OrtDrafter, OrtTarget, OrtVQDecoder
+    from lantern_rt.runtime.backends.onnxruntime_backend import (
+        OrtDrafter,
+        OrtTarget,
+        OrtVQDecoder,
+        bundle_neighbors,
+    )
 
     manifest = load_manifest(bundle)
     info = bundle_info(bundle, manifest)
@@ -227,7 +231,7 @@ def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), th
                 f"bundle {bundle} was not exported for tree {method.tree}; export it with --tree {method.tree}"
             )
         relax = method.relaxation()
-        neighbors = load_neighbors_file(bundle / "neighbors.npy")[:, : relax.k] if relax.relaxed else None
+        neighbors = bundle_neighbors(bundle)[:, : relax.k] if relax.relaxed else None
         if neighbors is not None and neighbors.shape[1] < relax.k:
             raise ConfigError(
                 f"bundle {bundle} stores {neighbors.shape[1]} neighbours per code, fewer than k={relax.k}"

@@ -105,10 +105,33 @@ def export_bundle(
     return out
 
 
+# bundle folder -> (stat signature of its files, verified manifest): a runtime opens one bundle
+# from several places (target, drafter, decoder), and hashing a large bundle each time is slow.
+_VERIFIED: dict[Path, tuple[tuple, dict[str, Any]]] = {}
+
+
+def _signature(bundle: Path) -> tuple:
+    """Name, size and modification time of every file: any edit to the bundle changes it."""
+    if not bundle.is_dir():
+        return ()
+    return tuple(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(bundle.iterdir()) if p.is_file()
+    )
+
+
 def load_manifest(bundle: Path) -> dict[str, Any]:
     """The bundle's manifest, after checking its version, every file's sha256 and every graph's
-    declared inputs and outputs against its ONNX file."""
-    bundle = Path(bundle)
+    declared inputs and outputs against its ONNX file (once per process while no file changes)."""
+    bundle = Path(bundle).resolve()
+    signature = _signature(bundle)
+    cached = _VERIFIED.get(bundle)
+    if cached is None or cached[0] != signature:
+        cached = (signature, _verified_manifest(bundle))
+        _VERIFIED[bundle] = cached
+    return copy.deepcopy(cached[1])
+
+
+def _verified_manifest(bundle: Path) -> dict[str, Any]:
     path = bundle / MANIFEST
     if not path.is_file():
         raise BundleError(f"{bundle} is not a lantern-rt bundle: no {MANIFEST}")
