@@ -23,6 +23,13 @@ from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, 
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.base import TargetBackend
+from lantern_rt.runtime.backends.bundle_graphs import (
+    BundleDrafter,
+    BundleTarget,
+    BundleVQDecoder,
+    RunnerFactory,
+    bundle_neighbors,
+)
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
@@ -167,7 +174,7 @@ def model_fingerprint(md: ModelDir) -> str:
 
 def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Path:
     """The bundle of ``md`` for ``method``'s tree, exported on first use into the cache."""
-    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.export.bundle import BUNDLE_VERSION, export_bundle
 
     trees = (
         []
@@ -181,6 +188,7 @@ def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Pa
                 "trees": [tree_to_json(t) for t in trees],
                 "dtype": dtype,
                 "version": importlib.metadata.version("lantern-rt"),
+                "bundle_version": BUNDLE_VERSION,
             },
             sort_keys=True,
         ).encode()
@@ -205,21 +213,15 @@ def bundle_info(bundle: Path, manifest: dict[str, Any]) -> ModelDir:
     )
 
 
-def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
-    """A bundle run on onnxruntime (CPU, or CUDA with onnxruntime-gpu); no torch model is built."""
+def bundle_pipeline(bundle: Path, method: MethodConfig, runner: RunnerFactory, backend: str) -> Pipeline:
+    """A bundle run by an engine's graph runners; no torch model is built."""
     from lantern_rt.export.bundle import load_manifest
-    from lantern_rt.runtime.backends.onnxruntime_backend import (
-        OrtDrafter,
-        OrtTarget,
-        OrtVQDecoder,
-        bundle_neighbors,
-    )
 
     manifest = load_manifest(bundle)
     info = bundle_info(bundle, manifest)
     if info.gpt.model_type != "c2i":
         raise ConfigError("the command line runs class-conditional bundles; use the Python API for captions")
-    target = OrtTarget(bundle, threads)
+    target = BundleTarget(bundle, runner, backend)
     spec = None
     if method.method != "ar":
         if not manifest["constants"].get("drafter"):
@@ -236,12 +238,14 @@ def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), th
             raise ConfigError(
                 f"bundle {bundle} stores {neighbors.shape[1]} neighbours per code, fewer than k={relax.k}"
             )
-        spec = Speculation(OrtDrafter(bundle, threads), tree, relax, neighbors)
-    decoder = OrtVQDecoder(bundle, threads)
+        device = target.cache.k.device
+        neighbors = None if neighbors is None else neighbors.to(device)
+        spec = Speculation(BundleDrafter(bundle, runner, backend), tree, relax, neighbors)
+    decoder = BundleVQDecoder(bundle, runner)
     null = info.gpt.num_classes
     return Pipeline(
         info=info,
-        backend="onnxruntime",
+        backend=backend,
         target=target,
         spec=spec,
         condition=lambda label: torch.tensor([int(label), null]),
@@ -249,6 +253,13 @@ def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), th
         method=method,
         device=str(target.cache.k.device),
     )
+
+
+def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
+    """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu)."""
+    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+
+    return bundle_pipeline(bundle, method, ort_runner(threads), "onnxruntime")
 
 
 @dataclass

@@ -152,8 +152,7 @@ def test_declared_shapes_and_dtypes(bundles):
         "tokens": ([1], "int64"),
         "positions": ([1], "int64"),
         "mask": ([1, 1, 1, 19 + 1], "bool"),
-        "past_k": ([*kv, 19, 8], "float16"),
-        "past_v": ([*kv, 19, 8], "float16"),
+        **{f"past_{kv_}_{i}": ([2, 2, 19, 8], "float16") for kv_ in "kv" for i in range(2)},
         "logits": ([2, 1, 64], "float32"),
         "hidden": ([2, 1, 32], "float16"),
         "new_k": ([*kv, 1, 8], "float16"),
@@ -166,8 +165,8 @@ def test_declared_shapes_and_dtypes(bundles):
         "hidden": ([2, 2, 32], "float16"),
         "positions": ([2], "int64"),
         "mask": ([1, 1, 2, 18 + 2], "bool"),
-        "past_k": ([*drafter_kv, 18, 8], "float16"),
-        "past_v": ([*drafter_kv, 18, 8], "float16"),
+        "past_k_0": ([2, 2, 18, 8], "float16"),
+        "past_v_0": ([2, 2, 18, 8], "float16"),
         "logits": ([2, 2, 64], "float32"),
         "hidden_out": ([2, 2, 32], "float16"),
         "new_k": ([*drafter_kv, 2, 8], "float16"),
@@ -178,7 +177,7 @@ def test_declared_shapes_and_dtypes(bundles):
 def test_manifest_describes_the_bundle(bundles):
     path = bundles["t2i-gqa-fp16"]
     manifest = load_manifest(path)
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 2
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 3
     assert manifest["dtype"] == "fp16" and manifest["opset"] == 18
     assert set(manifest["versions"]) == {"lantern_rt", "torch", "onnx"}
     assert manifest["gpt"]["n_kv_head"] == 2 and manifest["vq"]["codebook_size"] == 64

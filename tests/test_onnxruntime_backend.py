@@ -8,7 +8,8 @@ import torch
 
 from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
-from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, OrtDrafter, OrtTarget, OrtVQDecoder
+from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, BundleVQDecoder
+from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -29,8 +30,8 @@ def model_dir(bundle):
     return open_model_dir(bundle.parent / "c2i-fp32-model")
 
 
-def backends(bundle, model_dir, **kwargs) -> tuple[OrtTarget, TorchTarget]:
-    return OrtTarget(bundle, threads=1, **kwargs), TorchTarget(load_target(model_dir))
+def backends(bundle, model_dir) -> tuple[BundleTarget, TorchTarget]:
+    return BundleTarget(bundle, ort_runner(threads=1), "onnxruntime"), TorchTarget(load_target(model_dir))
 
 
 def test_greedy_decoding_matches_torch(bundle, model_dir):
@@ -50,7 +51,7 @@ def test_a_bundle_without_drafter_refuses_a_drafter(bundle):
     with pytest.raises(
         BundleError, match="has no drafter graphs; export it from a model directory with a drafter"
     ):
-        OrtDrafter(bundle, threads=1)
+        BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
 
 
 def test_tree_verify_step_matches_torch(bundle, model_dir):
@@ -74,7 +75,7 @@ def test_tree_verify_step_matches_torch(bundle, model_dir):
 
 
 def test_a_step_size_that_was_not_exported_is_refused(bundle):
-    target = OrtTarget(bundle, threads=1)
+    target = BundleTarget(bundle, ort_runner(threads=1), "onnxruntime")
     target.prefill(COND)
     with pytest.raises(BundleError, match=r"no target_step_5 graph \(it has steps of \[1, 26\] tokens\)"):
         target.step(
@@ -84,7 +85,7 @@ def test_a_step_size_that_was_not_exported_is_refused(bundle):
 
 def test_vq_decoder_matches_torch(bundle, model_dir):
     codes = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
-    images = OrtVQDecoder(bundle, threads=1).decode(codes)
+    images = BundleVQDecoder(bundle, ort_runner(threads=1)).decode(codes)
     torch.testing.assert_close(
         images, load_vq(model_dir).decode_code(codes, 4).detach(), atol=1e-4, rtol=1e-4
     )
@@ -95,7 +96,7 @@ def test_vq_decoder_matches_torch(bundle, model_dir):
 )
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch has no CUDA device here")
 def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
-    ours = OrtTarget(bundle, providers=[CUDA])
+    ours = BundleTarget(bundle, ort_runner(providers=[CUDA]), "onnxruntime")
     reference = TorchTarget(load_target(model_dir).cuda())
     assert ours.cache.k.is_cuda
     n = model_dir.gpt.block_size
@@ -107,7 +108,7 @@ def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
 def test_fp16_text_bundle_follows_torch(tmp_path_factory):
     """t2i with GQA in fp16: fp16 caches bound in place, logits close to the fp32 model."""
     bundle = shared_bundle(tmp_path_factory, "t2i-gqa-fp16")
-    ours = OrtTarget(bundle, threads=1)
+    ours = BundleTarget(bundle, ort_runner(threads=1), "onnxruntime")
     reference = TorchTarget(load_target(open_model_dir(bundle.parent / "t2i-gqa-fp16-model")))
     caption = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
     cond = torch.stack([caption, reference.model.null_condition])

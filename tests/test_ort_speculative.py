@@ -13,12 +13,13 @@ from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.export.checks import check_graph
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_target, open_model_dir
 from lantern_rt.runtime.acceptance import Relaxation
-from lantern_rt.runtime.backends.onnxruntime_backend import (
-    OrtDrafter,
-    OrtTarget,
+from lantern_rt.runtime.backends.bundle_graphs import (
+    BundleDrafter,
+    BundleTarget,
     bundle_neighbors,
     bundle_trees,
 )
+from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.drafting import draft_tree
@@ -52,12 +53,12 @@ def torch_drafter(bundle: Path, md: ModelDir) -> TorchDrafter:
 class Recorded:
     """A drafter backend that keeps the (logits, hidden) of every step."""
 
-    def __init__(self, backend: OrtDrafter | TorchDrafter):
+    def __init__(self, backend: BundleDrafter | TorchDrafter):
         self.backend, self.name, self.cache = backend, backend.name, backend.cache
         self.outputs: list[tuple[Tensor, Tensor]] = []
 
     def step(self, *args: Tensor | None) -> tuple[Tensor, Tensor]:
-        self.outputs.append(self.backend.step(*args))
+        self.outputs.append(tuple(t.clone() for t in self.backend.step(*args)))  # buffers are reused
         return self.outputs[-1]
 
 
@@ -75,7 +76,10 @@ def test_drafter_steps_match_torch(bundle, model_dir):
     """Two drafted naive_extend_57 trees: catch-up calls over padded rows and a committed cache,
     then level calls that see their ancestors' scratch slots."""
     tree = load_tree("naive_extend_57")
-    ours, reference = Recorded(OrtDrafter(bundle, threads=1)), Recorded(torch_drafter(bundle, model_dir))
+    ours, reference = (
+        Recorded(BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")),
+        Recorded(torch_drafter(bundle, model_dir)),
+    )
     g = torch.Generator().manual_seed(0)
     tokens, hidden = torch.randint(0, 64, (6,), generator=g), torch.randn(2, 6, 32, generator=g)
     drafts = []
@@ -101,7 +105,10 @@ def test_greedy_lantern_pp_matches_torch(bundle, model_dir, tree):
     reference = TorchTarget(load_target(model_dir))
     results = []
     for target, drafter in (
-        (OrtTarget(bundle, threads=1), OrtDrafter(bundle, threads=1)),
+        (
+            BundleTarget(bundle, ort_runner(threads=1), "onnxruntime"),
+            BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime"),
+        ),
         (reference, torch_drafter(bundle, model_dir)),
     ):
         spec = Speculation(drafter, bundle_trees(bundle)[tree], RELAX, neighbors)
@@ -112,7 +119,7 @@ def test_greedy_lantern_pp_matches_torch(bundle, model_dir, tree):
 
 
 def test_a_drafter_step_size_that_was_not_exported_is_refused(bundle):
-    drafter = OrtDrafter(bundle, threads=1)
+    drafter = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
     with pytest.raises(
         BundleError, match=r"no drafter_step_7 graph \(it has steps of \[1, 5, 6, 13, 14, 16\]"
     ):

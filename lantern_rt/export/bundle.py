@@ -44,7 +44,7 @@ from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.tree import StaticTree, tree_to_json
 
 FORMAT = "lantern-rt-bundle"
-BUNDLE_VERSION = 2  # 2: drafter graphs, trees, neighbour table
+BUNDLE_VERSION = 3  # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
@@ -257,15 +257,16 @@ def export_graph(
 def compare_with_torch(
     path: Path, module: GraphModule, reference: GraphModule, threads: int = 0, seed: int = 1
 ) -> dict[str, tuple[float, float]]:
-    """Run the ONNX graph (onnxruntime CPU) and ``reference`` (torch, fp32) on random valid
-    inputs: output name -> (max abs difference, max abs reference value)."""
+    """Run the ONNX graph (onnxruntime CPU) and ``reference``'s model (its own step function,
+    torch, fp32) on random valid inputs: output name -> (max abs difference, max abs reference
+    value)."""
     inputs = module.example_inputs(torch.Generator().manual_seed(seed))
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     got = session.run(None, {t.name: x.numpy() for t, x in zip(module.spec.inputs, inputs, strict=True)})
     with torch.inference_mode():
-        want = reference(*(x.float() if x.is_floating_point() else x for x in inputs))
+        want = reference.reference_forward(*(x.float() if x.is_floating_point() else x for x in inputs))
     want = want if isinstance(want, tuple) else (want,)
     return {
         t.name: (float(np.abs(g.astype(np.float64) - w.double().numpy()).max()), float(w.abs().max()))

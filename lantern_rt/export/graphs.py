@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
@@ -91,6 +92,20 @@ def _kv_spec(name: str, dims: KVDims, length: int, dtype: torch.dtype) -> Tensor
     return TensorSpec(name, (layers, ROWS, heads, length, head_dim), dtype)
 
 
+def _past_specs(dims: KVDims, length: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
+    """One ``past_k_{i}`` input per layer, then one ``past_v_{i}``: [rows, Hkv, length, D] each,
+    so that a graph reads each layer's cache in place (a stacked input would be split, a copy)."""
+    layers, heads, head_dim = dims
+    shape = (ROWS, heads, length, head_dim)
+    return tuple(TensorSpec(f"past_{kv}_{i}", shape, dtype) for kv in "kv" for i in range(layers))
+
+
+def _split_past(past: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer past inputs (all keys, then all values) -> (keys, values)."""
+    half = len(past) // 2
+    return list(past[:half]), list(past[half:])
+
+
 def _target_kv(model: Transformer) -> KVDims:
     c = model.config
     return c.n_layer, c.kv_heads, c.head_dim
@@ -107,9 +122,9 @@ def _random_tree_mask(g: torch.Generator, s: int, capacity: int, low: int) -> tu
     return length, depths, torch.cat([past, new], dim=1)[None, None]
 
 
-def _random_cache(g: torch.Generator, spec: TensorSpec) -> tuple[Tensor, Tensor]:
-    """Random, partly stale past K and V of ``spec``'s shape and dtype."""
-    return tuple(torch.randn(spec.shape, generator=g).to(spec.dtype) for _ in range(2))
+def _random_cache(g: torch.Generator, specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    """Random, partly stale per-layer past K and V of the ``past_*`` specs' shapes and dtype."""
+    return tuple(torch.randn(spec.shape, generator=g).to(spec.dtype) for spec in specs)
 
 
 class TargetPrefill(nn.Module):
@@ -117,7 +132,7 @@ class TargetPrefill(nn.Module):
 
     def __init__(self, model: Transformer):
         super().__init__()
-        self.model = model
+        self.model, self.blocks = model, Blocks.of_target(model)
         c = model.config
         dtype = model.output.weight.dtype
         cond = (
@@ -143,7 +158,16 @@ class TargetPrefill(nn.Module):
         h = self.model.embed_condition(cond)
         t = h.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None]
-        logits, hidden, k, v = self.model.step(h, torch.arange(t, device=h.device), causal, None, None)
+        h, k, v = self.blocks(h, torch.arange(t, device=h.device), causal, [], [])
+        hidden = rms_norm(h[:, -1], self.model.norm)
+        return self.model.output(hidden).float(), hidden, k, v
+
+    def reference_forward(self, cond: Tensor) -> tuple[Tensor, ...]:
+        """The same outputs from the model's own ``step`` (what the graph is checked against)."""
+        h = self.model.embed_condition(cond)
+        t = h.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        logits, hidden, k, v = self.model.step(h, torch.arange(t), causal, None, None)
         return logits[:, -1], hidden[:, -1], k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
@@ -160,7 +184,7 @@ class TargetStep(nn.Module):
 
     def __init__(self, model: Transformer, s: int):
         super().__init__()
-        self.model = model
+        self.model, self.blocks = model, Blocks.of_target(model)
         c = model.config
         dtype = model.output.weight.dtype
         cap, kv = cache_capacity(model), _target_kv(model)
@@ -170,8 +194,7 @@ class TargetStep(nn.Module):
                 TensorSpec("tokens", (s,), torch.int64),
                 TensorSpec("positions", (s,), torch.int64),
                 TensorSpec("mask", (1, 1, s, cap + s), torch.bool),
-                _kv_spec("past_k", kv, cap, dtype),
-                _kv_spec("past_v", kv, cap, dtype),
+                *_past_specs(kv, cap, dtype),
             ),
             (
                 TensorSpec("logits", (ROWS, s, c.vocab_size), torch.float32),
@@ -182,11 +205,19 @@ class TargetStep(nn.Module):
             dtype,
         )
 
-    def forward(
-        self, tokens: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(self, tokens: Tensor, positions: Tensor, mask: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
-        return self.model.step(h, positions, mask, past_k, past_v)
+        h, k, v = self.blocks(h, positions, mask, *_split_past(past))
+        hidden = rms_norm(h, self.model.norm)
+        return self.model.output(hidden).float(), hidden, k, v
+
+    def reference_forward(
+        self, tokens: Tensor, positions: Tensor, mask: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
+        """The same outputs from the model's own ``step``."""
+        h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
+        past_k, past_v = _split_past(past)
+        return self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
         """Random tokens after a random committed length at sorted depths the RoPE table holds;
@@ -196,7 +227,7 @@ class TargetStep(nn.Module):
         s = self.spec.inputs[0].shape[0]
         length, depths, mask = _random_tree_mask(g, s, cache_capacity(self.model), c.cls_token_num)
         tokens = torch.randint(c.vocab_size, (s,), generator=g)
-        return (tokens, length + depths, mask, *_random_cache(g, self.spec.inputs[3]))
+        return (tokens, length + depths, mask, *_random_cache(g, self.spec.inputs[3:]))
 
 
 class DrafterStep(nn.Module):
@@ -206,7 +237,7 @@ class DrafterStep(nn.Module):
 
     def __init__(self, drafter: Drafter, head: nn.Linear, s: int, capacity: int):
         super().__init__()
-        self.drafter, self.head = drafter, head
+        self.drafter, self.head, self.blocks = drafter, head, Blocks.of_drafter(drafter)
         c = drafter.config
         dtype = drafter.fc.weight.dtype
         kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
@@ -217,8 +248,7 @@ class DrafterStep(nn.Module):
                 TensorSpec("hidden", (ROWS, s, c.hidden_size), dtype),
                 TensorSpec("positions", (s,), torch.int64),
                 TensorSpec("mask", (1, 1, s, capacity + s), torch.bool),
-                _kv_spec("past_k", kv, capacity, dtype),
-                _kv_spec("past_v", kv, capacity, dtype),
+                *_past_specs(kv, capacity, dtype),
             ),
             (
                 TensorSpec("logits", (ROWS, s, c.vocab_size), torch.float32),
@@ -230,22 +260,33 @@ class DrafterStep(nn.Module):
         )
 
     def forward(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
+        d = self.drafter
         pairs = tokens.unsqueeze(0).expand(ROWS, -1)
-        h, k, v = self.drafter.step(pairs, hidden, positions, mask, past_k, past_v)
+        h = d.fc(torch.cat([d.embed_tokens(pairs), hidden.to(d.fc.weight.dtype)], dim=-1))
+        h, k, v = self.blocks(h, positions, mask, *_split_past(past))
+        return self.head(h).float(), h, k, v
+
+    def reference_forward(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
+        """The same outputs from the drafter's own ``step``."""
+        pairs = tokens.unsqueeze(0).expand(ROWS, -1)
+        past_k, past_v = _split_past(past)
+        h, k, v = self.drafter.step(pairs, hidden, positions, mask, torch.stack(past_k), torch.stack(past_v))
         return self.head(h).float(), h, k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
         """Random pairs at sorted depths below a random RoPE row (any committed length: the
         graph cannot tell committed from scratch slots), a random tree-like mask, random caches."""
         c = self.drafter.config
-        s, capacity = self.spec.inputs[0].shape[0], self.spec.inputs[4].shape[3]
+        s, capacity = self.spec.inputs[0].shape[0], self.spec.inputs[4].shape[2]
         _, depths, mask = _random_tree_mask(g, s, capacity, 0)
         start = int(torch.randint(self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS, (), generator=g))
         tokens = torch.randint(c.vocab_size, (s,), generator=g)
         hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
-        return (tokens, hidden, start + depths, mask, *_random_cache(g, self.spec.inputs[4]))
+        return (tokens, hidden, start + depths, mask, *_random_cache(g, self.spec.inputs[4:]))
 
 
 class VQDecode(nn.Module):
@@ -266,6 +307,8 @@ class VQDecode(nn.Module):
 
     def forward(self, codes: Tensor) -> Tensor:
         return self.vq.decode_code(codes, self.grid).float()
+
+    reference_forward = forward
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
         return (torch.randint(self.vq.config.codebook_size, self.spec.inputs[0].shape, generator=g),)

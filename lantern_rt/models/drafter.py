@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.config import ConfigError, GPTConfig
-from lantern_rt.models.target import RMSNorm, apply_rope, masked_attention, rope_table_2d
+from lantern_rt.models.target import RMSNorm, apply_rope, rope_table_2d
 
 
 @dataclass
@@ -106,10 +106,7 @@ class DrafterAttention(nn.Module):
         if self.n_kv != self.n_head:
             keys = keys.repeat_interleave(self.n_head // self.n_kv, dim=1)
             values = values.repeat_interleave(self.n_head // self.n_kv, dim=1)
-        if mask is not None and torch.onnx.is_in_onnx_export():
-            out = masked_attention(q, keys, values, mask)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), k, v
 
 

@@ -53,17 +53,6 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return out.flatten(3).type_as(x)
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """SDPA written out for ONNX export: the scores and the softmax in fp32 whatever the dtype.
-
-    ``mask`` is bool (True = may attend); a masked score gets the fp32 minimum, not -inf, so no
-    row can turn into NaN. Equal to ``F.scaled_dot_product_attention`` where a row sees a key.
-    """
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1)).float()
-    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -123,17 +112,14 @@ class Attention(nn.Module):
             rep = self.n_head // self.n_kv_head
             keys = keys.repeat_interleave(rep, dim=1)
             values = values.repeat_interleave(rep, dim=1)
-        if mask is not None and torch.onnx.is_in_onnx_export():
-            out = masked_attention(q, keys, values, mask)
-        else:
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None,
-                dropout_p=self.attn_dropout_p if self.training else 0.0,
-            )
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.attn_dropout_p if self.training else 0.0,
+        )
         out = out.transpose(1, 2).reshape(b, s, self.dim)
         return self.resid_dropout(self.wo(out)), k, v
 

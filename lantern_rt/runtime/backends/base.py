@@ -12,7 +12,8 @@ from lantern_rt.runtime.kv_cache import KVCache
 class TargetBackend(Protocol):
     """Runs the target's prefill and step graphs over two CFG rows and owns its KV cache.
 
-    ``cache.commit`` keeps the accepted entries of the last ``step``.
+    ``cache.commit`` keeps the accepted entries of the last ``step``. Returned tensors may be
+    the backend's own buffers: valid until its next call.
     """
 
     name: str
@@ -31,7 +32,8 @@ class TargetBackend(Protocol):
 
 
 class DrafterBackend(Protocol):
-    """Runs the drafter (with the target's LM head) over two CFG rows; owns the drafter cache."""
+    """Runs the drafter (with the target's LM head) over two CFG rows; owns the drafter cache.
+    Returned tensors may be the backend's own buffers: valid until its next call of that size."""
 
     name: str
     cache: KVCache

@@ -1,0 +1,184 @@
+"""The transformer forward as the exported graphs compute it: the same function as the models'
+``step``, written in fewer, larger ONNX nodes.
+
+On a CPU a small model's step costs about as much per node as per FLOP, so the graphs:
+- fuse the q/k/v and gate/up projections into one matmul each;
+- rotate q and k together (RoPE as ``x * cos + (x @ swap) * sin`` with precomputed tables);
+- attend over the cache without copying it: scores against the past and against the new keys
+  are computed apart and joined (the cache is an input per layer, never split or concatenated);
+- write RMSNorm in the pattern onnxruntime fuses into one kernel;
+- keep scores and softmax in fp32 whatever the graph's dtype.
+Each graph is compared with the torch model's ``step`` before a bundle is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lantern_rt.models.drafter import Drafter
+from lantern_rt.models.target import RMSNorm, Transformer
+
+
+def rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
+    """``norm(x)`` as Pow, ReduceMean, Add, Sqrt, Div, Mul: onnxruntime's SimplifiedLayerNorm pattern."""
+    xf = x.float()
+    return (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype) * norm.weight
+
+
+class Rope(nn.Module):
+    """Interleaved-pair RoPE from a (cos, sin) table [rows, D/2, 2] (rows of zeros zero x)."""
+
+    def __init__(self, table: Tensor):
+        super().__init__()
+        d = table.shape[1] * 2
+        self.register_buffer("cos", table[..., 0].repeat_interleave(2, dim=-1), persistent=False)
+        self.register_buffer("sin", table[..., 1].repeat_interleave(2, dim=-1), persistent=False)
+        swap = torch.zeros(d, d)
+        even = torch.arange(0, d, 2)
+        swap[even + 1, even] = -1.0  # out[2j]   = x[2j] cos - x[2j+1] sin
+        swap[even, even + 1] = 1.0  # out[2j+1] = x[2j+1] cos + x[2j] sin
+        self.register_buffer("swap", swap, persistent=False)
+
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin rows [S, 1, D] for ``positions`` [S]."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate ``x`` [B, S, heads, D] (computed in fp32)."""
+        xf = x.float()
+        return (xf * cos + torch.matmul(xf, self.swap) * sin).to(x.dtype)
+
+
+def attention_bias(mask: Tensor, group: int) -> Tensor:
+    """Additive fp32 bias [1, 1, group * S, P + S] from a bool mask [1, 1, S, P + S] (rows repeated
+    for the ``group`` query heads that share a key head)."""
+    bias = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+    return bias.repeat(1, 1, group, 1) if group > 1 else bias
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, past_k: Tensor | None, past_v: Tensor | None, bias: Tensor
+) -> Tensor:
+    """Attention of q [B, H, S, D] over the past [B, Hkv, P, D] and the new k, v [B, Hkv, S, D].
+
+    Query heads that share a key head are stacked as rows ([B, Hkv, H/Hkv * S, D]), so neither
+    the cache nor the keys are repeated. Returns [B, S, H * D].
+    """
+    b, h, s, d = q.shape
+    kv_heads = k.shape[1]
+    qg = (q * d**-0.5).reshape(b, kv_heads, h // kv_heads * s, d)
+    scores = torch.matmul(qg, k.transpose(-2, -1))
+    if past_k is not None:
+        scores = torch.cat([torch.matmul(qg, past_k.transpose(-2, -1)), scores], dim=-1)
+    probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
+    if past_k is None or past_v is None:
+        out = torch.matmul(probs, v)
+    else:
+        p = past_k.shape[2]
+        out = torch.matmul(probs[..., :p], past_v) + torch.matmul(probs[..., p:], v)
+    return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
+
+
+class Block(nn.Module):
+    """A pre-norm Llama block (LlamaGen's or the drafter's) with fused projections."""
+
+    def __init__(
+        self,
+        attn_norm: RMSNorm | None,
+        wqkv: Tensor,
+        wo: nn.Linear,
+        ffn_norm: RMSNorm,
+        w13: Tensor,
+        w2: nn.Linear,
+        heads: tuple[int, int, int],
+    ):
+        super().__init__()
+        self.attn_norm, self.wo, self.ffn_norm, self.w2 = attn_norm, wo, ffn_norm, w2
+        self.register_buffer("wqkv", wqkv.detach().clone(), persistent=False)
+        self.register_buffer("w13", w13.detach().clone(), persistent=False)
+        self.n_head, self.n_kv, self.head_dim = heads
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        cos: Tensor,
+        sin: Tensor,
+        bias: Tensor,
+        past: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, _ = x.shape
+        h = x if self.attn_norm is None else rms_norm(x, self.attn_norm)
+        qkv = F.linear(h, self.wqkv).view(b, s, self.n_head + 2 * self.n_kv, self.head_dim)
+        qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=2)
+        q, k = rope.rotate(qk, cos, sin).transpose(1, 2).split([self.n_head, self.n_kv], dim=1)
+        v = v.transpose(1, 2)
+        past_k, past_v = past if past is not None else (None, None)
+        x = x + self.wo(attend(q, k, v, past_k, past_v, bias))
+        gate, up = F.linear(rms_norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up), k, v
+
+
+class Blocks(nn.Module):
+    """The layers of a target or drafter and its RoPE table, as one step function."""
+
+    def __init__(self, blocks: list[Block], table: Tensor):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.rope = Rope(table)
+        self.group = blocks[0].n_head // blocks[0].n_kv
+
+    @classmethod
+    def of_target(cls, model: Transformer) -> Blocks:
+        c = model.config
+        heads = (c.n_head, c.kv_heads, c.head_dim)
+        blocks = [
+            Block(
+                layer.attention_norm,
+                layer.attention.wqkv.weight,
+                layer.attention.wo,
+                layer.ffn_norm,
+                torch.cat([layer.feed_forward.w1.weight, layer.feed_forward.w3.weight]),
+                layer.feed_forward.w2,
+                heads,
+            )
+            for layer in model.layers
+        ]
+        return cls(blocks, model.freqs_cis)
+
+    @classmethod
+    def of_drafter(cls, drafter: Drafter) -> Blocks:
+        c = drafter.config
+        heads = (c.num_attention_heads, c.kv_heads, c.head_dim)
+        blocks = []
+        for layer in drafter.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            blocks.append(
+                Block(
+                    getattr(layer, "input_layernorm", None),
+                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    attn.o_proj,
+                    layer.post_attention_layernorm,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    mlp.down_proj,
+                    heads,
+                )
+            )
+        return cls(blocks, drafter.freqs_cis)
+
+    def forward(
+        self, h: Tensor, positions: Tensor, mask: Tensor, past_k: list[Tensor], past_v: list[Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """h [B, S, dim] at ``positions`` [S] under ``mask`` [1, 1, S, P + S] over per-layer caches
+        [B, Hkv, P, D] (empty lists: no cache) -> h and the new K/V [n_layer, B, Hkv, S, D]."""
+        cos, sin = self.rope.tables(positions)
+        bias = attention_bias(mask, self.group)
+        new_k, new_v = [], []
+        for i, block in enumerate(self.blocks):
+            past = (past_k[i], past_v[i]) if past_k else None
+            h, k, v = block(h, self.rope, cos, sin, bias, past)
+            new_k.append(k)
+            new_v.append(v)
+        return h, torch.stack(new_k), torch.stack(new_v)

@@ -1,0 +1,168 @@
+"""Backends over a bundle's graphs, whatever engine runs them (onnxruntime, TensorRT).
+
+An engine supplies a :data:`RunnerFactory`: given the bundle folder and one graph's manifest
+entry it returns a :class:`GraphRunner`. Everything else—which graph serves which call, the KV
+caches, masks and the VQ decoder's fixed batch—lives here once, for every engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lantern_rt.export.bundle import BundleError, load_manifest
+from lantern_rt.models.neighbors import load_neighbors_file
+from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.tree import StaticTree, build_tree
+
+
+class GraphRunner(Protocol):
+    """One bundle graph on an engine.
+
+    Called with torch tensors in the manifest's input order (a ``past_k_{i}``/``past_v_{i}``
+    input per layer); returns its outputs in the manifest's order. The returned tensors are the
+    runner's own buffers: valid until its next call.
+    """
+
+    device: torch.device
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]: ...
+
+
+RunnerFactory = Callable[[Path, dict[str, Any]], GraphRunner]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The manifest's dtype name (numpy's) as a torch dtype."""
+    return getattr(torch, name)
+
+
+def kv_layers(entry: dict[str, Any]) -> int:
+    """Layers of a step graph: how many ``past_k_{i}`` inputs it declares."""
+    return sum(spec["name"].startswith("past_k_") for spec in entry["inputs"])
+
+
+class StepGraphs:
+    """A bundle's ``{prefix}_{S}`` graphs, one per exported S, and the cache their inputs declare."""
+
+    def __init__(
+        self, bundle: Path, graphs: dict[str, Any], prefix: str, sizes: list[int], runner: RunnerFactory
+    ):
+        self.prefix = prefix
+        self.entries = {s: graphs[f"{prefix}_{s}"] for s in sizes}
+        self.graphs = {s: runner(bundle, entry) for s, entry in self.entries.items()}
+
+    def __getitem__(self, s: int) -> GraphRunner:
+        """The graph for ``s`` tokens; :class:`BundleError` when it was not exported."""
+        graph = self.graphs.get(s)
+        if graph is None:
+            raise BundleError(
+                f"the bundle has no {self.prefix}_{s} graph (it has steps of {sorted(self.graphs)} "
+                "tokens); export it with that tree"
+            )
+        return graph
+
+    def new_cache(self) -> KVCache:
+        """An empty cache shaped like the per-layer ``past_k_{i}`` inputs, on the graphs' device."""
+        s, entry = next(iter(self.entries.items()))
+        past = next(spec for spec in entry["inputs"] if spec["name"] == "past_k_0")
+        rows, heads, capacity, head_dim = past["shape"]
+        dtype, device = torch_dtype(past["dtype"]), self.graphs[s].device
+        return KVCache(kv_layers(entry), rows, heads, capacity, head_dim, dtype, device)
+
+
+class BundleTarget:
+    """``TargetBackend`` over a bundle's ``target_prefill`` and ``target_step_{S}`` graphs."""
+
+    def __init__(self, bundle: str | Path, runner: RunnerFactory, name: str):
+        bundle = Path(bundle)
+        manifest = load_manifest(bundle)
+        self.name = name
+        self.cls_token_num = manifest["constants"]["cls_token_num"]
+        self._prefill = runner(bundle, manifest["graphs"]["target_prefill"])
+        sizes = manifest["constants"]["step_sizes"]
+        self._steps = StepGraphs(bundle, manifest["graphs"], "target_step", sizes, runner)
+        self.cache = self._steps.new_cache()
+
+    def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
+        self.cache.reset()
+        logits, hidden, k, v = self._prefill(cond)
+        self.cache.stage(k, v)
+        self.cache.commit(list(range(self.cls_token_num)))
+        return logits, hidden
+
+    def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+        graph = self._steps[len(tokens)]
+        mask = self.cache.mask(tree_mask.to(self.cache.k.device))
+        logits, hidden, k, v = graph(tokens, positions, mask, *self.cache.k, *self.cache.v)
+        self.cache.stage(k, v)
+        return logits, hidden
+
+
+class BundleDrafter:
+    """``DrafterBackend`` over a bundle's ``drafter_step_{S}`` graphs (the LM head is inside them);
+    its cache has the manifest's ``drafter_capacity``."""
+
+    def __init__(self, bundle: str | Path, runner: RunnerFactory, name: str):
+        bundle = Path(bundle)
+        manifest = load_manifest(bundle)
+        constants = manifest["constants"]
+        if not constants["drafter"] or not constants["drafter_step_sizes"]:
+            raise BundleError(
+                f"{bundle} has no drafter graphs; export it from a model directory with a drafter "
+                "and at least one tree"
+            )
+        self.name = name
+        sizes = constants["drafter_step_sizes"]
+        self._steps = StepGraphs(bundle, manifest["graphs"], "drafter_step", sizes, runner)
+        self.cache = self._steps.new_cache()
+
+    def step(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        graph = self._steps[len(tokens)]
+        device = self.cache.k.device
+        mask = self.cache.mask(new_mask.to(device), None if scratch is None else scratch.to(device))
+        logits, out, k, v = graph(tokens, hidden, positions, mask, *self.cache.k, *self.cache.v)
+        self.cache.stage(k, v)
+        return logits, out
+
+
+class BundleVQDecoder:
+    """The bundle's ``vq_decode`` graph: codes [N, grid^2] -> images [N, C, H, W] in about [-1, 1]."""
+
+    def __init__(self, bundle: str | Path, runner: RunnerFactory):
+        bundle = Path(bundle)
+        entry = load_manifest(bundle)["graphs"]["vq_decode"]
+        self._graph = runner(bundle, entry)
+        self.batch = entry["inputs"][0]["shape"][0]
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """Decode in chunks of the graph's fixed batch, zero-padding the last one."""
+        images = []
+        for start in range(0, len(codes), self.batch):
+            chunk = codes[start : start + self.batch]
+            padded = torch.zeros(self.batch, *codes.shape[1:], dtype=codes.dtype, device=codes.device)
+            padded[: len(chunk)] = chunk
+            images.append(self._graph(padded)[0][: len(chunk)].clone())
+        return torch.cat(images)
+
+
+def bundle_neighbors(bundle: str | Path) -> Tensor:
+    """The bundle's latent-neighbour table [V, k] as int64 (on the CPU)."""
+    bundle = Path(bundle)
+    return load_neighbors_file(bundle / load_manifest(bundle)["constants"]["neighbors"]["file"])
+
+
+def bundle_trees(bundle: str | Path) -> dict[str, StaticTree]:
+    """The trees the bundle was exported for, by name, validated against its drafting width."""
+    manifest = load_manifest(Path(bundle))
+    width = manifest["constants"]["max_draft_width"]
+    return {
+        name: build_tree(tree["paths"], name=tree["name"], max_width=width)
+        for name, tree in manifest["trees"].items()
+    }
