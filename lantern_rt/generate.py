@@ -150,6 +150,11 @@ def make_pipeline(
         return torch_pipeline(source, method, device)
     if backend == "onnxruntime":
         if isinstance(source, ModelDir):
+            if method.drafter is not None:
+                raise ConfigError(
+                    "a --drafter override runs on the torch backend (bundles hold the model's own "
+                    "drafter): add --backend torch"
+                )
             source = cached_bundle(source, method)
         return onnxruntime_pipeline(Path(source), method, threads)
     raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -196,7 +201,7 @@ def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Pa
     out = cache_root() / f"{md.name}-{key}"
     if not (out / "manifest.json").is_file():
         print(f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr)
-        export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True)
+        export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True, progress=True)
     return out
 
 

@@ -7,13 +7,16 @@ in a temporary folder beside ``out`` and renames it into place only when all of 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.metadata
 import json
+import logging
 import shutil
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from tqdm import tqdm
 
 from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
 from lantern_rt.export.graphs import (
@@ -72,11 +76,13 @@ def export_bundle(
     opset: int = DEFAULT_OPSET,
     threads: int = 0,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Export the target (prefill, step 1 and the verify step of each tree), the VQ decoder, the
     neighbour table and, when ``model_dir`` has a drafter, the drafter steps of each tree.
 
-    ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default).
+    ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
+    ``progress`` shows a progress bar over the graphs.
     """
     out = Path(out)
     trees = _check_args(out, trees, dtype, opset, overwrite)
@@ -89,7 +95,7 @@ def export_bundle(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         entries = {}
-        for module, reference in graphs:
+        for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
             entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
         if target.config.model_type == "t2i":
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
@@ -224,17 +230,18 @@ def export_graph(
     path = folder / f"{spec.name}.onnx"
     big = sum(p.numel() * p.element_size() for p in module.parameters()) > EXTERNAL_DATA_BYTES
     try:
-        torch.onnx.export(
-            module.eval(),
-            module.example_inputs(torch.Generator().manual_seed(0)),
-            str(path),
-            input_names=[t.name for t in spec.inputs],
-            output_names=[t.name for t in spec.outputs],
-            opset_version=opset,
-            dynamo=True,
-            external_data=big,
-            verbose=False,
-        )
+        with _quiet_exporter():
+            torch.onnx.export(
+                module.eval(),
+                module.example_inputs(torch.Generator().manual_seed(0)),
+                str(path),
+                input_names=[t.name for t in spec.inputs],
+                output_names=[t.name for t in spec.outputs],
+                opset_version=opset,
+                dynamo=True,
+                external_data=big,
+                verbose=False,
+            )
     except Exception as err:  # the exporter raises many types; report one line
         raise ExportError(f"{spec.name}: torch.onnx.export failed: {_first_line(err)}") from err
     problems = check_graph(path, spec)
@@ -252,6 +259,20 @@ def export_graph(
     entry = {"file": path.name, **spec.to_dict()}
     entry["max_abs_err"] = {name: err for name, (err, _) in errors.items()}
     return entry
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silence the exporter's notes that concern no user (missing torchvision ops, deprecations)."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def compare_with_torch(

@@ -41,26 +41,41 @@ class LevelPlan:
     parents: Tensor  # their parents' node ids
     ranks: Tensor  # their sibling ranks
     scratch: Tensor  # [n, N] bool: the scratch slots (node id - 1) of each node's strict ancestors
+    own_mask: Tensor  # [n, n] bool: each node sees only itself among the new rows
+    slots: Tensor  # the nodes' scratch slots (node id - 1)
+    last_slot: int
 
 
 @lru_cache(maxsize=32)
-def level_plans(tree: StaticTree) -> tuple[LevelPlan, ...]:
-    """Static per-level index tables for depths 1..max_depth."""
+def level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...]:
+    """Static per-level index tables for depths 1..max_depth, on ``device``."""
     plans = []
     for nodes in tree.levels[1:]:
         scratch = torch.zeros(len(nodes), tree.num_nodes, dtype=torch.bool)
         for i, node in enumerate(nodes):
             for a in tree.ancestors[node][:-1]:
                 scratch[i, a - 1] = True
+        ids = torch.tensor(nodes)
         plans.append(
             LevelPlan(
-                nodes=torch.tensor(nodes),
-                parents=tree.parent[list(nodes)],
-                ranks=tree.rank[list(nodes)],
-                scratch=scratch,
+                nodes=ids.to(device),
+                parents=tree.parent[list(nodes)].to(device),
+                ranks=tree.rank[list(nodes)].to(device),
+                scratch=scratch.to(device),
+                own_mask=torch.eye(len(nodes), dtype=torch.bool, device=device),
+                slots=(ids - 1).to(device),
+                last_slot=max(nodes) - 1,
             )
         )
     return tuple(plans)
+
+
+@lru_cache(maxsize=64)
+def catch_up_mask(rows: int, m: int, device: torch.device) -> Tensor:
+    """[rows, rows]: the first ``m`` rows causal, padding rows see only themselves."""
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    causal[m:] = torch.eye(rows, dtype=torch.bool, device=device)[m:]
+    return causal
 
 
 def catch_up_rows(tree: StaticTree) -> int:
@@ -90,9 +105,7 @@ def draft_tree(
     hidden = torch.cat([pending_hidden, pending_hidden.new_zeros(2, pad, pending_hidden.shape[-1])], dim=1)
     positions = torch.full((rows,), root_position, device=device)
     positions[:m] = torch.arange(root_position - m + 1, root_position + 1, device=device)
-    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
-    causal[m:] = torch.eye(rows, dtype=torch.bool, device=device)[m:]  # padding rows see only themselves
-    logits, out = drafter.step(tokens, hidden, positions, causal, None)
+    logits, out = drafter.step(tokens, hidden, positions, catch_up_mask(rows, m, device), None)
     drafter.cache.commit(list(range(m)))
 
     n = tree.num_nodes + 1
@@ -109,23 +122,20 @@ def draft_tree(
     drawn_valid = torch.zeros(n, tree.width, dtype=torch.bool, device=device)
     drawn_ids[0], drawn_valid[0] = drawn[0], drawn_ok[0]
 
-    plans = level_plans(tree)
-    for depth, plan in enumerate(plans, start=1):
-        nodes, parents, ranks = plan.nodes.to(device), plan.parents.to(device), plan.ranks.to(device)
+    for depth, plan in enumerate(level_plans(tree, device), start=1):
+        nodes, parents, ranks = plan.nodes, plan.parents, plan.ranks
         node_tokens[nodes] = drawn_ids[parents, ranks]
         valid[nodes] = drawn_valid[parents, ranks]
         if depth == tree.max_depth:
             break
-        count = nodes.shape[0]
-        eye = torch.eye(count, dtype=torch.bool, device=device)
         logits, out = drafter.step(
             node_tokens[nodes],
             node_hidden[:, parents],
-            torch.full((count,), root_position + depth, device=device),
-            eye,
-            plan.scratch.to(device),
+            torch.full((nodes.shape[0],), root_position + depth, device=device),
+            plan.own_mask,
+            plan.scratch,
         )
-        drafter.cache.place(nodes - 1)
+        drafter.cache.place(plan.slots, plan.last_slot)
         node_hidden[:, nodes] = out
         q[nodes] = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
         ids, ok = draw_distinct(q[nodes], tree.width, sampling.greedy, generator)

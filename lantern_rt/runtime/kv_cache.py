@@ -27,6 +27,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self._slots = torch.arange(capacity, device=device)
         self.length = 0
         self._staged: tuple[Tensor, Tensor] | None = None
 
@@ -39,7 +40,7 @@ class KVCache:
         ``new_mask`` [S, S]: every committed entry is visible, stale entries are not, except
         that ``scratch`` [S, M] opens the M slots right after ``length`` (see ``place``)."""
         s = new_mask.shape[0]
-        past = (torch.arange(self.capacity, device=new_mask.device) < self.length).expand(s, -1)
+        past = (self._slots < self.length).expand(s, -1)
         if scratch is not None:
             past = past.clone()
             past[:, self.length : self.length + scratch.shape[1]] = scratch
@@ -48,16 +49,17 @@ class KVCache:
     def stage(self, new_k: Tensor, new_v: Tensor) -> None:
         self._staged = (new_k, new_v)
 
-    def place(self, offsets: Tensor | list[int]) -> None:
+    def place(self, offsets: Tensor, last: int) -> None:
         """Write every staged entry to slot ``length + offset`` without committing it (drafted
-        tree levels that deeper levels attend to; overwritten by later commits)."""
+        tree levels that deeper levels attend to; overwritten by later commits). ``last`` is
+        the largest offset (checked against the capacity without reading the device)."""
         assert self._staged is not None, "place without a staged call"
+        if self.length + last >= self.capacity:
+            raise RuntimeError(f"KV cache overflow: slot {self.length + last} >= {self.capacity}")
         new_k, new_v = self._staged
-        slots = self.length + torch.as_tensor(offsets, device=new_k.device, dtype=torch.long)
-        if int(slots.max()) >= self.capacity:
-            raise RuntimeError(f"KV cache overflow: slot {int(slots.max())} >= {self.capacity}")
-        self.k[:, :, :, slots] = new_k
-        self.v[:, :, :, slots] = new_v
+        slots = offsets.to(new_k.device) + self.length
+        self.k.index_copy_(3, slots, new_k)
+        self.v.index_copy_(3, slots, new_v)
 
     def commit(self, keep: Tensor | list[int]) -> None:
         """Append staged entries ``keep`` (indices along the new-token axis) after ``length``."""

@@ -52,7 +52,8 @@ def processed_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     logits = logits.float()
     if cfg.greedy:
         return logits
-    logits = logits / cfg.temperature
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
     vocab = logits.shape[-1]
     if 0 < cfg.top_k < vocab:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
@@ -94,6 +95,9 @@ def draw_distinct(
     Returns (tokens [M, width] in draw order, valid [M, width]): a token is invalid when its
     probability is zero (fewer than ``width`` tokens have support).
     """
+    if width == 1 and not greedy:  # one draw: a categorical sample is the same law, in one op
+        tokens = torch.multinomial(probs, 1, generator=generator)
+        return tokens, torch.ones_like(tokens, dtype=torch.bool)
     logp = torch.log(probs)
     if not greedy:
         u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)

@@ -2,8 +2,8 @@
 
 Inputs and outputs are torch tensors whose memory onnxruntime reads and writes directly, on the
 CPU or, with the CUDA execution provider, on the GPU, so the KV cache never leaves its device.
-Bindings persist between calls: an input is rebound only when a call passes other memory (the
-caches never move), and outputs live in buffers allocated once per graph.
+Bindings persist between calls: small inputs are copied into buffers bound once, the caches are
+bound in place (they never move), and outputs live in buffers allocated once per graph.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def session_options(threads: int) -> ort.SessionOptions:
 
 
 class OrtGraph:
-    """One bundle graph in an onnxruntime session (a :class:`GraphRunner`)."""
+    """One bundle graph in an onnxruntime session (a :class:`GraphRunner`).
+
+    Small inputs are copied into buffers bound once; cache inputs (``past_*``), too large to
+    copy, are bound where they lie and rebound only when a call passes other memory.
+    """
 
     def __init__(self, bundle: Path, entry: dict[str, Any], threads: int, providers: list[str]):
         self.session = ort.InferenceSession(
@@ -48,11 +52,15 @@ class OrtGraph:
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         self.inputs, self.outputs = entry["inputs"], entry["outputs"]
         self._binding = self.session.io_binding()
-        self._bound: list[Tensor | None] = [None] * len(self.inputs)  # keeps bound memory alive
-        self._results = tuple(
-            torch.empty(spec["shape"], dtype=torch_dtype(spec["dtype"]), device=self.device)
-            for spec in self.outputs
-        )
+        self._in_place = [spec["name"].startswith("past_") for spec in self.inputs]
+        self._buffers: list[Tensor | None] = [
+            None if in_place else self._allocate(spec)
+            for spec, in_place in zip(self.inputs, self._in_place, strict=True)
+        ]
+        for spec, buffer in zip(self.inputs, self._buffers, strict=True):
+            if buffer is not None:
+                self._bind(self._binding.bind_input, spec, buffer)
+        self._results = tuple(self._allocate(spec) for spec in self.outputs)
         for spec, out in zip(self.outputs, self._results, strict=True):
             self._bind(self._binding.bind_output, spec, out)
 
@@ -64,15 +72,20 @@ class OrtGraph:
                 raise ValueError(
                     f"input {spec['name']} has shape {list(arg.shape)}, the graph wants {spec['shape']}"
                 )
-            arg = arg.to(self.device, torch_dtype(spec["dtype"])).contiguous()
-            bound = self._bound[i]
-            if bound is None or bound.data_ptr() != arg.data_ptr():
+            buffer = self._buffers[i]
+            if not self._in_place[i]:
+                buffer.copy_(arg)
+            elif buffer is None or buffer.data_ptr() != arg.data_ptr():
+                arg = arg.to(self.device, torch_dtype(spec["dtype"])).contiguous()
                 self._bind(self._binding.bind_input, spec, arg)
-                self._bound[i] = arg
+                self._buffers[i] = arg  # keeps the bound memory alive
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # torch's pending writes, e.g. a cache commit
         self.session.run_with_iobinding(self._binding)
         return self._results
+
+    def _allocate(self, spec: dict[str, Any]) -> Tensor:
+        return torch.empty(spec["shape"], dtype=torch_dtype(spec["dtype"]), device=self.device)
 
     def _bind(self, bind: Any, spec: dict[str, Any], tensor: Tensor) -> None:
         index = self.device.index or 0
