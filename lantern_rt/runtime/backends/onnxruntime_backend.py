@@ -29,11 +29,14 @@ def default_providers() -> list[str]:
     return [CPU]
 
 
-def session_options(threads: int) -> ort.SessionOptions:
-    """One intra-op pool of ``threads`` (0: onnxruntime's choice), all graph optimisations."""
+def session_options(threads: int, config: dict[str, str] | None = None) -> ort.SessionOptions:
+    """One intra-op pool of ``threads`` (0: onnxruntime's choice), all graph optimisations, and
+    session ``config`` entries (e.g. ``{"session.disable_quant_qdq": "1"}``)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     return options
 
 
@@ -44,10 +47,10 @@ class OrtGraph:
     copy, are bound where they lie and rebound only when a call passes other memory.
     """
 
-    def __init__(self, bundle: Path, entry: dict[str, Any], threads: int, providers: list[str]):
-        self.session = ort.InferenceSession(
-            str(bundle / entry["file"]), session_options(threads), providers=providers
-        )
+    def __init__(
+        self, bundle: Path, entry: dict[str, Any], options: ort.SessionOptions, providers: list[str]
+    ):
+        self.session = ort.InferenceSession(str(bundle / entry["file"]), options, providers=providers)
         on_gpu = self.session.get_providers()[0] == CUDA
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         self.inputs, self.outputs = entry["inputs"], entry["outputs"]
@@ -92,11 +95,14 @@ class OrtGraph:
         bind(spec["name"], self.device.type, index, np.dtype(spec["dtype"]), spec["shape"], tensor.data_ptr())
 
 
-def ort_runner(threads: int = 0, providers: list[str] | None = None) -> RunnerFactory:
-    """A :data:`RunnerFactory` making onnxruntime sessions (default providers: see above)."""
+def ort_runner(
+    threads: int = 0, providers: list[str] | None = None, config: dict[str, str] | None = None
+) -> RunnerFactory:
+    """A :data:`RunnerFactory` making onnxruntime sessions (default providers: see above;
+    ``config``: session config entries, see :func:`session_options`)."""
     chosen = providers or default_providers()
 
     def make(bundle: Path, entry: dict[str, Any]) -> OrtGraph:
-        return OrtGraph(bundle, entry, threads, chosen)
+        return OrtGraph(bundle, entry, session_options(threads, config), chosen)
 
     return make

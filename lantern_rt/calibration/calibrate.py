@@ -1,0 +1,443 @@
+"""INT8 by calibration: a Q/DQ bundle made from an fp32 bundle and the inputs its graphs really see.
+
+:func:`calibrate_bundle` generates images with the fp32 bundle on onnxruntime through a recording
+:data:`RunnerFactory` (the decode loop is unchanged), quantizes the target and drafter graphs with
+onnxruntime's static QDQ quantizer (symmetric int8, zero points 0, per-channel weight scales, only
+the weight MatMul/Gemm inputs: attention products, softmax and the VQ decoder stay fp32), writes
+the new bundle like :func:`export_bundle` does, and compares it with the fp32 bundle: accuracy
+with the Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime
+sessions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from torch import Tensor
+
+from lantern_rt.export.bundle import MANIFEST, ExportError, _move_into_place, load_manifest, sha256
+from lantern_rt.export.checks import check_graph, io_specs
+from lantern_rt.generate import MethodConfig, Pipeline, bundle_pipeline, generate
+from lantern_rt.runtime.backends.bundle_graphs import (
+    BundleDrafter,
+    GraphRunner,
+    RunnerFactory,
+    bundle_neighbors,
+    bundle_trees,
+)
+from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
+from lantern_rt.runtime.decode import Speculation
+from lantern_rt.runtime.sampling import SamplingConfig
+
+UNQUANTIZED = ("vq_decode",)  # convolutions run once per image; kept fp32
+QUANTIZED_OPS = ("MatMul", "Gemm")
+MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+class CalibrationError(ExportError):
+    """The bundle cannot be calibrated, or a quantized graph breaks a rule."""
+
+
+class Recorder:
+    """Wraps a :data:`RunnerFactory`; keeps copies of at most ``limit`` calls per graph, drawn
+    uniformly from all its calls (reservoir sampling), as numpy arrays keyed by input name."""
+
+    def __init__(self, inner: RunnerFactory, limit: int = MAX_SAMPLES_PER_GRAPH, seed: int = 0):
+        self.inner, self.limit, self._rng = inner, limit, random.Random(seed)
+        self.samples: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, bundle: Path, entry: dict[str, Any]) -> GraphRunner:
+        name, runner = Path(entry["file"]).stem, self.inner(bundle, entry)
+        if name in UNQUANTIZED:
+            return runner
+        self.samples.setdefault(name, [])
+        self.calls.setdefault(name, 0)
+        return _RecordingRunner(self, name, entry, runner)
+
+    def offer(self, name: str, entry: dict[str, Any], args: tuple[Tensor, ...]) -> None:
+        """Keep this call's inputs with the probability that keeps the sample uniform."""
+        seen, kept = self.calls[name], self.samples[name]
+        self.calls[name] = seen + 1
+        slot = seen if seen < self.limit else self._rng.randrange(seen + 1)
+        if slot >= self.limit:
+            return
+        record = {
+            spec["name"]: arg.detach().cpu().numpy().astype(spec["dtype"], copy=True)
+            for spec, arg in zip(entry["inputs"], args, strict=True)
+        }
+        if slot < len(kept):
+            kept[slot] = record
+        else:
+            kept.append(record)
+
+
+class _RecordingRunner:
+    """A graph runner that offers every call's inputs to its :class:`Recorder`."""
+
+    def __init__(self, recorder: Recorder, name: str, entry: dict[str, Any], inner: GraphRunner):
+        self.recorder, self.name, self.entry, self.inner = recorder, name, entry, inner
+        self.device = inner.device
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
+        self.recorder.offer(self.name, self.entry, args)
+        return self.inner(*args)
+
+
+class _Samples(CalibrationDataReader):
+    """onnxruntime's calibration reader over recorded inputs."""
+
+    def __init__(self, samples: list[dict[str, np.ndarray]]):
+        self._it: Iterator[dict[str, np.ndarray]] = iter(samples)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+
+def spread_labels(count: int, num_classes: int) -> list[int]:
+    """``count`` class ids spread evenly over all classes (each class once before any repeats)."""
+    return [i * num_classes // count if count < num_classes else i % num_classes for i in range(count)]
+
+
+def pipelines(bundle: Path, method: MethodConfig, runner: RunnerFactory) -> dict[str, Pipeline]:
+    """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle, all on one
+    set of graph runners."""
+    ar = bundle_pipeline(bundle, MethodConfig("ar"), runner, "onnxruntime")
+    if method.method == "ar":
+        return {"ar": ar}
+    if not load_manifest(bundle)["constants"]["drafter"]:
+        raise CalibrationError(f"{bundle} has no drafter graphs: use method ar")
+    relax = method.relaxation()
+    neighbors = bundle_neighbors(bundle)[:, : relax.k] if relax.relaxed else None
+    if neighbors is not None and neighbors.shape[1] < relax.k:
+        raise CalibrationError(
+            f"{bundle} stores {neighbors.shape[1]} neighbours per code, fewer than k={relax.k}"
+        )
+    drafter = BundleDrafter(bundle, runner, "onnxruntime")
+    return {
+        name: dataclasses.replace(
+            ar,
+            spec=Speculation(drafter, tree, relax, neighbors),
+            method=dataclasses.replace(method, tree=name),
+        )
+        for name, tree in bundle_trees(bundle).items()
+    } | {"ar": ar}
+
+
+def record_inputs(
+    bundle: Path, samples: int, method: MethodConfig, seed: int = 0, threads: int = 0, progress: bool = False
+) -> Recorder:
+    """Generate ``samples`` images (sampling, the model's CFG scale) with every pipeline of
+    :func:`pipelines` through a :class:`Recorder`; every graph but the VQ decoder must see calls."""
+    manifest = load_manifest(bundle)
+    recorder = Recorder(ort_runner(threads, [CPU]), seed=seed)
+    sampling = SamplingConfig(cfg_scale=manifest["sampling_defaults"].get("cfg_scale", 4.0))
+    labels = spread_labels(samples, manifest["gpt"]["num_classes"])
+    for i, pipe in enumerate(pipelines(bundle, method, recorder).values()):
+        generate(pipe, labels, sampling, seed=seed, progress=progress, start_index=i * samples)
+    missing = [name for name, calls in recorder.calls.items() if not calls]
+    if missing:
+        raise CalibrationError(
+            f"no calls reached {', '.join(missing)} while calibrating with {method.method}"
+        )
+    return recorder
+
+
+def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]]) -> None:
+    """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes, calibrated on
+    ``samples`` (min/max, symmetric); raises :class:`CalibrationError` if it breaks a rule."""
+    model = onnx.load(str(src))
+    nodes = weight_nodes(model)
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    # its advice to run quant_pre_process goes to the root logger; that step adds nothing here
+    # (static shapes, same ops) but opset imports of onnxruntime's own domains
+    logging.disable(logging.WARNING)
+    try:
+        _quantize(src, dst, samples, nodes, external)
+    finally:
+        logging.disable(logging.NOTSET)
+    problems = check_graph(dst) + qdq_problems(dst)
+    if problems:
+        raise CalibrationError(f"{dst.stem}: {problems[0]}")
+
+
+def weight_nodes(model: onnx.ModelProto) -> list[str]:
+    """The MatMul/Gemm nodes whose second input is a learned weight: a constant that is not all
+    0 and +-1 (RoPE's rotate-half matrix is exact in any precision, and quantizing its input
+    would only add error to the queries and keys)."""
+    consts = {t.name: t for t in model.graph.initializer}
+    return [
+        node.name
+        for node in model.graph.node
+        if node.op_type in QUANTIZED_OPS
+        and node.input[1] in consts
+        and not np.isin(onnx.numpy_helper.to_array(consts[node.input[1]]), (-1, 0, 1)).all()
+    ]
+
+
+def _quantize(
+    src: Path, dst: Path, samples: list[dict[str, np.ndarray]], nodes: list[str], external: bool
+) -> None:
+    quantize_static(
+        str(src),
+        str(dst),
+        _Samples(samples),
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        op_types_to_quantize=list(QUANTIZED_OPS),
+        nodes_to_quantize=nodes,
+        use_external_data_format=external,
+        calibration_providers=["CPUExecutionProvider"],
+        extra_options={
+            "ActivationSymmetric": True,
+            "WeightSymmetric": True,
+            "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),  # logits stay full precision
+        },
+    )
+
+
+def qdq_problems(path: Path) -> list[str]:
+    """TensorRT's Q/DQ rules the graph breaks: standard ops only, int8 zero points that are 0."""
+    model = onnx.load(str(path))
+    consts = {t.name: t for t in model.graph.initializer}
+    problems = [
+        f"{n.op_type} is from domain {n.domain}" for n in model.graph.node if n.domain not in ("", "ai.onnx")
+    ]
+    for node in model.graph.node:
+        if node.op_type in QDQ:
+            zero = consts.get(node.input[2]) if len(node.input) > 2 else None
+            if zero is None or zero.data_type != onnx.TensorProto.INT8:
+                problems.append(f"{node.name} has no int8 zero point")
+            elif onnx.numpy_helper.to_array(zero).any():
+                problems.append(f"{node.name} has a non-zero zero point")
+    if not any(node.op_type in QDQ for node in model.graph.node):
+        problems.append("no Q/DQ nodes")
+    return problems
+
+
+def calibrate_bundle(
+    bundle: Path,
+    out: Path,
+    samples: int,
+    method: MethodConfig | None = None,
+    seed: int = 0,
+    validate: int | None = None,
+    threads: int = 0,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
+    calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
+    bundle has a drafter); compare it with ``bundle`` on ``validate`` images (default: one per
+    class) and return the report (see :func:`validation` and :func:`markdown_table`)."""
+    bundle, out = Path(bundle), Path(out)
+    manifest = load_manifest(bundle)
+    if manifest["dtype"] != "fp32":
+        raise CalibrationError(f"{bundle} is a {manifest['dtype']} bundle; calibrate an fp32 bundle")
+    if samples < 1:
+        raise CalibrationError(f"samples must be at least 1, got {samples}")
+    if out.resolve() == bundle.resolve():
+        raise CalibrationError(f"the int8 bundle must go elsewhere than {bundle}")
+    if out.exists() and not overwrite:
+        raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
+    method = method or MethodConfig("lantern++" if manifest["constants"]["drafter"] else "ar")
+    recorder = record_inputs(bundle, samples, method, seed, threads, progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        graphs = _write_graphs(bundle, manifest, recorder, tmp)
+        _write_manifest(bundle, manifest, graphs, recorder, method, samples, seed, tmp)
+        tmp.chmod(0o755)  # mkdtemp made it private
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    labels = spread_labels(validate or manifest["gpt"]["num_classes"], manifest["gpt"]["num_classes"])
+    return {
+        "fp32": str(bundle),
+        "int8": str(out),
+        "samples": samples,
+        "graphs": graph_agreement(bundle, out, recorder, threads),
+        "validation": validation(bundle, out, labels, method, seed, threads, progress),
+    }
+
+
+def graph_agreement(
+    fp32: Path, int8: Path, recorder: Recorder, threads: int = 0
+) -> dict[str, dict[str, Any]]:
+    """Per quantized graph, on its recorded (calibration) inputs and ``AS_WRITTEN`` sessions:
+    calls seen, inputs kept, the fraction of logits rows whose argmax the int8 graph keeps, and
+    its largest logits error relative to the largest fp32 logit."""
+    options = session_options(threads, AS_WRITTEN)
+    result = {}
+    for name, samples in recorder.samples.items():
+        fp32_graph, int8_graph = (
+            ort.InferenceSession(str(path / f"{name}.onnx"), options, providers=["CPUExecutionProvider"])
+            for path in (fp32, int8)
+        )
+        agree, error = [], 0.0
+        for sample in samples:
+            want, got = (graph.run(["logits"], sample)[0] for graph in (fp32_graph, int8_graph))
+            agree.append(float((want.argmax(-1) == got.argmax(-1)).mean()))
+            error = max(error, float(np.abs(got - want).max() / np.abs(want).max()))
+        result[name] = {
+            "calls": recorder.calls[name],
+            "samples": len(samples),
+            "top1_agreement": float(np.mean(agree)),
+            "max_rel_error": error,
+        }
+    return result
+
+
+def _write_graphs(bundle: Path, manifest: dict[str, Any], recorder: Recorder, tmp: Path) -> dict[str, Any]:
+    """Quantized graphs and copies of the other files in ``tmp``; the new graph entries."""
+    graphs = {}
+    for name, entry in manifest["graphs"].items():
+        src, dst = bundle / entry["file"], tmp / entry["file"]
+        if name in UNQUANTIZED:
+            graphs[name] = {**entry, "precision": "fp32"}
+            continue
+        quantize_graph(src, dst, recorder.samples[name])
+        if list(io_specs(dst)) != [entry["inputs"], entry["outputs"]]:
+            raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
+        kept = {k: v for k, v in entry.items() if k != "max_abs_err"}  # that was fp32 vs torch
+        graphs[name] = {**kept, "precision": "int8", "calibration_samples": len(recorder.samples[name])}
+    for file in manifest["files"]:
+        if not (tmp / file).exists():
+            shutil.copy2(bundle / file, tmp / file)
+    return graphs
+
+
+def _write_manifest(
+    source: Path,
+    manifest: dict[str, Any],
+    graphs: dict[str, Any],
+    recorder: Recorder,
+    method: MethodConfig,
+    samples: int,
+    seed: int,
+    tmp: Path,
+) -> None:
+    new = {**manifest, "dtype": "int8", "graphs": graphs}
+    new["versions"] = {**manifest["versions"], "onnxruntime": ort.__version__}
+    new["calibration"] = {
+        "source_manifest_sha256": sha256(source / MANIFEST),
+        "tool": f"onnxruntime.quantization {ort.__version__}",
+        "scheme": "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations",
+        "ops": [f"{op} with constant weights" for op in QUANTIZED_OPS],
+        "method": method.method,
+        "params": method.params(),
+        "images_per_pipeline": samples,
+        "seed": seed,
+        "calls": dict(recorder.calls),
+    }
+    new["files"] = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps(new, indent=1))
+
+
+# Run Q/DQ graphs as written (DequantizeLinear, then the float op): the numerics a TensorRT
+# engine implements. onnxruntime's fused int8 CPU kernels are not that reference: on x86 CPUs
+# without VNNI their u8s8 products saturate.
+AS_WRITTEN = {"session.disable_quant_qdq": "1"}
+
+
+def validation(
+    fp32: Path,
+    int8: Path,
+    labels: list[int],
+    method: MethodConfig,
+    seed: int = 0,
+    threads: int = 0,
+    progress: bool = False,
+) -> dict[str, list[dict[str, Any]]]:
+    """Both bundles with every pipeline of :func:`pipelines` and the same seeds.
+
+    ``accuracy``: greedy and sampling on ``AS_WRITTEN`` onnxruntime sessions; per run, the fraction of
+    equal tokens (position by position), the mean count of equal tokens before the first
+    difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
+    onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
+    """
+    cfg = load_manifest(fp32)["sampling_defaults"].get("cfg_scale", 4.0)
+    modes = {"greedy": SamplingConfig(cfg, temperature=0.0), "sampling": SamplingConfig(cfg)}
+    bundles = {"fp32": fp32, "int8": int8}
+    reference = {d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN)) for d, b in bundles.items()}
+    runtime = {d: pipelines(b, method, ort_runner(threads, [CPU])) for d, b in bundles.items()}
+    accuracy, speed = [], []
+    for name in reference["fp32"]:
+        label = "ar" if name == "ar" else f"{method.method} {name}"
+        for mode, sampling in modes.items():
+            runs = {
+                d: generate(p[name], labels, sampling, seed=seed, progress=progress)
+                for d, p in reference.items()
+            }
+            same = runs["fp32"].tokens == runs["int8"].tokens
+            accuracy.append(
+                {
+                    "run": f"{label} {mode}",
+                    "token_agreement": float(same.float().mean()),
+                    "common_prefix": float(same.int().cumprod(dim=1).sum(dim=1).float().mean()),
+                    **{d: {"mean_accepted_length": r.stats["mean_accepted_length"]} for d, r in runs.items()},
+                }
+            )
+        runs = {
+            d: generate(p[name], labels, modes["sampling"], seed=seed, progress=progress)
+            for d, p in runtime.items()
+        }
+        speed.append({"run": f"{label} sampling", **{d: _speed(r.stats) for d, r in runs.items()}})
+    return {"accuracy": accuracy, "speed": speed}
+
+
+def _speed(stats: dict[str, Any]) -> dict[str, float]:
+    return {
+        "mean_accepted_length": stats["mean_accepted_length"],
+        "seconds_per_image": stats["decode_seconds"] / max(1, stats["num_images"]),
+    }
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """A :func:`calibrate_bundle` report as markdown: the runs, then the graphs."""
+    lines = [
+        "| run (reference Q/DQ numerics) | token agreement | equal prefix | tau fp32 | tau int8 |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["validation"]["accuracy"]:
+        lines.append(
+            f"| {row['run']} | {row['token_agreement']:.3f} | {row['common_prefix']:.1f} "
+            f"| {row['fp32']['mean_accepted_length']:.2f} | {row['int8']['mean_accepted_length']:.2f} |"
+        )
+    lines += [
+        "",
+        "| run (onnxruntime runtime) | tau fp32 | tau int8 | s/img fp32 | s/img int8 |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["validation"]["speed"]:
+        f, i = row["fp32"], row["int8"]
+        lines.append(
+            f"| {row['run']} | {f['mean_accepted_length']:.2f} | {i['mean_accepted_length']:.2f} "
+            f"| {f['seconds_per_image']:.3f} | {i['seconds_per_image']:.3f} |"
+        )
+    lines += [
+        "",
+        "| graph | calls | inputs kept | logits top-1 agreement | max logits error (rel.) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, g in report["graphs"].items():
+        lines.append(
+            f"| {name} | {g['calls']} | {g['samples']} | {g['top1_agreement']:.3f} | {g['max_rel_error']:.3f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""``lantern calibrate``: an int8 Q/DQ bundle from an fp32 bundle (see :mod:`.calibrate`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from lantern_rt.errors import UserError, reports_errors
+
+
+@click.command("calibrate")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "--samples",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Images generated with the fp32 bundle per decoding pipeline (AR, and the method on each "
+    "of the bundle's trees) to record the graphs' inputs.",
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for the int8 bundle.")
+@click.option(
+    "--method",
+    type=click.Choice(["ar", "exact", "lantern", "lantern++"]),
+    default=None,
+    help="Speculative method that drives the drafter and verify graphs. Default: lantern++ when "
+    "the bundle has a drafter, else ar.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the calibration images.")
+@click.option(
+    "--validate",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Images per validation run (fp32 vs int8). Default: one per class.",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
+)
+@click.option(
+    "--report-json", type=click.Path(path_type=Path), default=None, help="Also write the report as JSON."
+)
+@click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@reports_errors
+def calibrate_cmd(bundle, samples, out, method, seed, validate, threads, report_json, force, quiet):
+    """Quantize BUNDLE's target and drafter graphs to int8 (Q/DQ), calibrated on the inputs they
+    see while generating, and compare the result with BUNDLE on onnxruntime."""
+    from lantern_rt.calibration.calibrate import calibrate_bundle, markdown_table
+    from lantern_rt.generate import MethodConfig
+
+    t0 = time.perf_counter()
+    if report_json is not None and not report_json.resolve().parent.is_dir():
+        raise UserError(f"cannot write {report_json}: its folder does not exist")
+    config = None if method is None else MethodConfig(method)
+    report = calibrate_bundle(
+        bundle, out, samples, config, seed, validate, threads, overwrite=force, progress=not quiet
+    )
+    click.echo(markdown_table(report))
+    if report_json is not None:
+        report_json.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(f"calibrated {bundle} in {time.perf_counter() - t0:.0f}s -> {out}", err=True)
