@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -12,49 +11,12 @@ from pathlib import Path
 
 import click
 
-EXIT_BAD_INPUT = 2
+from lantern_rt.errors import UserError, reports_errors
+
 # Measured on the demo (BENCHMARKS.md): on a CPU a small chain beats the wide trees, whose
 # verify cost grows with their size; GPUs, memory-bound at these sizes, favour the wide tree.
 CPU_DEFAULT_TREE = "chain-4"
 GPU_DEFAULT_TREE = "naive_extend_57"
-
-
-class UserError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from lantern_rt.export.bundle import BundleError, ExportError
-    from lantern_rt.models.checkpoint import CheckpointError
-    from lantern_rt.models.config import ConfigError
-    from lantern_rt.runtime.acceptance import AcceptanceError
-    from lantern_rt.runtime.sampling import SamplingError
-    from lantern_rt.runtime.tree import TreeError
-
-    return (
-        UserError,
-        CheckpointError,
-        ConfigError,
-        SamplingError,
-        TreeError,
-        AcceptanceError,
-        BundleError,
-        ExportError,
-    )
-
-
-def reports_errors(fn):
-    """Turn the package's input errors into ``error: ...`` on stderr and exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except _user_errors() as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-
-    return wrapper
 
 
 def _source(model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None):
@@ -70,7 +32,7 @@ def _source(model_path: Path | None, bundle: Path | None, backend: str | None, d
     if model_path is not None or drafter_path is not None:
         raise UserError("--bundle runs an exported bundle: drop --model and --drafter")
     if backend == "torch":
-        raise UserError("a bundle runs on onnxruntime: drop --backend torch or --bundle")
+        raise UserError("a bundle runs on onnxruntime or tensorrt: drop --backend torch or --bundle")
     manifest = load_manifest(bundle)
     return bundle_info(bundle, manifest), bundle, bool(manifest["constants"].get("drafter"))
 
@@ -167,10 +129,23 @@ def main() -> None:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["onnxruntime", "torch"]),
+    type=click.Choice(["onnxruntime", "tensorrt", "torch"]),
     default=None,
-    help="Runtime backend. Default: torch, or onnxruntime with --bundle (a model directory run on "
-    "onnxruntime is exported once into $LANTERN_CACHE or ~/.cache/lantern-rt).",
+    help="Runtime backend. Default on a CPU: onnxruntime (a model directory is exported once into "
+    "$LANTERN_CACHE or ~/.cache/lantern-rt); torch for another --device or a --drafter override. "
+    "tensorrt runs a bundle's plans from 'lantern build-engines'.",
+)
+@click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=True,
+    show_default=True,
+    help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="NVTX ranges around prefill, draft, verify, accept, KV compaction and VQ decode, and "
+    "cudaProfilerStart/Stop around the images after the first (see README: nsys).",
 )
 @click.option(
     "--bundle",
@@ -221,6 +196,8 @@ def generate(
     lantern_lambda,
     drafter_path,
     backend,
+    cuda_graphs,
+    profile,
     bundle,
     device,
     threads,
@@ -243,7 +220,9 @@ def generate(
 
         torch.set_num_threads(threads)
     md, source, has_drafter = _source(model_path, bundle, backend, drafter_path)
-    backend = backend or ("onnxruntime" if bundle is not None else "torch")
+    if backend is None:
+        on_cpu = device == "cpu" and drafter_path is None
+        backend = "onnxruntime" if bundle is not None or on_cpu else "torch"
     specs = [s for c in classes for s in c.split(",") if s.strip()] or [
         str(i) for i in range(md.gpt.num_classes)
     ]
@@ -266,8 +245,8 @@ def generate(
     mc = MethodConfig(method, tree, lantern_k, lantern_delta, lantern_lambda, drafter)
     mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
-    pipe = make_pipeline(source, backend, mc, device, threads)
-    result = run(pipe, labels, sampling, seed=seed, progress=not quiet)
+    pipe = make_pipeline(source, backend, mc, device, threads, cuda_graphs)
+    result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
     if save_tokens is not None:
@@ -555,6 +534,12 @@ def bench_cmd(
     click.echo(speed_table(results["rows"]))
     click.echo(f"wrote results.json, results.md and plots -> {out}", err=True)
 
+
+from lantern_rt.calibration.cli import calibrate_cmd  # noqa: E402  (they import lantern_rt.errors)
+from lantern_rt.engines.cli import build_engines_cmd  # noqa: E402
+
+main.add_command(build_engines_cmd)
+main.add_command(calibrate_cmd)
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -21,6 +22,7 @@ from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.models.target import Transformer
+from lantern_rt.runtime import profiling
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.backends.bundle_graphs import (
@@ -68,7 +70,9 @@ class MethodConfig:
         return {"tree": self.tree, **extra.get(self.method, {})}
 
 
-def speculation(md: ModelDir, target: Transformer, mc: MethodConfig, device: str) -> Speculation | None:
+def speculation(
+    md: ModelDir, target: Transformer, mc: MethodConfig, device: str, cuda_graphs: bool = False
+) -> Speculation | None:
     """Drafter, tree, relaxation and neighbour table for a speculative method (None for ar)."""
     if mc.method == "ar":
         return None
@@ -77,7 +81,7 @@ def speculation(md: ModelDir, target: Transformer, mc: MethodConfig, device: str
     drafter = load_drafter(md, mc.drafter, device)
     neighbors = load_neighbors(md, relax.k).to(device) if relax.relaxed else None
     capacity = md.gpt.block_size + tree.num_nodes + 1
-    return Speculation(TorchDrafter(drafter, target.output, capacity), tree, relax, neighbors)
+    return Speculation(TorchDrafter(drafter, target.output, capacity, cuda_graphs), tree, relax, neighbors)
 
 
 def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -109,8 +113,11 @@ class Pipeline:
     device: str = "cpu"
 
 
-def torch_pipeline(md: ModelDir, method: MethodConfig = MethodConfig(), device: str = "cpu") -> Pipeline:
-    """The reference pipeline: the torch models of a model directory, eager."""
+def torch_pipeline(
+    md: ModelDir, method: MethodConfig = MethodConfig(), device: str = "cpu", cuda_graphs: bool = False
+) -> Pipeline:
+    """The reference pipeline: the torch models of a model directory, eager or (``cuda_graphs``,
+    on a CUDA device) with every step replayed from a captured CUDA graph."""
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
@@ -122,8 +129,8 @@ def torch_pipeline(md: ModelDir, method: MethodConfig = MethodConfig(), device: 
     return Pipeline(
         info=md,
         backend="torch",
-        target=TorchTarget(target_model),
-        spec=speculation(md, target_model, method, device),
+        target=TorchTarget(target_model, cuda_graphs),
+        spec=speculation(md, target_model, method, device, cuda_graphs),
         condition=lambda label: condition_rows(target_model, label),
         decode_codes=decode_codes,
         method=method,
@@ -131,7 +138,7 @@ def torch_pipeline(md: ModelDir, method: MethodConfig = MethodConfig(), device: 
     )
 
 
-BACKENDS = ("torch", "onnxruntime")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 def make_pipeline(
@@ -140,24 +147,35 @@ def make_pipeline(
     method: MethodConfig = MethodConfig(),
     device: str = "cpu",
     threads: int = 0,
+    cuda_graphs: bool = True,
 ) -> Pipeline:
-    """A pipeline for a model directory (torch) or an exported bundle folder (onnxruntime)."""
+    """A pipeline for a model directory (torch) or an exported bundle folder (onnxruntime,
+    tensorrt; a model directory is exported into the cache first). ``cuda_graphs`` applies to
+    torch on a CUDA device and to tensorrt."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "torch":
         if not isinstance(source, ModelDir):
             raise ConfigError(
                 "the torch backend runs a model directory, not a bundle: use --backend onnxruntime"
             )
-        return torch_pipeline(source, method, device)
+        return torch_pipeline(source, method, device, cuda_graphs and device.startswith("cuda"))
+    if backend == "tensorrt":
+        from lantern_rt.engines.compat import require_tensorrt
+
+        require_tensorrt()  # before any export: without TensorRT there is nothing to build for
+    if isinstance(source, ModelDir):
+        if method.drafter is not None:
+            raise ConfigError(
+                "a --drafter override runs on the torch backend (bundles hold the model's own "
+                "drafter): add --backend torch"
+            )
+        source = cached_bundle(source, method)
     if backend == "onnxruntime":
-        if isinstance(source, ModelDir):
-            if method.drafter is not None:
-                raise ConfigError(
-                    "a --drafter override runs on the torch backend (bundles hold the model's own "
-                    "drafter): add --backend torch"
-                )
-            source = cached_bundle(source, method)
         return onnxruntime_pipeline(Path(source), method, threads)
-    raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
+
+    return bundle_pipeline(Path(source), method, trt_runner(source, cuda_graphs=cuda_graphs), "tensorrt")
 
 
 def cache_root() -> Path:
@@ -282,11 +300,14 @@ def generate(
     seed: int = 0,
     progress: bool = True,
     start_index: int = 0,
+    profile: bool = False,
 ) -> Generation:
     """Generate one image per entry of ``labels``; timings and acceptance stats in ``stats``.
 
     Image ``i`` draws from the random stream ``(seed, start_index + i)``, so a run split into
-    pieces gives the same images as one run.
+    pieces gives the same images as one run. ``profile`` records NVTX ranges (see
+    :mod:`lantern_rt.runtime.profiling`) and brackets every image after the first (the warm-up)
+    and the VQ decode with cudaProfilerStart/Stop.
     """
     t_start = time.perf_counter()
     labels = list(labels)
@@ -294,20 +315,28 @@ def generate(
     n_tokens = md.gpt.block_size
     all_tokens, accepted, per_image = [], [], []
     desc = f"{method.method}/{pipe.backend}"
-    for i, label in enumerate(tqdm(labels, desc=desc, unit="img", disable=not progress)):
-        t0 = time.perf_counter()
-        generator = image_generator(seed, start_index + i, pipe.device)
-        result = decode_image(pipe.target, pipe.condition(label), n_tokens, sampling, generator, spec)
-        per_image.append(time.perf_counter() - t0)
-        all_tokens.append(result.tokens)
-        accepted.extend(result.accepted)
-    tokens = torch.stack(all_tokens) if all_tokens else torch.zeros(0, n_tokens, dtype=torch.long)
-    t_vq = time.perf_counter()
-    images = (
-        to_uint8(torch.cat([pipe.decode_codes(tokens[i : i + 64]) for i in range(0, len(tokens), 64)]))
-        if len(tokens)
-        else np.zeros((0, md.image_size, md.image_size, md.vq.out_channels), np.uint8)
-    )
+    steady = contextlib.ExitStack()
+    with profiling.recording(profile), steady:
+        for i, label in enumerate(tqdm(labels, desc=desc, unit="img", disable=not progress)):
+            if i == 1:
+                steady.enter_context(profiling.capture(profile))
+            t0 = time.perf_counter()
+            generator = image_generator(seed, start_index + i, pipe.device)
+            with profiling.span("image"):
+                result = decode_image(pipe.target, pipe.condition(label), n_tokens, sampling, generator, spec)
+            per_image.append(time.perf_counter() - t0)
+            all_tokens.append(result.tokens)
+            accepted.extend(result.accepted)
+        tokens = torch.stack(all_tokens) if all_tokens else torch.zeros(0, n_tokens, dtype=torch.long)
+        t_vq = time.perf_counter()
+        with profiling.span("vq_decode"):
+            images = (
+                to_uint8(
+                    torch.cat([pipe.decode_codes(tokens[i : i + 64]) for i in range(0, len(tokens), 64)])
+                )
+                if len(tokens)
+                else np.zeros((0, md.image_size, md.image_size, md.vq.out_channels), np.uint8)
+            )
     calls = len(accepted)
     stats = {
         "model": md.name,

@@ -14,6 +14,7 @@ from torch import Tensor
 from lantern_rt.runtime.acceptance import Relaxation, verify_tree
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
 from lantern_rt.runtime.drafting import Draft, draft_tree
+from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution, sample
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
@@ -51,7 +52,8 @@ def decode_image(
     tree = spec.tree if spec else ROOT_ONLY
     relax = spec.relax if spec else EXACT
     neighbors = spec.neighbors if spec else None
-    logits, hidden = target.prefill(cond)
+    with span("prefill"):
+        logits, hidden = target.prefill(cond)
     p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
     device = p.device
     tokens = [int(sample(p, sampling, generator))]
@@ -64,17 +66,20 @@ def decode_image(
     while len(tokens) < num_tokens:
         root_position = target.cache.length
         if spec:
-            draft = draft_tree(
-                spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
-            )
+            with span("draft"):
+                draft = draft_tree(
+                    spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
+                )
         else:
             # no children: q is never read
             draft = Draft(pending[-1:], torch.ones(1, dtype=torch.bool, device=device), p[None])
-        logits, hidden = target.step(draft.tokens, root_position + depth, mask)
-        p_tree = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-        result = verify_tree(
-            tree, draft.tokens, draft.valid, p_tree, draft.q, neighbors, relax, sampling.greedy, generator
-        )
+        with span("verify"):
+            logits, hidden = target.step(draft.tokens, root_position + depth, mask)
+        with span("accept"):
+            p_tree = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
+            result = verify_tree(
+                tree, draft.tokens, draft.valid, p_tree, draft.q, neighbors, relax, sampling.greedy, generator
+            )
         kept = [0, *result.path]
         new = draft.tokens[kept[1:]].tolist() + [result.bonus]
         emitted = new[: num_tokens - len(tokens)]
@@ -82,7 +87,8 @@ def decode_image(
         accepted.append(len(emitted))
         if len(tokens) == num_tokens:
             break
-        target.cache.commit(kept)
+        with span("kv_compaction"):
+            target.cache.commit(kept)
         pending = torch.tensor(new, device=device)
         pending_hidden = hidden[:, kept]
     return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)

@@ -1,0 +1,170 @@
+"""One GPU check in one command (``scripts/gpu_check.sh``): what the device machine measures.
+
+1. The demo on every available path: torch eager and torch CUDA graphs on the GPU, onnxruntime
+   on the CPU (and TensorRT where installed and its plans can be built): AR and LANTERN++,
+   seconds per image, mean accepted length, speedup over AR on the same path, and greedy token
+   agreement between paths.
+2. The per-step cost of a tree verify against a one-token step for LlamaGen-B and -XL shaped
+   targets with random weights (fp16, CUDA graphs): the ratio that decides the speedup at real
+   sizes.
+Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
+the tests on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lantern_rt.generate import MethodConfig, generate, make_pipeline
+from lantern_rt.models.config import gpt_config
+from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
+from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.backends.torch_backend import TorchTarget
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import load_tree
+
+SAMPLING = SamplingConfig(cfg_scale=3.0)
+GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+
+
+def paths(device: str) -> list[tuple[str, str, bool]]:
+    """(name, backend, cuda_graphs) for every path this machine can run."""
+    found = [("onnxruntime-cpu", "onnxruntime", False)]
+    if device.startswith("cuda"):
+        found = [("torch-eager", "torch", False), ("torch-cudagraphs", "torch", True), *found]
+    return found
+
+
+def run_path(
+    backend: str, graphs: bool, method: MethodConfig, device: str, labels: list[int]
+) -> dict[str, Any]:
+    """Sampling-mode speed and greedy tokens for one path and method (first image: warm-up)."""
+    md = open_model_dir(DEMO_DIR)
+    pipe = make_pipeline(md, backend, method, device if backend == "torch" else "cpu", 1, graphs)
+    generate(pipe, labels[:1], SAMPLING, seed=99, progress=False)
+    timed = generate(pipe, labels, SAMPLING, seed=0, progress=False)
+    greedy = generate(pipe, labels[:2], GREEDY, seed=0, progress=False)
+    seconds = sorted(timed.stats["seconds_per_image"])
+    return {
+        "s_per_image": seconds[len(seconds) // 2],
+        "tau": timed.stats["mean_accepted_length"],
+        "greedy_tokens": greedy.tokens,
+    }
+
+
+def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]:
+    """Every path x (ar, lantern++): speed, tau, speedup vs AR on that path, greedy agreement."""
+    rows, reference = [], {}
+    for name, backend, graphs in paths(device):
+        ar = None
+        for method in (MethodConfig("ar"), MethodConfig("lantern++", tree=tree)):
+            r = run_path(backend, graphs, method, device, labels)
+            ar = ar or r["s_per_image"]
+            tokens = r.pop("greedy_tokens")
+            first = reference.setdefault(method.method, tokens)
+            rows.append(
+                {
+                    "path": name,
+                    "method": method.method,
+                    **r,
+                    "speedup_vs_ar": ar / r["s_per_image"],
+                    "greedy_agreement_vs_first_path": float((tokens == first).float().mean()),
+                }
+            )
+    return rows
+
+
+def step_costs(preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    """Milliseconds of one target step of 1 token and of a tree verify, random weights."""
+    config = gpt_config(preset, vocab_size=16384, block_size=256, num_classes=1000)
+    model = Transformer(config).to(device, dtype).eval()
+    graphs = device.startswith("cuda")
+    verify = load_tree(tree)
+    out = {"preset": preset, "tree": tree, "dtype": str(dtype).removeprefix("torch.")}
+    for s, mask in (
+        (1, torch.ones(1, 1, dtype=torch.bool)),
+        (verify.num_nodes + 1, verify.mask),
+    ):
+        target = TorchTarget(model, cuda_graphs=graphs)
+        target.prefill(torch.tensor([1, config.num_classes], device=device))
+        target.cache.length = 128  # a half-full cache
+        tokens = torch.zeros(s, dtype=torch.long, device=device)
+        positions = torch.arange(128, 128 + s, device=device)
+        mask = mask.to(device)
+        for _ in range(3):
+            target.step(tokens, positions, mask)
+        if graphs:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            target.step(tokens, positions, mask)
+        if graphs:
+            torch.cuda.synchronize()
+        out[f"ms_step_{s}"] = (time.perf_counter() - t0) / repeats * 1e3
+    out["verify_over_step"] = out[f"ms_step_{verify.num_nodes + 1}"] / out["ms_step_1"]
+    return out
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [f"# GPU check ({result['device_name']})", "", "## Demo", ""]
+    lines += [
+        "| path | method | s/img | tau | speedup vs AR | greedy agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["demo"]:
+        lines.append(
+            f"| {r['path']} | {r['method']} | {r['s_per_image']:.4f} | {r['tau']:.2f} | "
+            f"{r['speedup_vs_ar']:.2f}x | {r['greedy_agreement_vs_first_path']:.3f} |"
+        )
+    lines += ["", "## Tree verify vs one-token step (random weights)", ""]
+    lines += ["| preset | dtype | tree | ms step 1 | ms verify | ratio |", "|---|---|---|---|---|---|"]
+    for r in result["step_costs"]:
+        verify = next(v for k, v in r.items() if k.startswith("ms_step_") and k != "ms_step_1")
+        lines.append(
+            f"| {r['preset']} | {r['dtype']} | {r['tree']} | {r['ms_step_1']:.3f} | {verify:.3f} | "
+            f"{r['verify_over_step']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="Tiny sizes: a smoke run on any machine.")
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    labels = [0, 1] if args.quick else list(range(10))
+    presets = ["GPT-B"] if args.quick else ["GPT-B", "GPT-XL"]
+    result = {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "demo": demo_rows(args.device, "naive_extend_57" if cuda else "chain-4", labels),
+        "step_costs": [
+            step_costs(
+                p,
+                "naive_extend_57",
+                args.device,
+                torch.float16 if cuda else torch.float32,
+                2 if args.quick else 50,
+            )
+            for p in presets
+        ],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    text = report(result)
+    (args.out / "gpu_check.md").write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

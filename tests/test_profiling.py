@@ -1,0 +1,118 @@
+"""``--profile`` (NVTX ranges) and CUDA-graph replay: what can be checked without a GPU here,
+and the GPU checks that run where CUDA is present."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lantern_rt.cli import main
+from lantern_rt.models.config import ConfigError
+from lantern_rt.runtime import profiling
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import decode_image
+from lantern_rt.runtime.sampling import SamplingConfig
+from tests.conftest import tiny_gpt
+
+STAGES = {"image", "prefill", "verify", "accept", "kv_compaction", "vq_decode"}
+
+
+@pytest.fixture
+def fake_nvtx(monkeypatch):
+    """An ``nvtx`` module that records the ranges opened, in order."""
+    opened: list[tuple[str, str]] = []
+
+    class Range:
+        def __init__(self, name: str, domain: str):
+            opened.append((name, domain))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(annotate=Range))
+    return opened
+
+
+def generate(model_dir, tmp_path, *extra: str) -> np.ndarray:
+    tokens = tmp_path / f"t{len(extra)}.npy"
+    args = ["generate", "-q", "--backend", "torch", "--model", str(model_dir), "--class", "1"]
+    args += ["-n", "2", "-o", str(tmp_path / "g.png"), "--save-tokens", str(tokens), *extra]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    return np.load(tokens)
+
+
+def test_profile_opens_a_range_per_stage_and_changes_no_token(tiny_model_dir, tmp_path, fake_nvtx):
+    plain = generate(tiny_model_dir, tmp_path)
+    assert fake_nvtx == []  # off unless asked
+    profiled = generate(tiny_model_dir, tmp_path, "--profile")
+    np.testing.assert_array_equal(plain, profiled)
+    names = [name for name, _ in fake_nvtx]
+    assert set(names) == STAGES and {d for _, d in fake_nvtx} == {profiling.DOMAIN}
+    assert names.count("image") == 2 and names.count("prefill") == 2 and names.count("vq_decode") == 1
+    assert names.count("verify") == names.count("accept") == 2 * 15  # 16 tokens: prefill + 15 steps
+    assert names.count("kv_compaction") == 2 * 14  # the last step of an image commits nothing
+
+
+def test_profile_without_nvtx_or_gpu_records_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx -> ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with profiling.recording(True) as recorded:
+        assert not recorded and profiling.span("x") is profiling.span("y")  # the shared no-op
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    model = tiny_gpt()
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device"):
+        TorchTarget(model, cuda_graphs=True)
+
+
+def test_tensorrt_backend_without_tensorrt_is_one_line(tiny_model_dir, tmp_path):
+    pytest.importorskip("onnxruntime")
+    if "tensorrt" in sys.modules or _has("tensorrt"):
+        pytest.skip("TensorRT is installed here")
+    r = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "-q",
+            "--model",
+            str(tiny_model_dir),
+            "--backend",
+            "tensorrt",
+            "-o",
+            str(tmp_path / "x.png"),
+        ],
+        env={"LANTERN_CACHE": str(tmp_path / "cache")},
+    )
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "tensorrt" in r.stderr.lower() and not (tmp_path / "x.png").exists()
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; none here")
+def test_cuda_graph_replay_gives_eager_tokens():
+    """Greedy AR and a drafter's steps on a tiny model: replayed graphs equal eager torch."""
+    model = tiny_gpt().cuda()
+    cond = torch.tensor([1, model.config.num_classes], device="cuda")
+    greedy = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+    n = model.config.block_size
+    eager = decode_image(TorchTarget(model), cond, n, greedy, None)
+    replayed_target = TorchTarget(model, cuda_graphs=True)
+    replayed = decode_image(replayed_target, cond, n, greedy, None)
+    assert torch.equal(eager.tokens, replayed.tokens)
+    assert len(replayed_target._step.graphs) == 1  # one capture (S = 1), replayed n - 2 times
+    assert TorchDrafter  # drafter graphs are covered by scripts/gpu_check.sh on the demo
