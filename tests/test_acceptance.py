@@ -371,3 +371,18 @@ def test_inputs_not_modified(trials: tuple) -> None:
     _run(trials, 0, LANTERN)
     _run(trials, 0, LANTERN_PP, greedy=True)
     assert torch.equal(p[0], before[0]) and torch.equal(q[0], before[1])
+
+
+def test_categorical_draws_follow_the_law_and_never_a_zero() -> None:
+    """Inverse-CDF draws: chi-square against an unnormalised law with zero cells, batched rows."""
+    from lantern_rt.runtime.sampling import categorical
+
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 3.0])  # sums to 10
+    draws = categorical(weights.expand(20000, -1), torch.Generator().manual_seed(0))
+    observed = torch.bincount(draws, minlength=8).double()
+    assert observed[weights == 0].sum() == 0
+    expected = weights.double() / weights.sum() * draws.numel()
+    allowed = expected > 0
+    stat = ((observed - expected)[allowed] ** 2 / expected[allowed]).sum().item()
+    assert stat < 20.5  # chi-square, 4 degrees of freedom, p = 0.9996
+    assert categorical(torch.tensor([0.0, 0.0, 1e-30]), None).item() == 2  # the only support

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lantern_rt.runtime.sampling import categorical
 from lantern_rt.runtime.tree import StaticTree
 
 METHODS = ("exact", "lantern", "lantern++")
@@ -67,24 +68,26 @@ class StepResult:
     credited: list[tuple[float, float, float]]  # per accepted node: (S, pt, r_x) when it was tested
 
 
-def _relaxed_target(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[Tensor, float, float]:
-    """(rt, S, r_x): ``r`` with x credited the longest neighbour prefix whose mass S fits the cap.
-
-    The credited neighbours are zeroed in ``rt`` and x holds pt = r_x + S. ``r`` is never
-    modified; with no neighbours ``rt`` is ``r`` itself.
-    """
+def _credit(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[int, float, float]:
+    """(used, S, r_x): x may be credited the mass S of its ``used`` nearest neighbours, the
+    longest prefix whose mass fits the cap; pt = r_x + S. Reads ``r`` only."""
     r_x = r[x]
     if nbrs is None:
-        return r, 0.0, r_x.item()
+        return 0, 0.0, r_x.item()
     cum = torch.cumsum(r[nbrs[x]], dim=0)  # non-decreasing, so the admissible prefix is a count
     used = int((cum <= relax.cap(r_x)).sum().item())
-    if used == 0:
-        return r, 0.0, r_x.item()
-    s = cum[used - 1]
+    return used, (cum[used - 1].item() if used else 0.0), r_x.item()
+
+
+def _relaxed_target(r: Tensor, x: int, nbrs: Tensor | None, used: int, pt: float) -> Tensor:
+    """``r`` with x's ``used`` credited neighbours zeroed and x holding pt (``r`` itself when
+    nothing is credited; ``r`` is never modified)."""
+    if nbrs is None or used == 0:
+        return r
     rt = r.clone()
     rt[nbrs[x, :used]] = 0.0
-    rt[x] = r_x + s
-    return rt, s.item(), r_x.item()
+    rt[x] = pt
+    return rt
 
 
 def _normalized(t: Tensor) -> Tensor:
@@ -121,12 +124,12 @@ def _pick_sampled(
         q_x = qq[x].item()
         if q_x <= 0.0:
             continue
-        rt, s, r_x = _relaxed_target(r, x, nbrs, relax)
-        pt = rt[x].item()
+        used, s, r_x = _credit(r, x, nbrs, relax)
+        pt = r_x + s
         u = torch.rand((), generator=generator, device=r.device).item()
         if u * q_x < pt:
             return node, (s, pt, r_x), r
-        r = _residual(rt, qq)
+        r = _residual(_relaxed_target(r, x, nbrs, used, pt), qq)
         qq = _drop_drawn(qq, x)
     return None, None, r
 
@@ -136,9 +139,9 @@ def _pick_greedy(
 ) -> tuple[int | None, tuple[float, float, float] | None]:
     """First child whose token is the argmax of the relaxed target built from ``p``."""
     for node, x in children:
-        rt, s, r_x = _relaxed_target(p, x, nbrs, relax)
-        if int(torch.argmax(rt).item()) == x:
-            return node, (s, rt[x].item(), r_x)
+        used, s, r_x = _credit(p, x, nbrs, relax)
+        if int(torch.argmax(_relaxed_target(p, x, nbrs, used, r_x + s)).item()) == x:
+            return node, (s, r_x + s, r_x)
     return None, None
 
 
@@ -208,5 +211,5 @@ def verify_tree(
     if greedy:
         bonus = int(torch.argmax(p[node]).item())
     else:
-        bonus = int(torch.multinomial(residual, 1, generator=generator).item())
+        bonus = int(categorical(residual, generator).item())
     return StepResult(path=path, bonus=bonus, credited=credited)
