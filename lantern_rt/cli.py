@@ -483,6 +483,20 @@ def _polygraphy_view(path: Path) -> None:
     help="AR sample sets (seeds SEED, SEED+1, ...) for the seed-noise calibration; 1 = none.",
 )
 @click.option(
+    "--features",
+    default=None,
+    help="Your feature extractor for FD and precision/recall: path/to/file.py:NAME or package.module:NAME "
+    "(NAME() returns an nn.Module or a callable: images [N, C, H, W] in [-1, 1] -> features [N, D]), "
+    "or a TorchScript .pt/.ts file. Class accuracy still uses the Fashion-MNIST classifier.",
+)
+@click.option(
+    "--reference",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Real images to compare against instead of Fashion-MNIST: an .npz with 'images' (uint8 "
+    "[N, H, W] or [N, H, W, C]) and 'labels' (int [N]). With --features, scores any model.",
+)
+@click.option(
     "--out",
     type=click.Path(path_type=Path),
     required=True,
@@ -504,6 +518,8 @@ def bench_cmd(
     threads,
     no_quality,
     ar_seeds,
+    features,
+    reference,
     out,
 ):
     """Measure decoding methods side by side (speed, acceptance, quality) and write a report."""
@@ -528,6 +544,8 @@ def bench_cmd(
         threads=threads,
         quality=not no_quality,
         ar_seeds=ar_seeds,
+        features=features,
+        reference=reference,
         command=shlex.join(["lantern", *sys.argv[1:]]),
     )
     results = run_bench(settings)

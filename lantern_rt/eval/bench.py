@@ -5,7 +5,8 @@ of the machine (thermal state, background load) falls on all configurations alik
 decode loop per image (``seconds_per_image_end_to_end`` adds VQ decoding); quality compares each
 configuration's images with the Fashion-MNIST test set in the feature space of the in-repo
 classifier (``lantern_rt/eval/classifier.py``), next to calibration rows that say what a real
-sample, the tokenizer and a second AR seed score.
+sample, the tokenizer and a second AR seed score. ``--features`` and ``--reference`` swap in the
+user's feature extractor and real images (``lantern_rt/eval/features.py``), for any model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from torch import nn
 from tqdm import tqdm
 
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
-from lantern_rt.eval.metrics import extract_features, frechet_distance, quality_report
+from lantern_rt.eval.features import load_features, load_reference, model_range, user_features
+from lantern_rt.eval.metrics import (
+    FeatureFn,
+    class_accuracy,
+    extract_features,
+    frechet_distance,
+    precision_recall,
+)
 from lantern_rt.generate import (
     BACKENDS,
     Generation,
@@ -51,7 +59,6 @@ from lantern_rt.training.data import (
     FASHION_MNIST_DIR,
     DatasetMissing,
     load_fashion_mnist,
-    to_model_range,
 )
 
 FORMAT_VERSION = 1
@@ -256,14 +263,33 @@ def add_speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # --- quality -------------------------------------------------------------------------------
 
 
+FASHION_REAL_ROW = ("real train subset", "Fashion-MNIST train images, same classes and counts")
+USER_REAL_ROW = ("real reference subset", "--reference images, same classes and counts (an optimistic floor)")
+
+
+def image_features(
+    classifier: nn.Module | None, feature_fn: FeatureFn | None, images: np.ndarray
+) -> np.ndarray:
+    """Features of uint8 images: the user's extractor's when there is one, else the classifier's."""
+    if feature_fn is not None:
+        return user_features(feature_fn, images)
+    assert classifier is not None  # quality_reference never pairs two Nones
+    return extract_features(classifier, images)[0]
+
+
 @dataclass
 class QualityReference:
-    """The metric classifier and the real images quality is measured against."""
+    """The feature extractor, the metric classifier and the real images quality is measured against."""
 
-    classifier: nn.Module
-    features: np.ndarray  # test-set features of the benchmarked classes
-    train_images: np.ndarray  # uint8 [N, 32, 32]
+    classifier: nn.Module | None  # Fashion-MNIST classifier (class accuracy); None for other models
+    feature_fn: FeatureFn | None  # the --features extractor; None: the classifier's features
+    features: np.ndarray  # reference (test-set) features of the benchmarked classes
+    train_images: np.ndarray  # uint8 [N, H, W] or [N, H, W, C]
     train_labels: np.ndarray
+    real_row: tuple[str, str] = FASHION_REAL_ROW  # name and description of the real calibration row
+
+    def features_of(self, images: np.ndarray) -> np.ndarray:
+        return image_features(self.classifier, self.feature_fn, images)
 
 
 def fashion_mismatch(info: ModelDir) -> str | None:
@@ -286,27 +312,53 @@ def quality_reference(
     enabled: bool,
     weights: Path = DEFAULT_WEIGHTS,
     data_root: Path = FASHION_MNIST_DIR,
+    feature_fn: FeatureFn | None = None,
+    reference: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[QualityReference | None, str | None]:
-    """The reference for quality metrics, or None and why there is none."""
+    """The reference for quality metrics, or None and why there is none.
+
+    ``reference`` (the user's images and labels) replaces Fashion-MNIST as the real images; with
+    ``feature_fn`` as well, models the classifier cannot score get FD and precision/recall.
+    """
     if not enabled:
         return None, "speed only (--no-quality)"
-    if (mismatch := fashion_mismatch(info)) is not None:
-        return None, mismatch
+    mismatch = fashion_mismatch(info)
+    if mismatch is not None and (feature_fn is None or reference is None):
+        return None, f"{mismatch} (--features with --reference scores any model)"
     if num_images <= QUALITY_K:
         return None, f"quality needs more than {QUALITY_K} images per configuration, got {num_images}"
     try:
-        classifier = load_classifier(weights)
-        test_images, test_labels = load_fashion_mnist("test", data_root)
-        train_images, train_labels = load_fashion_mnist("train", data_root)
+        classifier = None if mismatch else load_classifier(weights)
+        if reference is None:
+            test_images, test_labels = load_fashion_mnist("test", data_root)
+            train_images, train_labels = load_fashion_mnist("train", data_root)
+        else:
+            test_images, test_labels = train_images, train_labels = reference
     except (CheckpointError, DatasetMissing) as exc:
         return None, str(exc)
-    features = extract_features(classifier, test_images[np.isin(test_labels, classes)])[0]
-    return QualityReference(classifier, features, train_images, train_labels), None
+    features = image_features(classifier, feature_fn, test_images[np.isin(test_labels, classes)])
+    real_row = FASHION_REAL_ROW if reference is None else USER_REAL_ROW
+    return QualityReference(classifier, feature_fn, features, train_images, train_labels, real_row), None
 
 
-def quality_fields(ref: QualityReference, images: np.ndarray, labels: Sequence[int]) -> dict[str, float]:
-    """FD, class accuracy, precision and recall of ``images`` against the test-set features."""
-    return quality_report(ref.classifier, images, np.asarray(labels), ref.features, k=QUALITY_K)
+def quality_fields(
+    ref: QualityReference, images: np.ndarray, labels: Sequence[int]
+) -> dict[str, float | None]:
+    """FD, class accuracy (None without the classifier), precision and recall of ``images``
+    against the reference features."""
+    feats = ref.features_of(images)
+    precision, recall = precision_recall(ref.features, feats, QUALITY_K)
+    accuracy = (
+        None
+        if ref.classifier is None
+        else class_accuracy(extract_features(ref.classifier, images)[1], np.asarray(labels))
+    )
+    return {
+        "fd_classifier": frechet_distance(ref.features, feats),
+        "class_accuracy": accuracy,
+        "precision": precision,
+        "recall": recall,
+    }
 
 
 def matched_subset(train_labels: np.ndarray, labels: Sequence[int], seed: int) -> np.ndarray:
@@ -318,9 +370,9 @@ def matched_subset(train_labels: np.ndarray, labels: Sequence[int], seed: int) -
 
 @torch.inference_mode()
 def vq_reconstructions(md: ModelDir, images: np.ndarray, batch: int = 256) -> np.ndarray:
-    """uint8 images [N, H, W] encoded to codes and decoded by the model's tokenizer."""
+    """uint8 images [N, H, W] or [N, H, W, C] encoded to codes and decoded by the model's tokenizer."""
     vq = load_vq(md)
-    x = torch.from_numpy(to_model_range(images))
+    x = torch.from_numpy(model_range(images))
     codes = torch.cat([vq.encode(x[i : i + batch])[1].flatten(1) for i in range(0, len(x), batch)])
     return to_uint8(
         torch.cat(
@@ -351,11 +403,7 @@ def calibration_rows(
     """Real train images (the floor), VQ reconstructions (the tokenizer's ceiling; model
     directories only) and AR sample sets of other seeds (seed noise), all vs the test set."""
     real = ref.train_images[matched_subset(ref.train_labels, labels, seed)]
-    rows = [
-        calibration_row(
-            ref, "real train subset", "Fashion-MNIST train images, same classes and counts", real, labels
-        )
-    ]
+    rows = [calibration_row(ref, *ref.real_row, real, labels)]
     if md is not None:
         recon = vq_reconstructions(md, real)
         rows.append(
@@ -364,13 +412,11 @@ def calibration_rows(
             )
         )
     (base_name, base), *others = ar_sets
-    base_features = extract_features(ref.classifier, base)[0]
+    base_features = ref.features_of(base)
     rows.append(calibration_row(ref, base_name, "the AR row's images", base, labels))
     for name, images in others:
         row = calibration_row(ref, name, f"another seed; FD vs AR: against {base_name}", images, labels)
-        rows.append(
-            {**row, "fd_vs_ar": frechet_distance(base_features, extract_features(ref.classifier, images)[0])}
-        )
+        rows.append({**row, "fd_vs_ar": frechet_distance(base_features, ref.features_of(images))})
     return rows
 
 
@@ -399,6 +445,8 @@ class BenchSettings:
     command: str = ""
     classifier: Path = DEFAULT_WEIGHTS
     data_root: Path = FASHION_MNIST_DIR
+    features: str | None = None  # --features spec: the user's extractor for FD and precision/recall
+    reference: Path | None = None  # --reference .npz: the user's real images
 
 
 def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Path]:
@@ -494,13 +542,18 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     classes = [info.class_id(c) for c in s.classes] or list(range(info.gpt.num_classes))
     labels = [c for c in classes for _ in range(s.num_images)]
     sampling = sampling_config(info, s)
+    shape = (info.vq.out_channels, info.image_size, info.image_size)
+    feature_fn = None if s.features is None else load_features(s.features, shape)
+    reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
     out = output_dir(s.out)
     if s.threads:
         torch.set_num_threads(s.threads)
     started, load_start = datetime.now(timezone.utc), os.getloadavg()
     pipes = [make_pipeline(source, b, mc, "cpu", s.threads) for b in backends for mc in configs]
     runs = run_interleaved(pipes, labels, sampling, s.seed, s.warmup)
-    ref, note = quality_reference(info, classes, len(labels), s.quality, s.classifier, s.data_root)
+    ref, note = quality_reference(
+        info, classes, len(labels), s.quality, s.classifier, s.data_root, feature_fn, reference
+    )
     rows = with_quality(add_speedups([speed_row(m) for m in runs]), runs, ref, note, labels)
     calibration = (
         []
@@ -525,6 +578,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "ar_seeds": s.ar_seeds,
             "threads": s.threads,
             "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},
+            "features": s.features,
+            "reference": None if s.reference is None else str(s.reference),
         },
         "quality_note": note,
         "rows": rows,

@@ -81,6 +81,11 @@ improved precision and recall. peak MiB: the process's peak resident memory when
 image was done; all pipelines share one process, so it bounds a row's memory rather than isolating it."""
 
 
+def extractor_name(settings: dict[str, Any]) -> str:
+    """``FD-classifier``, or ``FD-features(SPEC)`` for the user's ``--features`` extractor."""
+    return f"FD-features({settings['features']})" if settings.get("features") else "FD-classifier"
+
+
 def speed_table(rows: Sequence[Row]) -> str:
     return table(SPEED_COLUMNS, rows)
 
@@ -107,6 +112,12 @@ def results_markdown(results: dict[str, Any]) -> str:
     ]
     if results["quality_note"]:
         lines += ["", f"No quality metrics: {results['quality_note']}."]
+    else:
+        real = s.get("reference") or "Fashion-MNIST"
+        lines += [
+            "",
+            f"Feature extractor for FD, precision and recall: {extractor_name(s)}; real images: {real}.",
+        ]
     lines += ["", "## Calibration", ""]
     lines.append(table(CALIBRATION_COLUMNS, results["calibration"]) if results["calibration"] else "None.")
     return "\n".join(lines) + "\n"
@@ -234,8 +245,8 @@ def new_chart(
     return chart
 
 
-def quality_vs_speedup(rows: Sequence[Row], note: str | None) -> Image.Image:
-    """FD against speedup vs AR, one numbered point per row."""
+def quality_vs_speedup(rows: Sequence[Row], note: str | None, user_features: bool = False) -> Image.Image:
+    """FD against speedup vs AR, one numbered point per row (``user_features``: FD is on ``--features``)."""
     points = [
         (i, r["speedup_vs_ar"], r["fd_classifier"])
         for i, r in enumerate(rows)
@@ -245,7 +256,10 @@ def quality_vs_speedup(rows: Sequence[Row], note: str | None) -> Image.Image:
     yticks = padded_ticks([y for *_, y in points] or [0.0])
     chart = new_chart(
         "Quality against speed (lower FD is better)",
-        ("speedup vs AR on the same backend", "FD (classifier features)"),
+        (
+            "speedup vs AR on the same backend",
+            "FD (--features)" if user_features else "FD (classifier features)",
+        ),
         [(x, tick_label(x)) for x in xticks],
         yticks,
         [(f"{i + 1}: {row_label(r)}", color(i)) for i, r in enumerate(rows)],
@@ -296,7 +310,9 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
     atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
     atomic_write(out / "results.md", lambda p: p.write_text(results_markdown(results)))
     plots = {
-        "quality_vs_speedup.png": quality_vs_speedup(rows, results["quality_note"]),
+        "quality_vs_speedup.png": quality_vs_speedup(
+            rows, results["quality_note"], bool(results["settings"].get("features"))
+        ),
         "accepted_lengths.png": accepted_lengths(rows),
     }
     for name, image in plots.items():
