@@ -13,8 +13,9 @@ import click
 
 from lantern_rt.errors import UserError, reports_errors
 
-# Measured on the demo (BENCHMARKS.md): on a CPU a small chain beats the wide trees, whose
-# verify cost grows with their size; GPUs, memory-bound at these sizes, favour the wide tree.
+# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): chain-4 and chain-5 tie as the
+# fastest trees on a CPU, where a tree's verify and drafting cost grow with its size; GPUs,
+# memory-bound at these sizes, should favour the wide tree (not measured: no GPU yet).
 CPU_DEFAULT_TREE = "chain-4"
 GPU_DEFAULT_TREE = "naive_extend_57"
 
@@ -108,7 +109,8 @@ def main() -> None:
     "--tree",
     default=None,
     help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
-    "chain-4 on a CPU (a tree's cost grows with its size there; measured best in BENCHMARKS.md), "
+    "the bundle's first tree with --bundle, else chain-4 on a CPU (a tree's cost grows with its size "
+    "there; measured best in BENCHMARKS.md), "
     "naive_extend_57 on a GPU.",
 )
 @click.option(
@@ -210,6 +212,7 @@ def generate(
     t0 = time.perf_counter()
     import numpy as np
 
+    from lantern_rt.export.bundle import load_manifest
     from lantern_rt.generate import MethodConfig, make_pipeline
     from lantern_rt.generate import generate as run
     from lantern_rt.images import atomic_write, grid, save_png
@@ -241,7 +244,8 @@ def generate(
         method = "lantern++" if has_drafter else "ar"
     drafter = None if drafter_path is None else str(drafter_path)
     if tree is None:
-        tree = CPU_DEFAULT_TREE if device == "cpu" else GPU_DEFAULT_TREE
+        exported = [] if bundle is None else list(load_manifest(bundle)["trees"])
+        tree = exported[0] if exported else CPU_DEFAULT_TREE if device == "cpu" else GPU_DEFAULT_TREE
     mc = MethodConfig(method, tree, lantern_k, lantern_delta, lantern_lambda, drafter)
     mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]

@@ -31,6 +31,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     BundleVQDecoder,
     RunnerFactory,
     bundle_neighbors,
+    bundle_trees,
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
@@ -249,7 +250,7 @@ def bundle_pipeline(bundle: Path, method: MethodConfig, runner: RunnerFactory, b
     if method.method != "ar":
         if not manifest["constants"].get("drafter"):
             raise ConfigError(f"bundle {bundle} has no drafter graphs: re-export a model that has a drafter")
-        tree = load_tree(method.tree, MAX_DRAFT_WIDTH)
+        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
         exported = {json.dumps(t["paths"]) for t in manifest.get("trees", {}).values()}
         if json.dumps(tree_to_json(tree)["paths"]) not in exported:
             raise ConfigError(

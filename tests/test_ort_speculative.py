@@ -126,3 +126,51 @@ def test_a_drafter_step_size_that_was_not_exported_is_refused(bundle):
         drafter.step(
             torch.zeros(7, dtype=torch.long), torch.zeros(2, 7, 32), torch.arange(7), torch.eye(7), None
         )
+
+
+def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tmp_path):
+    """No --tree: the bundle's first exported tree (not the CPU default chain-4, which it lacks);
+    greedy tokens equal the torch backend's with that tree."""
+    import json
+
+    import numpy as np
+    from click.testing import CliRunner
+
+    from lantern_rt.cli import main
+
+    common = ["generate", "-q", "--greedy", "--class", "1", "-n", "1", "--lantern-k", "5"]
+    stats, tokens = tmp_path / "s.json", tmp_path / "t.npy"
+    r = CliRunner().invoke(
+        main,
+        [
+            *common,
+            "--bundle",
+            str(bundle),
+            "-o",
+            str(tmp_path / "a.png"),
+            "--stats-json",
+            str(stats),
+            "--save-tokens",
+            str(tokens),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(stats.read_text())["tree"]["name"] == TREES[0]
+    r = CliRunner().invoke(
+        main,
+        [
+            *common,
+            "--model",
+            str(model_dir.root),
+            "--backend",
+            "torch",
+            "--tree",
+            TREES[0],
+            "-o",
+            str(tmp_path / "b.png"),
+            "--save-tokens",
+            str(tmp_path / "u.npy"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    np.testing.assert_array_equal(np.load(tokens), np.load(tmp_path / "u.npy"))
