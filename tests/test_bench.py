@@ -242,6 +242,8 @@ def test_bench_quality_and_calibration(tmp_path):
         assert all(
             isinstance(row[k], float) for k in ("fd_classifier", "class_accuracy", "precision", "recall")
         )
+    ar_row, exact_row = results["rows"]
+    assert ar_row["fd_vs_ar"] is None and exact_row["fd_vs_ar"] > 0  # other draws than AR's
     calibration = {r["name"]: r for r in results["calibration"]}
     assert list(calibration) == [
         "real train subset",

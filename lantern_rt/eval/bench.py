@@ -511,10 +511,23 @@ def with_quality(
     note: str | None,
     labels: Sequence[int],
 ) -> list[dict[str, Any]]:
-    """Each row with its quality metrics, or with the note saying why there are none."""
+    """Each row with its quality metrics, or with the note saying why there are none.
+
+    ``fd_vs_ar``: the FD between a row's images and the AR row's of the same backend (same
+    labels): compare it with the calibration's AR-vs-AR seed noise.
+    """
     if ref is None:
         return [{**r, "quality_note": note} for r in rows]
-    return [{**r, **quality_fields(ref, m.all_images(), labels)} for r, m in zip(rows, runs, strict=True)]
+    features = [ref.features_of(m.all_images()) for m in runs]
+    ar = {r["backend"]: f for r, f in zip(rows, features, strict=True) if r["method"] == "ar"}
+    return [
+        {
+            **r,
+            **quality_fields(ref, m.all_images(), labels),
+            "fd_vs_ar": None if r["method"] == "ar" else frechet_distance(ar[r["backend"]], f),
+        }
+        for r, m, f in zip(rows, runs, features, strict=True)
+    ]
 
 
 def ar_seed_sets(

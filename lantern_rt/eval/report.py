@@ -57,6 +57,7 @@ SPEED_COLUMNS: list[Column] = [
     ("s/img p90", lambda r: fmt(r["seconds_per_image_p90"], ".4f")),
     ("speedup", lambda r: fmt(r["speedup_vs_ar"], ".2f", "x")),
     ("FD", lambda r: fmt(r["fd_classifier"], ".3g")),
+    ("FD vs AR", lambda r: fmt(r.get("fd_vs_ar"), ".3g")),
     ("class acc", lambda r: fmt(r["class_accuracy"])),
     ("precision", lambda r: fmt(r["precision"])),
     ("recall", lambda r: fmt(r["recall"])),
@@ -76,7 +77,9 @@ NOTES = """\
 tau: tokens committed per target verify call over the run, bonus included. s/img: median seconds of \
 the decode loop per image (p90 beside it; VQ decoding excluded). speedup: the AR row's median on the \
 same backend over this row's, from this run. FD: Fréchet distance of classifier features to the \
-Fashion-MNIST test images of the benchmarked classes (lower is better); precision/recall: k=3 \
+Fashion-MNIST test images of the benchmarked classes (lower is better); FD vs AR: between this row's \
+images and the AR row's (compare with the AR seed rows of the calibration: the noise between two AR \
+runs); precision/recall: k=3 \
 improved precision and recall. peak MiB: the process's peak resident memory when the row's last \
 image was done; all pipelines share one process, so it bounds a row's memory rather than isolating it."""
 
