@@ -3,15 +3,19 @@ chain-4, 20 images per class); exact decoding should sit inside the AR-vs-AR spr
 
 Run: python scripts/seed_noise.py (about 15 min on one core)."""
 
-import itertools, json, time, torch
+import itertools
+import json
+import time
+
+import torch
 
 torch.set_flush_denormal(True)
 torch.set_num_threads(1)
-from lantern_rt.generate import MethodConfig, make_pipeline, generate
-from lantern_rt.models.model_dir import open_model_dir, DEMO_DIR
-from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.eval.classifier import load_classifier
 from lantern_rt.eval.metrics import extract_features, frechet_distance
+from lantern_rt.generate import MethodConfig, generate, make_pipeline
+from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
+from lantern_rt.runtime.sampling import SamplingConfig
 
 md = open_model_dir(DEMO_DIR)
 labels = [c for c in range(10) for _ in range(20)]
