@@ -1,7 +1,8 @@
 """Seed noise of FD on the demo: pairwise FD among three AR and two exact sample sets (onnxruntime,
 chain-4, 20 images per class); exact decoding should sit inside the AR-vs-AR spread.
 
-Run: python scripts/seed_noise.py (about 15 min on one core)."""
+Run: python scripts/seed_noise.py (about 15 min on one core).
+"""
 
 import itertools
 import json
@@ -9,30 +10,40 @@ import time
 
 import torch
 
-torch.set_flush_denormal(True)
-torch.set_num_threads(1)
 from lantern_rt.eval.classifier import load_classifier
 from lantern_rt.eval.metrics import extract_features, frechet_distance
 from lantern_rt.generate import MethodConfig, generate, make_pipeline
 from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
 from lantern_rt.runtime.sampling import SamplingConfig
 
-md = open_model_dir(DEMO_DIR)
-labels = [c for c in range(10) for _ in range(20)]
-s = SamplingConfig(cfg_scale=3.0)
-clf = load_classifier()
-sets = {}
-for name, method, seed in [
+SETS = [
     ("AR0", "ar", 100),
     ("AR1", "ar", 101),
     ("AR2", "ar", 102),
     ("exact0", "exact", 100),
     ("exact1", "exact", 101),
-]:
-    pipe = make_pipeline(md, "onnxruntime", MethodConfig(method, tree="chain-4"), threads=1)
-    t = time.time()
-    g = generate(pipe, labels, s, seed=seed, progress=False)
-    sets[name] = extract_features(clf, g.images)[0]
-    print(name, f"{time.time() - t:.0f}s", flush=True)
-fd = {f"{a}-{b}": frechet_distance(sets[a], sets[b]) for a, b in itertools.combinations(sets, 2)}
-print(json.dumps(fd, indent=1))
+]
+
+
+def main() -> None:
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)
+    md = open_model_dir(DEMO_DIR)
+    labels = [c for c in range(10) for _ in range(20)]
+    sampling = SamplingConfig(cfg_scale=3.0)
+    classifier = load_classifier()
+    features = {}
+    for name, method, seed in SETS:
+        pipe = make_pipeline(md, "onnxruntime", MethodConfig(method, tree="chain-4"), threads=1)
+        t0 = time.time()
+        images = generate(pipe, labels, sampling, seed=seed, progress=False).images
+        features[name] = extract_features(classifier, images)[0]
+        print(name, f"{time.time() - t0:.0f}s", flush=True)
+    pairs = {
+        f"{a}-{b}": frechet_distance(features[a], features[b]) for a, b in itertools.combinations(features, 2)
+    }
+    print(json.dumps(pairs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
