@@ -14,6 +14,11 @@ class UserError(Exception):
     """Bad input from the user: reported as one line, exit code 2."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from lantern_rt.engines.compat import EngineError
     from lantern_rt.export.bundle import BundleError, ExportError

@@ -257,13 +257,7 @@ def bundle_pipeline(bundle: Path, method: MethodConfig, runner: RunnerFactory, b
                 f"bundle {bundle} was not exported for tree {method.tree}; export it with --tree {method.tree}"
             )
         relax = method.relaxation()
-        neighbors = bundle_neighbors(bundle)[:, : relax.k] if relax.relaxed else None
-        if neighbors is not None and neighbors.shape[1] < relax.k:
-            raise ConfigError(
-                f"bundle {bundle} stores {neighbors.shape[1]} neighbours per code, fewer than k={relax.k}"
-            )
-        device = target.cache.k.device
-        neighbors = None if neighbors is None else neighbors.to(device)
+        neighbors = bundle_neighbors(bundle, relax.k).to(target.cache.k.device) if relax.relaxed else None
         spec = Speculation(BundleDrafter(bundle, runner, backend), tree, relax, neighbors)
     decoder = BundleVQDecoder(bundle, runner)
     null = info.gpt.num_classes

@@ -29,7 +29,8 @@ from lantern_rt.engines.plans import (
     write_engines_json,
 )
 from lantern_rt.export.bundle import MANIFEST, BundleError, load_manifest, sha256
-from lantern_rt.runtime.backends.tensorrt_backend import bound_by_pointer, io_problems, trt_runner
+from lantern_rt.runtime.backends.bundle_graphs import bound_by_pointer
+from lantern_rt.runtime.backends.tensorrt_backend import io_problems, trt_runner
 from tests.test_export import shared_bundle
 
 ORIN = {"name": "Orin (nvgpu)", "compute_capability": "8.7"}

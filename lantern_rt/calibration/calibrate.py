@@ -121,11 +121,7 @@ def pipelines(bundle: Path, method: MethodConfig, runner: RunnerFactory) -> dict
     if not load_manifest(bundle)["constants"]["drafter"]:
         raise CalibrationError(f"{bundle} has no drafter graphs: use method ar")
     relax = method.relaxation()
-    neighbors = bundle_neighbors(bundle)[:, : relax.k] if relax.relaxed else None
-    if neighbors is not None and neighbors.shape[1] < relax.k:
-        raise CalibrationError(
-            f"{bundle} stores {neighbors.shape[1]} neighbours per code, fewer than k={relax.k}"
-        )
+    neighbors = bundle_neighbors(bundle, relax.k) if relax.relaxed else None
     drafter = BundleDrafter(bundle, runner, "onnxruntime")
     return {
         name: dataclasses.replace(

@@ -14,6 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lantern_rt.errors import first_line
+
 PRECISIONS = ("fp32", "fp16", "int8")  # from the graphs: fp32/fp16 tensors, int8 Q/DQ nodes
 DEFAULT_WORKSPACE_MB = 1024
 MIN_VERSION = (10, 3)  # JetPack 6.1/6.2; the name-based tensor API and strongly typed networks
@@ -38,7 +40,7 @@ def require_tensorrt() -> ModuleType:
     try:
         import tensorrt
     except ImportError as exc:  # also a wheel whose libnvinfer/libnvonnxparser is missing
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise TensorRTUnavailable(f"TensorRT is not available ({reason}): {INSTALL_HINT}") from None
     if version_tuple(tensorrt.__version__) < MIN_VERSION:
         wanted = ".".join(map(str, MIN_VERSION))

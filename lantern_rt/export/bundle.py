@@ -26,6 +26,7 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
+from lantern_rt.errors import first_line
 from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
 from lantern_rt.export.graphs import (
     DrafterStep,
@@ -243,7 +244,7 @@ def export_graph(
                 verbose=False,
             )
     except Exception as err:  # the exporter raises many types; report one line
-        raise ExportError(f"{spec.name}: torch.onnx.export failed: {_first_line(err)}") from err
+        raise ExportError(f"{spec.name}: torch.onnx.export failed: {first_line(err)}") from err
     problems = check_graph(path, spec)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -366,8 +367,3 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

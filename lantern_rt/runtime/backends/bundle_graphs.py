@@ -41,6 +41,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+CACHE_INPUTS = ("past_k_", "past_v_")
+
+
+def bound_by_pointer(spec: dict[str, Any]) -> bool:
+    """Whether an input is bound where the caller keeps it (the caches) rather than copied."""
+    return spec["name"].startswith(CACHE_INPUTS)
+
+
+def check_inputs(inputs: list[dict[str, Any]], args: tuple[Tensor, ...]) -> None:
+    """``ValueError`` unless ``args`` are one tensor per declared input, each of its shape."""
+    if len(args) != len(inputs):
+        raise ValueError(f"the graph takes {len(inputs)} inputs, got {len(args)}")
+    for spec, arg in zip(inputs, args, strict=True):
+        if list(arg.shape) != spec["shape"]:
+            raise ValueError(
+                f"input {spec['name']} has shape {list(arg.shape)}, the graph wants {spec['shape']}"
+            )
+
+
 def kv_layers(entry: dict[str, Any]) -> int:
     """Layers of a step graph: how many ``past_k_{i}`` inputs it declares."""
     return sum(spec["name"].startswith("past_k_") for spec in entry["inputs"])
@@ -152,10 +171,16 @@ class BundleVQDecoder:
         return torch.cat(images)
 
 
-def bundle_neighbors(bundle: str | Path) -> Tensor:
-    """The bundle's latent-neighbour table [V, k] as int64 (on the CPU)."""
+def bundle_neighbors(bundle: str | Path, k: int | None = None) -> Tensor:
+    """The bundle's latent-neighbour table [V, k] as int64 (on the CPU): all its columns, or the
+    first ``k`` (:class:`BundleError` when it stores fewer)."""
     bundle = Path(bundle)
-    return load_neighbors_file(bundle / load_manifest(bundle)["constants"]["neighbors"]["file"])
+    table = load_neighbors_file(bundle / load_manifest(bundle)["constants"]["neighbors"]["file"])
+    if k is None:
+        return table
+    if table.shape[1] < k:
+        raise BundleError(f"bundle {bundle} stores {table.shape[1]} neighbours per code, fewer than k={k}")
+    return table[:, :k]
 
 
 def bundle_trees(bundle: str | Path) -> dict[str, StaticTree]:

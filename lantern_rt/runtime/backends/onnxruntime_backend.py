@@ -16,7 +16,12 @@ import onnxruntime as ort
 import torch
 from torch import Tensor
 
-from lantern_rt.runtime.backends.bundle_graphs import RunnerFactory, torch_dtype
+from lantern_rt.runtime.backends.bundle_graphs import (
+    RunnerFactory,
+    bound_by_pointer,
+    check_inputs,
+    torch_dtype,
+)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -58,7 +63,7 @@ class OrtGraph:
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         self.inputs, self.outputs = entry["inputs"], entry["outputs"]
         self._binding = self.session.io_binding()
-        self._in_place = [spec["name"].startswith("past_") for spec in self.inputs]
+        self._in_place = [bound_by_pointer(spec) for spec in self.inputs]
         self._buffers: list[Tensor | None] = [
             None if in_place else self._allocate(spec)
             for spec, in_place in zip(self.inputs, self._in_place, strict=True)
@@ -71,13 +76,8 @@ class OrtGraph:
             self._bind(self._binding.bind_output, spec, out)
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        if len(args) != len(self.inputs):
-            raise ValueError(f"the graph takes {len(self.inputs)} inputs, got {len(args)}")
+        check_inputs(self.inputs, args)
         for i, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
-            if list(arg.shape) != spec["shape"]:
-                raise ValueError(
-                    f"input {spec['name']} has shape {list(arg.shape)}, the graph wants {spec['shape']}"
-                )
             buffer = self._buffers[i]
             if not self._in_place[i]:
                 buffer.copy_(arg)

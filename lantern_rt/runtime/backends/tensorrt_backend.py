@@ -23,15 +23,14 @@ from torch import Tensor
 
 from lantern_rt.engines.compat import EngineError, make_logger, require_tensorrt
 from lantern_rt.engines.plans import bundle_precision, device_info, engine_key, find_engines
+from lantern_rt.errors import first_line
 from lantern_rt.export.bundle import load_manifest
-from lantern_rt.runtime.backends.bundle_graphs import RunnerFactory, torch_dtype
-
-CACHE_INPUTS = ("past_k_", "past_v_")
-
-
-def bound_by_pointer(spec: dict[str, Any]) -> bool:
-    """Whether an input is bound where the caller keeps it (the caches) rather than copied."""
-    return spec["name"].startswith(CACHE_INPUTS)
+from lantern_rt.runtime.backends.bundle_graphs import (
+    RunnerFactory,
+    bound_by_pointer,
+    check_inputs,
+    torch_dtype,
+)
 
 
 def io_problems(engine_io: dict[str, dict[str, Any]], entry: dict[str, Any]) -> list[str]:
@@ -95,14 +94,9 @@ class TrtGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        if len(args) != len(self.inputs):
-            raise ValueError(f"the graph takes {len(self.inputs)} inputs, got {len(args)}")
+        check_inputs(self.inputs, args)
         current = torch.cuda.current_stream(self.device)
         for i, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
-            if list(arg.shape) != spec["shape"]:
-                raise ValueError(
-                    f"input {spec['name']} has shape {list(arg.shape)}, the graph wants {spec['shape']}"
-                )
             if bound_by_pointer(spec) and self._in_place(arg, spec):
                 target = arg
             else:
@@ -132,9 +126,7 @@ class TrtGraph:
             with torch.cuda.graph(graph, stream=self.stream):
                 self._enqueue()
         except RuntimeError as err:
-            self.cuda_graph_error = (
-                str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            )
+            self.cuda_graph_error = first_line(err)
             print(f"warning: running without a CUDA graph: {self.cuda_graph_error}", file=sys.stderr)
             return None
         return graph
