@@ -183,7 +183,9 @@ def test_features_on_fashion_shape_match_quality_report(feats_py, tmp_path, monk
     seen = []
     original = bench.quality_fields
     monkeypatch.setattr(
-        bench, "quality_fields", lambda ref, im, lab: seen.append((im, lab)) or original(ref, im, lab)
+        bench,
+        "quality_fields",
+        lambda ref, im, feats, lab: seen.append((im, lab)) or original(ref, im, feats, lab),
     )
     results = run_bench(
         BenchSettings(**{**base.__dict__, "out": tmp_path / "features-run", "features": spec})

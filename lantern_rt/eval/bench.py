@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
-from lantern_rt.eval.features import load_features, load_reference, model_range, user_features
+from lantern_rt.eval.features import load_features, load_reference, user_features
 from lantern_rt.eval.metrics import (
     FeatureFn,
     class_accuracy,
@@ -59,6 +59,7 @@ from lantern_rt.training.data import (
     FASHION_MNIST_DIR,
     DatasetMissing,
     load_fashion_mnist,
+    to_model_range,
 )
 
 FORMAT_VERSION = 1
@@ -342,11 +343,10 @@ def quality_reference(
 
 
 def quality_fields(
-    ref: QualityReference, images: np.ndarray, labels: Sequence[int]
+    ref: QualityReference, images: np.ndarray, feats: np.ndarray, labels: Sequence[int]
 ) -> dict[str, float | None]:
     """FD, class accuracy (None without the classifier), precision and recall of ``images``
-    against the reference features."""
-    feats = ref.features_of(images)
+    (whose features are ``feats``, from ``ref.features_of``) against the reference features."""
     precision, recall = precision_recall(ref.features, feats, QUALITY_K)
     accuracy = (
         None
@@ -372,7 +372,7 @@ def matched_subset(train_labels: np.ndarray, labels: Sequence[int], seed: int) -
 def vq_reconstructions(md: ModelDir, images: np.ndarray, batch: int = 256) -> np.ndarray:
     """uint8 images [N, H, W] or [N, H, W, C] encoded to codes and decoded by the model's tokenizer."""
     vq = load_vq(md)
-    x = torch.from_numpy(model_range(images))
+    x = torch.from_numpy(to_model_range(images))
     codes = torch.cat([vq.encode(x[i : i + batch])[1].flatten(1) for i in range(0, len(x), batch)])
     return to_uint8(
         torch.cat(
@@ -382,13 +382,19 @@ def vq_reconstructions(md: ModelDir, images: np.ndarray, batch: int = 256) -> np
 
 
 def calibration_row(
-    ref: QualityReference, name: str, description: str, images: np.ndarray, labels: Sequence[int]
+    ref: QualityReference,
+    name: str,
+    description: str,
+    images: np.ndarray,
+    labels: Sequence[int],
+    feats: np.ndarray | None = None,
 ) -> dict[str, Any]:
+    feats = ref.features_of(images) if feats is None else feats
     return {
         "name": name,
         "description": description,
         "num_images": len(images),
-        **quality_fields(ref, images, labels),
+        **quality_fields(ref, images, feats, labels),
         "fd_vs_ar": None,
     }
 
@@ -413,10 +419,13 @@ def calibration_rows(
         )
     (base_name, base), *others = ar_sets
     base_features = ref.features_of(base)
-    rows.append(calibration_row(ref, base_name, "the AR row's images", base, labels))
+    rows.append(calibration_row(ref, base_name, "the AR row's images", base, labels, base_features))
     for name, images in others:
-        row = calibration_row(ref, name, f"another seed; FD vs AR: against {base_name}", images, labels)
-        rows.append({**row, "fd_vs_ar": frechet_distance(base_features, ref.features_of(images))})
+        feats = ref.features_of(images)
+        row = calibration_row(
+            ref, name, f"another seed; FD vs AR: against {base_name}", images, labels, feats
+        )
+        rows.append({**row, "fd_vs_ar": frechet_distance(base_features, feats)})
     return rows
 
 
@@ -518,15 +527,16 @@ def with_quality(
     """
     if ref is None:
         return [{**r, "quality_note": note} for r in rows]
-    features = [ref.features_of(m.all_images()) for m in runs]
+    images = [m.all_images() for m in runs]
+    features = [ref.features_of(x) for x in images]
     ar = {r["backend"]: f for r, f in zip(rows, features, strict=True) if r["method"] == "ar"}
     return [
         {
             **r,
-            **quality_fields(ref, m.all_images(), labels),
+            **quality_fields(ref, x, f, labels),
             "fd_vs_ar": None if r["method"] == "ar" else frechet_distance(ar[r["backend"]], f),
         }
-        for r, m, f in zip(rows, runs, features, strict=True)
+        for r, x, f in zip(rows, images, features, strict=True)
     ]
 
 

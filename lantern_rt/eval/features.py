@@ -21,15 +21,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lantern_rt.errors import first_line
 from lantern_rt.eval.metrics import FeatureFn
 from lantern_rt.models.config import ConfigError
+from lantern_rt.training.data import to_model_range
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".ts")
 SPEC_FORMS = "use path/to/file.py:NAME, package.module:NAME or a TorchScript .pt/.ts file"
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _import(target: str, spec: str) -> ModuleType:
@@ -38,7 +36,7 @@ def _import(target: str, spec: str) -> ModuleType:
         try:
             return importlib.import_module(target)
         except ImportError as exc:
-            raise ConfigError(f"--features {spec}: cannot import {target}: {_first_line(exc)}") from None
+            raise ConfigError(f"--features {spec}: cannot import {target}: {first_line(exc)}") from None
     path = Path(target)
     if not path.is_file():
         raise ConfigError(f"--features {spec}: {path} not found")
@@ -58,7 +56,7 @@ def _extractor(spec: str) -> Any:
         try:
             return torch.jit.load(str(path), map_location="cpu")
         except (RuntimeError, ValueError) as exc:
-            raise ConfigError(f"--features {spec}: not a TorchScript file ({_first_line(exc)})") from None
+            raise ConfigError(f"--features {spec}: not a TorchScript file ({first_line(exc)})") from None
     target, sep, name = spec.rpartition(":")
     if not (sep and target and name.isidentifier()):
         raise ConfigError(f"--features {spec!r}: {SPEC_FORMS}")
@@ -101,21 +99,15 @@ def load_features(spec: str, image_shape: tuple[int, int, int]) -> FeatureFn:
         raise
     except Exception as exc:  # the user's code: any failure on a valid batch is theirs to fix
         raise ConfigError(
-            f"--features {spec}: fails on a batch {list(probe.shape)} in [-1, 1]: {_first_line(exc)}"
+            f"--features {spec}: fails on a batch {list(probe.shape)} in [-1, 1]: {first_line(exc)}"
         ) from None
     return features
-
-
-def model_range(images: np.ndarray) -> np.ndarray:
-    """uint8 [N, H, W] or [N, H, W, C] -> float32 [N, C, H, W] in [-1, 1]."""
-    x = images[..., None] if images.ndim == 3 else images
-    return (x.astype(np.float32) / 127.5 - 1.0).transpose(0, 3, 1, 2)
 
 
 @torch.inference_mode()
 def user_features(feature_fn: FeatureFn, images: np.ndarray, batch: int = 256) -> np.ndarray:
     """Features float32 [N, D] of uint8 images [N, H, W] or [N, H, W, C], ``batch`` at a time."""
-    x = model_range(images)
+    x = to_model_range(images)
     return torch.cat(
         [feature_fn(torch.from_numpy(x[i : i + batch])).float().cpu() for i in range(0, len(x), batch)]
     ).numpy()
@@ -134,7 +126,7 @@ def load_reference(
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in ("images", "labels") if k in data}
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise ConfigError(f"--reference {path}: not an .npz file ({_first_line(exc)})") from None
+        raise ConfigError(f"--reference {path}: not an .npz file ({first_line(exc)})") from None
     if len(arrays) < 2:
         raise ConfigError(f"--reference {path}: needs arrays 'images' and 'labels'")
     images, labels = arrays["images"], arrays["labels"]

@@ -40,5 +40,6 @@ def load_fashion_mnist(split: str = "train", root: Path = FASHION_MNIST_DIR) -> 
 
 
 def to_model_range(x: np.ndarray) -> np.ndarray:
-    """uint8 [N, H, W] -> float32 [N, 1, H, W] in [-1, 1]."""
-    return (x.astype(np.float32) / 127.5 - 1.0)[:, None]
+    """uint8 [N, H, W] or [N, H, W, C] -> float32 [N, C, H, W] in [-1, 1] (C = 1 for [N, H, W])."""
+    x = x[..., None] if x.ndim == 3 else x
+    return (x.astype(np.float32) / 127.5 - 1.0).transpose(0, 3, 1, 2)
