@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from lantern_rt.cli import main
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime import profiling
-from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
 from tests.conftest import tiny_gpt
@@ -105,7 +105,8 @@ def _has(module: str) -> bool:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; none here")
 def test_cuda_graph_replay_gives_eager_tokens():
-    """Greedy AR and a drafter's steps on a tiny model: replayed graphs equal eager torch."""
+    """Greedy AR on a tiny model: replayed graphs equal eager torch (the drafter's graphs are
+    compared on the demo by scripts/gpu_check.sh)."""
     model = tiny_gpt().cuda()
     cond = torch.tensor([1, model.config.num_classes], device="cuda")
     greedy = SamplingConfig(cfg_scale=2.0, temperature=0.0)
@@ -115,4 +116,3 @@ def test_cuda_graph_replay_gives_eager_tokens():
     replayed = decode_image(replayed_target, cond, n, greedy, None)
     assert torch.equal(eager.tokens, replayed.tokens)
     assert len(replayed_target._step.graphs) == 1  # one capture (S = 1), replayed n - 2 times
-    assert TorchDrafter  # drafter graphs are covered by scripts/gpu_check.sh on the demo
