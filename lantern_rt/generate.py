@@ -35,7 +35,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
-from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree, tree_to_json
 
@@ -81,7 +81,7 @@ def speculation(
     tree = load_tree(mc.tree, max_width=MAX_DRAFT_WIDTH)
     drafter = load_drafter(md, mc.drafter, device)
     neighbors = load_neighbors(md, relax.k).to(device) if relax.relaxed else None
-    capacity = md.gpt.block_size + tree.num_nodes + 1
+    capacity = drafter_capacity(md.gpt.block_size)
     return Speculation(TorchDrafter(drafter, target.output, capacity, cuda_graphs), tree, relax, neighbors)
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lantern_rt.runtime import acceptance
 from lantern_rt.runtime.acceptance import AcceptanceError, Relaxation, verify_tree
-from lantern_rt.runtime.sampling import draw_distinct
+from lantern_rt.runtime.sampling import draw_distinct, draw_noise
 from lantern_rt.runtime.tree import StaticTree, build_tree, load_tree
 
 EXACT = Relaxation("exact")
@@ -32,7 +32,8 @@ def _draft(
     tokens[:, 0] = roots
     for level in tree.levels[:-1]:
         probs = q_of(tokens[:, list(level)].reshape(-1))
-        drawn, ok = draw_distinct(probs, tree.width, greedy, generator)
+        noise = draw_noise(probs.shape[0], probs.shape[1], greedy, generator, probs.device)
+        drawn, ok = draw_distinct(probs, noise, tree.width)
         drawn, ok = drawn.view(batch, len(level), -1), ok.view(batch, len(level), -1)
         for j, node in enumerate(level):
             kids = list(tree.children[node])
@@ -156,7 +157,8 @@ def _greedy_step(tree: StaticTree, seq: list[int], relax: Relaxation, nbrs: Tens
     for level in tree.levels[:-1]:
         for node in level:
             q[node] = _drafter(contexts[node])
-        drawn, ok = draw_distinct(q[list(level)], tree.width, True, None)
+        noise = draw_noise(len(level), GREEDY_V, True, None, q.device)
+        drawn, ok = draw_distinct(q[list(level)], noise, tree.width)
         for j, node in enumerate(level):
             for rank, kid in enumerate(tree.children[node]):
                 tokens[kid], valid[kid] = drawn[j, rank], ok[j, rank]
@@ -291,9 +293,9 @@ def _plant_residual_from_p(monkeypatch) -> None:
     """Take every residual from the node's original p instead of the running residual."""
     pick, residual = acceptance._pick_sampled, acceptance._residual
 
-    def buggy_pick(p, qq, *rest):
-        monkeypatch.setattr(acceptance, "_residual", lambda rt, qq_now: residual(p, qq_now))
-        return pick(p, qq, *rest)
+    def buggy_pick(p, q, node, *rest):
+        monkeypatch.setattr(acceptance, "_residual", lambda rt, qq_now: residual(p[node], qq_now))
+        return pick(p, q, node, *rest)
 
     monkeypatch.setattr(acceptance, "_pick_sampled", buggy_pick)
 

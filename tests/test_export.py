@@ -24,11 +24,11 @@ from lantern_rt.export.bundle import (
 )
 from lantern_rt.export.checks import check_graph
 from lantern_rt.export.graphs import (
-    DrafterStep,
+    DrafterTree,
     TargetPrefill,
     TargetStep,
     VQDecode,
-    drafter_step_sizes,
+    draft_graph_name,
     target_step_sizes,
 )
 from lantern_rt.models.checkpoint import save_safetensors
@@ -37,6 +37,7 @@ from lantern_rt.models.model_dir import load_drafter, load_target, load_vq, open
 from lantern_rt.models.neighbors import latent_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.drafting import catch_up_rows, noise_rows
 from lantern_rt.runtime.tree import ROOT_ONLY, build_tree, load_tree, tree_to_json
 from tests.conftest import randomize, tiny_gpt, tiny_vq, write_model_dir
 
@@ -85,7 +86,7 @@ def graph_names(trees: list[str], with_drafter: bool) -> set[str]:
     """The graphs a bundle of these trees holds."""
     loaded = [load_tree(t) for t in trees]
     names = {"target_prefill", "vq_decode", *(f"target_step_{s}" for s in target_step_sizes(loaded))}
-    return names | {f"drafter_step_{s}" for s in drafter_step_sizes(loaded) if with_drafter}
+    return names | {draft_graph_name(i) for i in range(len(trees)) if with_drafter}
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,12 @@ def test_every_graph_passes_the_checks(bundles, name):
         assert check_graph(bundles[name] / graph["file"]) == []
 
 
-def test_drafter_graph_sizes_follow_the_runtime_calls():
-    """A catch-up call of max_depth + 1 rows, then levels 1..max_depth-1, deduplicated."""
+def test_graph_shapes_follow_the_trees():
+    """Verify graphs of N + 1 tokens; a drafting graph per tree whose catch-up takes max_depth + 1
+    rows and whose noise has a row per node that draws (every node above the last level)."""
     trees = [load_tree("naive_extend_57"), load_tree("chain-5")]  # levels 5/13/16/14/9; 1/1/1/1/1
-    assert drafter_step_sizes(trees) == [1, 5, 6, 13, 14, 16]
     assert target_step_sizes(trees) == [1, 6, 58]
+    assert [(catch_up_rows(t), noise_rows(t)) for t in trees] == [(6, 1 + 5 + 13 + 16 + 14), (6, 5)]
 
 
 @pytest.mark.parametrize("name", BUNDLES)
@@ -124,8 +126,11 @@ def test_every_graph_matches_torch(bundles, name):
         low_drafter = drafter if dtype == "fp32" else copy.deepcopy(drafter).half()
         cap = load_manifest(bundles[name])["constants"]["drafter_capacity"]
         pairs += [
-            (DrafterStep(low_drafter, low.output, s, cap), DrafterStep(drafter, target.output, s, cap))
-            for s in drafter_step_sizes(loaded)
+            (
+                DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
+                DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i)),
+            )
+            for i, tree in enumerate(loaded)
         ]
     for module, reference in pairs:
         path = bundles[name] / f"{module.spec.name}.onnx"
@@ -160,15 +165,21 @@ def test_declared_shapes_and_dtypes(bundles):
     }
     assert shapes["vq_decode"] == {"codes": ([1, 16], "int64"), "images": ([1, 1, 8, 8], "float32")}
     drafter_kv = [1, 2, 2]  # one drafter layer, CFG rows, kv heads
-    assert shapes["drafter_step_2"] == {
+    assert shapes["draft_tree_0"] == {  # chain-1: two catch-up rows, one drawing node
         "tokens": ([2], "int64"),
         "hidden": ([2, 2, 32], "float16"),
         "positions": ([2], "int64"),
-        "mask": ([1, 1, 2, 18 + 2], "bool"),
-        "past_k_0": ([2, 2, 18, 8], "float16"),
-        "past_v_0": ([2, 2, 18, 8], "float16"),
-        "logits": ([2, 2, 64], "float32"),
-        "hidden_out": ([2, 2, 32], "float16"),
+        "mask": ([1, 1, 2, 16 + 2], "bool"),
+        "noise": ([1, 64], "float32"),
+        "cfg_scale": ([1], "float32"),
+        "temperature": ([1], "float32"),
+        "top_k": ([1], "int64"),
+        "top_p": ([1], "float32"),
+        "past_k_0": ([2, 2, 16, 8], "float16"),
+        "past_v_0": ([2, 2, 16, 8], "float16"),
+        "node_tokens": ([2], "int64"),
+        "valid": ([2], "bool"),
+        "q": ([2, 64], "float32"),
         "new_k": ([*drafter_kv, 2, 8], "float16"),
         "new_v": ([*drafter_kv, 2, 8], "float16"),
     }
@@ -177,7 +188,7 @@ def test_declared_shapes_and_dtypes(bundles):
 def test_manifest_describes_the_bundle(bundles):
     path = bundles["t2i-gqa-fp16"]
     manifest = load_manifest(path)
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 3
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 4
     assert manifest["dtype"] == "fp16" and manifest["opset"] == 18
     assert set(manifest["versions"]) == {"lantern_rt", "torch", "onnx"}
     assert manifest["gpt"]["n_kv_head"] == 2 and manifest["vq"]["codebook_size"] == 64
@@ -185,9 +196,8 @@ def test_manifest_describes_the_bundle(bundles):
     assert manifest["sampling_defaults"] == {"cfg_scale": 2.0}
     constants = manifest["constants"]
     assert constants["cache_capacity"] == 19 and constants["step_sizes"] == [1, 2]
-    assert constants["drafter"] and constants["drafter_step_sizes"] == [2]
-    assert constants["drafter_capacity"] == 16 + 1 + 1 and constants["max_draft_width"] == 10
-    assert manifest["trees"] == {"chain-1": tree_to_json(load_tree("chain-1"))}
+    assert constants["drafter"] and constants["drafter_capacity"] == 16 and constants["max_draft_width"] == 10
+    assert manifest["trees"] == {"chain-1": {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0"}}
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk
     null = np.load(path / manifest["constants"]["null_condition"]["file"])
@@ -195,8 +205,7 @@ def test_manifest_describes_the_bundle(bundles):
     np.testing.assert_array_equal(null, target.null_condition.numpy())
     c2i = load_manifest(bundles["c2i-fp32"])
     assert c2i["constants"]["null_condition"] == {"class_id": 5}
-    assert not c2i["constants"]["drafter"] and c2i["constants"]["drafter_step_sizes"] == []
-    assert c2i["constants"]["drafter_capacity"] == 16 + 25 + 1 and list(c2i["trees"]) == ["mc_sim_7b_63"]
+    assert not c2i["constants"]["drafter"] and c2i["trees"]["mc_sim_7b_63"]["graph"] is None
     assert all(err < 1e-4 for g in c2i["graphs"].values() for err in g["max_abs_err"].values())
 
 

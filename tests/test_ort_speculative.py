@@ -1,5 +1,5 @@
 """Speculative decoding on the onnxruntime backend, against torch, on a trained tiny target and
-drafter exported to one fp32 bundle: drafter graphs, drafter steps, greedy LANTERN++ decoding."""
+drafter exported to one fp32 bundle: drafting graphs, and LANTERN++ decoding, greedy and sampled."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
 from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.export.checks import check_graph
@@ -22,13 +21,15 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
-from lantern_rt.runtime.drafting import draft_tree
+from lantern_rt.runtime.drafting import Draft, draft
+from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq
 from tests.test_export import graph_names, make_bundle
 from tests.test_speculative import GREEDY, models  # noqa: F401  (models: the trained pair)
 
 TREES = ["naive_extend_57", "chain-5"]
+SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
 RELAX = Relaxation("lantern++", k=5, lam=5.0)
 
 
@@ -50,57 +51,48 @@ def torch_drafter(bundle: Path, md: ModelDir) -> TorchDrafter:
     return TorchDrafter(load_drafter(md), load_target(md).output, capacity)
 
 
-class Recorded:
-    """A drafter backend that keeps the (logits, hidden) of every step."""
-
-    def __init__(self, backend: BundleDrafter | TorchDrafter):
-        self.backend, self.name, self.cache = backend, backend.name, backend.cache
-        self.outputs: list[tuple[Tensor, Tensor]] = []
-
-    def step(self, *args: Tensor | None) -> tuple[Tensor, Tensor]:
-        self.outputs.append(tuple(t.clone() for t in self.backend.step(*args)))  # buffers are reused
-        return self.outputs[-1]
-
-
 def test_drafter_graphs_pass_the_checks(bundle):
     manifest = load_manifest(bundle)
     assert set(manifest["graphs"]) == graph_names(TREES, with_drafter=True)
-    assert manifest["constants"]["drafter_capacity"] == 16 + 57 + 1
+    assert manifest["constants"]["drafter_capacity"] == 16
     for name, graph in manifest["graphs"].items():
         assert check_graph(bundle / graph["file"]) == [], name
         assert all(err < 1e-4 for err in graph["max_abs_err"].values()), name
     assert bundle_trees(bundle) == {name: load_tree(name) for name in TREES}
 
 
-def test_drafter_steps_match_torch(bundle, model_dir):
-    """Two drafted naive_extend_57 trees: catch-up calls over padded rows and a committed cache,
-    then level calls that see their ancestors' scratch slots."""
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
+    """Two drafted naive_extend_57 trees from the same noise: catch-up rows right-aligned over a
+    committed cache, then every level in one graph; the same tokens, q and committed caches as
+    the drafter's own step in torch."""
     tree = load_tree("naive_extend_57")
-    ours, reference = (
-        Recorded(BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")),
-        Recorded(torch_drafter(bundle, model_dir)),
-    )
+    ours = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
+    reference = torch_drafter(bundle, model_dir)
     g = torch.Generator().manual_seed(0)
-    tokens, hidden = torch.randint(0, 64, (6,), generator=g), torch.randn(2, 6, 32, generator=g)
+    tokens, hidden = torch.randint(0, 64, (6,), generator=g).tolist(), torch.randn(2, 6, 32, generator=g)
     drafts = []
     for drafter in (ours, reference):
         drafter.cache.reset()
+        generator = torch.Generator().manual_seed(1)
         for pending, root in ((slice(0, 3), 3), (slice(3, 6), 6)):
-            drafts.append(draft_tree(drafter, tree, tokens[pending], hidden[:, pending], root, GREEDY, None))
-    assert len(ours.outputs) == 2 * tree.max_depth
-    for got, want in zip(ours.outputs, reference.outputs, strict=True):
-        for g_out, w_out in zip(got, want, strict=True):
-            torch.testing.assert_close(g_out, w_out, atol=1e-4, rtol=1e-4)
+            got = draft(drafter, tree, tokens[pending], hidden[:, pending], root, sampling, generator)
+            drafts.append(Draft(got.tokens.clone(), got.valid.clone(), got.q.clone()))  # buffers are reused
     assert ours.cache.length == reference.cache.length == 6
     torch.testing.assert_close(ours.cache.k, reference.cache.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.cache.v, reference.cache.v, atol=1e-5, rtol=1e-5)
     for got, want in zip(drafts[:2], drafts[2:], strict=True):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.valid, want.valid)
+        torch.testing.assert_close(got.q, want.q, atol=1e-5, rtol=1e-4)
+        assert len(set(got.tokens[list(tree.children[0])].tolist())) == tree.width  # distinct siblings
+    assert not torch.equal(drafts[0].tokens, drafts[1].tokens)
 
 
 @pytest.mark.parametrize("tree", TREES)
-def test_greedy_lantern_pp_matches_torch(bundle, model_dir, tree):
-    """Same tokens, same accepted lengths per verify call, on both backends."""
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
+    """Same tokens, same accepted lengths per verify call, on both backends: greedy, and sampled
+    from the same random stream (drafts, acceptance and bonus tokens all use it)."""
     neighbors = bundle_neighbors(bundle)
     reference = TorchTarget(load_target(model_dir))
     results = []
@@ -112,20 +104,23 @@ def test_greedy_lantern_pp_matches_torch(bundle, model_dir, tree):
         (reference, torch_drafter(bundle, model_dir)),
     ):
         spec = Speculation(drafter, bundle_trees(bundle)[tree], RELAX, neighbors)
-        results.append([decode_image(target, torch.tensor([c, 5]), 16, GREEDY, None, spec) for c in (0, 3)])
+        results.append(
+            [
+                decode_image(
+                    target, torch.tensor([c, 5]), 16, sampling, torch.Generator().manual_seed(c), spec
+                )
+                for c in (0, 3)
+            ]
+        )
     for got, want in zip(*results, strict=True):
         assert torch.equal(got.tokens, want.tokens) and got.accepted == want.accepted
     assert max(a for r in results[0] for a in r.accepted) >= 3  # multi-token steps were exercised
 
 
-def test_a_drafter_step_size_that_was_not_exported_is_refused(bundle):
+def test_a_tree_that_was_not_exported_is_refused(bundle):
     drafter = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
-    with pytest.raises(
-        BundleError, match=r"no drafter_step_7 graph \(it has steps of \[1, 5, 6, 13, 14, 16\]"
-    ):
-        drafter.step(
-            torch.zeros(7, dtype=torch.long), torch.zeros(2, 7, 32), torch.arange(7), torch.eye(7), None
-        )
+    with pytest.raises(BundleError, match="no drafting graph for tree chain-3"):
+        draft(drafter, load_tree("chain-3"), [1], torch.zeros(2, 1, 32), 1, GREEDY, None)
 
 
 def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tmp_path):

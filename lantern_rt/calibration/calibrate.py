@@ -278,7 +278,9 @@ def graph_agreement(
 ) -> dict[str, dict[str, Any]]:
     """Per quantized graph, on its recorded (calibration) inputs and ``AS_WRITTEN`` sessions:
     calls seen, inputs kept, the fraction of logits rows whose argmax the int8 graph keeps, and
-    its largest logits error relative to the largest fp32 logit."""
+    its largest logits error relative to the largest fp32 logit. A drafting graph is scored on
+    its root's distribution ``q[0]``, which depends on its inputs alone (deeper rows follow the
+    tokens each graph drew)."""
     options = session_options(threads, AS_WRITTEN)
     result = {}
     for name, samples in recorder.samples.items():
@@ -287,8 +289,11 @@ def graph_agreement(
             for path in (fp32, int8)
         )
         agree, error = [], 0.0
+        scored = "logits" if any(o.name == "logits" for o in fp32_graph.get_outputs()) else "q"
         for sample in samples:
-            want, got = (graph.run(["logits"], sample)[0] for graph in (fp32_graph, int8_graph))
+            want, got = (graph.run([scored], sample)[0] for graph in (fp32_graph, int8_graph))
+            if scored == "q":
+                want, got = want[:1], got[:1]
             agree.append(float((want.argmax(-1) == got.argmax(-1)).mean()))
             error = max(error, float(np.abs(got - want).max() / np.abs(want).max()))
         result[name] = {

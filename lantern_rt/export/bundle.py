@@ -29,14 +29,13 @@ from tqdm import tqdm
 from lantern_rt.errors import first_line
 from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
 from lantern_rt.export.graphs import (
-    DrafterStep,
+    DrafterTree,
     GraphModule,
     TargetPrefill,
     TargetStep,
     VQDecode,
     cache_capacity,
-    drafter_capacity,
-    drafter_step_sizes,
+    draft_graph_name,
     target_step_sizes,
 )
 from lantern_rt.models.config import to_dict
@@ -45,11 +44,13 @@ from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, 
 from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
-from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.tree import StaticTree, tree_to_json
 
 FORMAT = "lantern-rt-bundle"
-BUNDLE_VERSION = 3  # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer
+# 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
+# graph per tree
+BUNDLE_VERSION = 4
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
@@ -80,7 +81,7 @@ def export_bundle(
     progress: bool = False,
 ) -> Path:
     """Export the target (prefill, step 1 and the verify step of each tree), the VQ decoder, the
-    neighbour table and, when ``model_dir`` has a drafter, the drafter steps of each tree.
+    neighbour table and, when ``model_dir`` has a drafter, the drafting graph of each tree.
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs.
@@ -208,10 +209,13 @@ def _graphs(
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low), TargetPrefill(target))]
     pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in target_step_sizes(trees)]
     if drafter is not None:
-        low_drafter, cap = _cast(drafter, dtype), drafter_capacity(target.config.block_size, trees)
+        low_drafter, cap = _cast(drafter, dtype), drafter_capacity(target.config.block_size)
         pairs += [
-            (DrafterStep(low_drafter, low.output, s, cap), DrafterStep(drafter, target.output, s, cap))
-            for s in drafter_step_sizes(trees)
+            (
+                DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
+                DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i)),
+            )
+            for i, tree in enumerate(trees)
         ]
     decode = VQDecode(vq, target.config.grid_size)
     return [*pairs, (decode, decode)]
@@ -291,7 +295,10 @@ def compare_with_torch(
         want = reference.reference_forward(*(x.float() if x.is_floating_point() else x for x in inputs))
     want = want if isinstance(want, tuple) else (want,)
     return {
-        t.name: (float(np.abs(g.astype(np.float64) - w.double().numpy()).max()), float(w.abs().max()))
+        t.name: (
+            float(np.abs(g.astype(np.float64) - w.double().numpy()).max()),
+            float(w.double().abs().max()),
+        )
         for t, g, w in zip(module.spec.outputs, got, want, strict=True)
     }
 
@@ -316,8 +323,7 @@ def _manifest(
         "hidden_size": c.dim,
         "step_sizes": target_step_sizes(trees),
         "drafter": has_drafter,
-        "drafter_step_sizes": drafter_step_sizes(trees) if has_drafter else [],
-        "drafter_capacity": drafter_capacity(c.block_size, trees),
+        "drafter_capacity": drafter_capacity(c.block_size),
         "max_draft_width": MAX_DRAFT_WIDTH,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
         "null_condition": {"class_id": c.num_classes} if c.model_type == "c2i" else {"file": NULL_CAPTION},
@@ -339,7 +345,10 @@ def _manifest(
         "image_size": md.image_size,
         "constants": constants,
         "sampling_defaults": md.raw.get("sampling_defaults", {}),
-        "trees": {tree.name: tree_to_json(tree) for tree in trees},
+        "trees": {
+            tree.name: {**tree_to_json(tree), "graph": draft_graph_name(i) if has_drafter else None}
+            for i, tree in enumerate(trees)
+        },
         "graphs": graphs,
     }
 

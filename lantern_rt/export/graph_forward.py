@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import RMSNorm, Transformer
+from lantern_rt.runtime.drafting import Context
 
 
 def rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
@@ -58,26 +59,25 @@ def attention_bias(mask: Tensor, group: int) -> Tensor:
     return bias.repeat(1, 1, group, 1) if group > 1 else bias
 
 
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, past_k: Tensor | None, past_v: Tensor | None, bias: Tensor
-) -> Tensor:
-    """Attention of q [B, H, S, D] over the past [B, Hkv, P, D] and the new k, v [B, Hkv, S, D].
+def attend(q: Tensor, k: Tensor, v: Tensor, past: list[tuple[Tensor, Tensor]], bias: Tensor) -> Tensor:
+    """Attention of q [B, H, S, D] over blocks of past keys and values [B, Hkv, P_b, D] (the
+    cache, then any rows computed earlier in the same graph) and the new k, v [B, Hkv, S, D].
 
     Query heads that share a key head are stacked as rows ([B, Hkv, H/Hkv * S, D]), so neither
-    the cache nor the keys are repeated. Returns [B, S, H * D].
+    the cache nor the keys are repeated; scores against each block are joined, the blocks never
+    are. Returns [B, S, H * D].
     """
     b, h, s, d = q.shape
     kv_heads = k.shape[1]
     qg = (q * d**-0.5).reshape(b, kv_heads, h // kv_heads * s, d)
-    scores = torch.matmul(qg, k.transpose(-2, -1))
-    if past_k is not None:
-        scores = torch.cat([torch.matmul(qg, past_k.transpose(-2, -1)), scores], dim=-1)
+    keys = [pk for pk, _ in past] + [k]
+    scores = torch.cat([torch.matmul(qg, key.transpose(-2, -1)) for key in keys], dim=-1)
     probs = torch.softmax(scores.float() + bias, dim=-1).to(v.dtype)
-    if past_k is None or past_v is None:
-        out = torch.matmul(probs, v)
-    else:
-        p = past_k.shape[2]
-        out = torch.matmul(probs[..., :p], past_v) + torch.matmul(probs[..., p:], v)
+    out, start = None, 0
+    for key, value in [*past, (k, v)]:
+        end = start + key.shape[2]
+        part = torch.matmul(probs[..., start:end], value)
+        out, start = part if out is None else out + part, end
     return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
 
 
@@ -107,7 +107,7 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         bias: Tensor,
-        past: tuple[Tensor, Tensor] | None,
+        past: list[tuple[Tensor, Tensor]],
     ) -> tuple[Tensor, Tensor, Tensor]:
         b, s, _ = x.shape
         h = x if self.attn_norm is None else rms_norm(x, self.attn_norm)
@@ -115,8 +115,7 @@ class Block(nn.Module):
         qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=2)
         q, k = rope.rotate(qk, cos, sin).transpose(1, 2).split([self.n_head, self.n_kv], dim=1)
         v = v.transpose(1, 2)
-        past_k, past_v = past if past is not None else (None, None)
-        x = x + self.wo(attend(q, k, v, past_k, past_v, bias))
+        x = x + self.wo(attend(q, k, v, past, bias))
         gate, up = F.linear(rms_norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), k, v
 
@@ -169,15 +168,16 @@ class Blocks(nn.Module):
         return cls(blocks, drafter.freqs_cis)
 
     def forward(
-        self, h: Tensor, positions: Tensor, mask: Tensor, past_k: list[Tensor], past_v: list[Tensor]
+        self, h: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """h [B, S, dim] at ``positions`` [S] under ``mask`` [1, 1, S, P + S] over per-layer caches
-        [B, Hkv, P, D] (empty lists: no cache) -> h and the new K/V [n_layer, B, Hkv, S, D]."""
+        """h [B, S, dim] at ``positions`` [S] under ``mask`` [1, 1, S, P + S] over the ``context``
+        blocks (P slots in all; None: nothing before the new rows) -> h and the new K/V
+        [n_layer, B, Hkv, S, D]."""
         cos, sin = self.rope.tables(positions)
         bias = attention_bias(mask, self.group)
         new_k, new_v = [], []
         for i, block in enumerate(self.blocks):
-            past = (past_k[i], past_v[i]) if past_k else None
+            past = [] if context is None else list(zip(context.keys[i], context.values[i], strict=True))
             h, k, v = block(h, self.rope, cos, sin, bias, past)
             new_k.append(k)
             new_v.append(v)

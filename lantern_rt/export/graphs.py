@@ -2,8 +2,8 @@
 
 Each wrapper declares its inputs and outputs once, as a :class:`GraphSpec`, and makes random
 valid inputs for the numerical check. Shapes follow the runtime's contract: two CFG rows, a
-target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` plus the
-largest tree's scratch slots, and only the new tokens' K/V as outputs.
+target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` slots
+(``drafting.drafter_capacity``), and only the new tokens' K/V as outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
-from lantern_rt.runtime.drafting import catch_up_rows
+from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
+from lantern_rt.runtime.drafting import (
+    Context,
+    DraftStep,
+    catch_up_mask,
+    catch_up_rows,
+    draft_plan,
+    draft_tree,
+    noise_rows,
+)
 from lantern_rt.runtime.tree import StaticTree
 
 ROWS = 2  # CFG rows: conditional, unconditional
@@ -63,25 +72,14 @@ def cache_capacity(model: Transformer) -> int:
     return model.config.cls_token_num + model.config.block_size
 
 
-def drafter_capacity(block_size: int, trees: Iterable[StaticTree]) -> int:
-    """Slots in the drafter's KV cache: every image token, then the scratch slots of the largest
-    tree's nodes and one spare (what ``generate`` gives a ``TorchDrafter`` for one tree)."""
-    return block_size + max((tree.num_nodes for tree in trees), default=0) + 1
-
-
 def target_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
     """Token counts of the target step graphs: 1 (plain AR decoding) and each tree's N + 1 (verify)."""
     return sorted({1, *(tree.num_nodes + 1 for tree in trees)})
 
 
-def drafter_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
-    """Row counts of the drafter calls of ``draft_tree``: each tree's catch-up call and its
-    levels 1..max_depth-1 (the deepest level is drawn, never fed back)."""
-    sizes: set[int] = set()
-    for tree in trees:
-        sizes.add(catch_up_rows(tree))
-        sizes.update(len(level) for level in tree.levels[1:-1])
-    return sorted(sizes)
+def draft_graph_name(index: int) -> str:
+    """The name of the drafting graph of a bundle's ``index``-th tree."""
+    return f"draft_tree_{index}"
 
 
 KVDims = tuple[int, int, int]  # layers, kv heads, head dim
@@ -158,7 +156,7 @@ class TargetPrefill(nn.Module):
         h = self.model.embed_condition(cond)
         t = h.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None]
-        h, k, v = self.blocks(h, torch.arange(t, device=h.device), causal, [], [])
+        h, k, v = self.blocks(h, torch.arange(t, device=h.device), causal, None)
         hidden = rms_norm(h[:, -1], self.model.norm)
         return self.model.output(hidden).float(), hidden, k, v
 
@@ -207,7 +205,7 @@ class TargetStep(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, mask: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
-        h, k, v = self.blocks(h, positions, mask, *_split_past(past))
+        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(past)))
         hidden = rms_norm(h, self.model.norm)
         return self.model.output(hidden).float(), hidden, k, v
 
@@ -230,63 +228,91 @@ class TargetStep(nn.Module):
         return (tokens, length + depths, mask, *_random_cache(g, self.spec.inputs[3:]))
 
 
-class DrafterStep(nn.Module):
-    """``S`` (token, target hidden) pairs under a mask over the drafter cache -> fp32 logits of
-    the target's LM head ``head`` (its weights are baked in), the predicted hidden states and
-    the new K/V."""
+class DrafterTree(nn.Module):
+    """``draft_tree`` for one tree as a graph: the catch-up rows, uniform noise and sampling
+    settings over the drafter cache -> node tokens, valid, q and the catch-up rows' K/V. The
+    drafter's layers and the target's LM head ``head`` are baked in."""
 
-    def __init__(self, drafter: Drafter, head: nn.Linear, s: int, capacity: int):
+    def __init__(self, drafter: Drafter, head: nn.Linear, tree: StaticTree, capacity: int, name: str):
         super().__init__()
-        self.drafter, self.head, self.blocks = drafter, head, Blocks.of_drafter(drafter)
+        self.drafter, self.head, self.tree = drafter, head, tree
+        self.plan = draft_plan(tree, torch.device("cpu"))
+        self.blocks = Blocks.of_drafter(drafter)
         c = drafter.config
         dtype = drafter.fc.weight.dtype
         kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
+        rows, n = catch_up_rows(tree), tree.num_nodes + 1
         self.spec = GraphSpec(
-            f"drafter_step_{s}",
+            name,
             (
-                TensorSpec("tokens", (s,), torch.int64),
-                TensorSpec("hidden", (ROWS, s, c.hidden_size), dtype),
-                TensorSpec("positions", (s,), torch.int64),
-                TensorSpec("mask", (1, 1, s, capacity + s), torch.bool),
+                TensorSpec("tokens", (rows,), torch.int64),
+                TensorSpec("hidden", (ROWS, rows, c.hidden_size), dtype),
+                TensorSpec("positions", (rows,), torch.int64),
+                TensorSpec("mask", (1, 1, rows, capacity + rows), torch.bool),
+                TensorSpec("noise", (noise_rows(tree), c.vocab_size), torch.float32),
+                TensorSpec("cfg_scale", (1,), torch.float32),
+                TensorSpec("temperature", (1,), torch.float32),
+                TensorSpec("top_k", (1,), torch.int64),
+                TensorSpec("top_p", (1,), torch.float32),
                 *_past_specs(kv, capacity, dtype),
             ),
             (
-                TensorSpec("logits", (ROWS, s, c.vocab_size), torch.float32),
-                TensorSpec("hidden_out", (ROWS, s, c.hidden_size), dtype),
-                _kv_spec("new_k", kv, s, dtype),
-                _kv_spec("new_v", kv, s, dtype),
+                TensorSpec("node_tokens", (n,), torch.int64),
+                TensorSpec("valid", (n,), torch.bool),
+                TensorSpec("q", (n, c.vocab_size), torch.float32),
+                _kv_spec("new_k", kv, rows, dtype),
+                _kv_spec("new_v", kv, rows, dtype),
             ),
             dtype,
         )
 
-    def forward(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, *past: Tensor
-    ) -> tuple[Tensor, ...]:
+    def _step(
+        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context
+    ) -> tuple[Tensor, Tensor, Tensor]:
         d = self.drafter
         pairs = tokens.unsqueeze(0).expand(ROWS, -1)
         h = d.fc(torch.cat([d.embed_tokens(pairs), hidden.to(d.fc.weight.dtype)], dim=-1))
-        h, k, v = self.blocks(h, positions, mask, *_split_past(past))
-        return self.head(h).float(), h, k, v
+        return self.blocks(h, positions, mask, context)
 
-    def reference_forward(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, *past: Tensor
-    ) -> tuple[Tensor, ...]:
-        """The same outputs from the drafter's own ``step``."""
-        pairs = tokens.unsqueeze(0).expand(ROWS, -1)
-        past_k, past_v = _split_past(past)
-        h, k, v = self.drafter.step(pairs, hidden, positions, mask, torch.stack(past_k), torch.stack(past_v))
-        return self.head(h).float(), h, k, v
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        return self._draft(self._step, inputs)
+
+    def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        """The same outputs with the drafter's own ``step`` (the torch backend's)."""
+        return self._draft(drafter_step(self.drafter), inputs)
+
+    def _draft(self, step: DraftStep, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        tokens, hidden, positions, mask, noise, *sampling = inputs[:9]
+        context = Context.of_cache(*_split_past(inputs[9:]))
+        head = lm_head(self.head)
+        return draft_tree(
+            step, head, self.plan, tokens, hidden, positions, mask, context, noise, tuple(sampling)
+        )
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random pairs at sorted depths below a random RoPE row (any committed length: the
-        graph cannot tell committed from scratch slots), a random tree-like mask, random caches."""
+        """Catch-up rows after a random committed length, right-aligned, at positions the RoPE
+        table holds; noise that forces which children are drawn (a large score for ``width``
+        random tokens per node), so that rounding cannot change the path and every output is
+        compared; CFG 3 without filtering; random caches."""
         c = self.drafter.config
-        s, capacity = self.spec.inputs[0].shape[0], self.spec.inputs[4].shape[2]
-        _, depths, mask = _random_tree_mask(g, s, capacity, 0)
-        start = int(torch.randint(self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS, (), generator=g))
-        tokens = torch.randint(c.vocab_size, (s,), generator=g)
+        rows = catch_up_rows(self.tree)
+        capacity = self.spec.inputs[3].shape[3] - rows
+        length = int(torch.randint(capacity - rows, (), generator=g))
+        m = int(torch.randint(1, rows + 1, (), generator=g))
+        top = self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS - 1
+        root = int(torch.randint(rows, top, (), generator=g))
+        seen = (torch.arange(capacity) < length).expand(rows, -1)
+        mask = torch.cat([seen, catch_up_mask(rows, m, torch.device("cpu"))], dim=1)[None, None]
+        tokens = torch.randint(c.vocab_size, (rows,), generator=g)
         hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
-        return (tokens, hidden, start + depths, mask, *_random_cache(g, self.spec.inputs[4:]))
+        noise = torch.zeros(self.spec.inputs[4].shape)  # a Gumbel score of -3.8 (clamped)
+        top = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
+        for row in noise:
+            row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = top
+        sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+        positions = torch.arange(root - rows + 1, root + 1)
+        past = _random_cache(g, self.spec.inputs[9:])
+        return (tokens, hidden, positions, mask, noise, *sampling, *past)
 
 
 class VQDecode(nn.Module):
@@ -314,4 +340,4 @@ class VQDecode(nn.Module):
         return (torch.randint(self.vq.config.codebook_size, self.spec.inputs[0].shape, generator=g),)
 
 
-GraphModule = TargetPrefill | TargetStep | DrafterStep | VQDecode
+GraphModule = TargetPrefill | TargetStep | DrafterTree | VQDecode

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -66,6 +67,7 @@ class StepResult:
     path: list[int]  # accepted node ids (root excluded), root to deepest
     bonus: int  # the token emitted after the accepted path
     credited: list[tuple[float, float, float]]  # per accepted node: (S, pt, r_x) when it was tested
+    tokens: list[int]  # the committed tokens: the accepted path's, then the bonus
 
 
 def _credit(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[int, float, float]:
@@ -111,25 +113,79 @@ def _drop_drawn(qq: Tensor, x: int) -> Tensor:
     return _normalized(qq)
 
 
+@dataclass(frozen=True)
+class _FirstTest:
+    """The test of a child against its parent's target before any sibling was rejected."""
+
+    q_x: float
+    used: int
+    s: float
+    r_x: float
+    u: float
+
+
+@lru_cache(maxsize=32)
+def _parents(tree: StaticTree, device: torch.device) -> Tensor:
+    """Parent ids of nodes 1..N on ``device``."""
+    return tree.parent[1:].to(device)
+
+
+def _first_tests(
+    tree: StaticTree,
+    tokens: Tensor,
+    p: Tensor,
+    q: Tensor,
+    nbrs: Tensor | None,
+    relax: Relaxation,
+    generator: torch.Generator | None,
+) -> list[_FirstTest | None]:
+    """Every node's test against its parent's untouched target, computed at once and read
+    from the device once (a few ops per tree, not per node). Index 0 (the root) is None."""
+    parents, kids = _parents(tree, p.device), tokens[1:]
+    r_x, q_x = p[parents, kids], q[parents, kids]
+    if nbrs is None:
+        used, s = torch.zeros_like(r_x), torch.zeros_like(r_x)
+    else:
+        cum = torch.cumsum(p[parents[:, None], nbrs[kids]], dim=1)
+        fits = (cum <= relax.cap(r_x)[:, None]).sum(dim=1)
+        s = cum.gather(1, (fits - 1).clamp_min(0)[:, None])[:, 0] * (fits > 0)
+        used = fits.to(r_x.dtype)
+    u = torch.rand(r_x.shape, generator=generator, device=p.device, dtype=r_x.dtype)
+    rows = torch.stack([q_x, used, s, r_x, u], dim=1).tolist()
+    return [None, *(_FirstTest(a, int(b), c, d, e) for a, b, c, d, e in rows)]
+
+
 def _pick_sampled(
-    r: Tensor,
-    qq: Tensor,
+    p: Tensor,
+    q: Tensor,
+    node: int,
     children: list[tuple[int, int]],
     nbrs: Tensor | None,
     relax: Relaxation,
     generator: torch.Generator | None,
-) -> tuple[int | None, tuple[float, float, float] | None, Tensor]:
-    """Test (node id, token) children in order; returns (accepted node or None, credit, final residual)."""
-    for node, x in children:
-        q_x = qq[x].item()
+    first: list[_FirstTest | None],
+) -> tuple[int | None, tuple[float, float, float] | None, Tensor | None]:
+    """Test the (node id, token) children of ``node`` in order; returns (accepted node or None,
+    credit, final residual: None while it is still ``p[node]``). The first child tested uses
+    its precomputed ``first`` test; after a rejection the residual target is built and later
+    siblings are tested against it."""
+    r: Tensor | None = None
+    qq = q[node]
+    for child, x in children:
+        test = first[child]
+        if r is None and test is not None:
+            q_x, used, s, r_x, u = test.q_x, test.used, test.s, test.r_x, test.u
+        else:
+            r = p[node] if r is None else r
+            q_x = qq[x].item()
+            used, s, r_x = _credit(r, x, nbrs, relax)
+            u = torch.rand((), generator=generator, device=p.device).item()
         if q_x <= 0.0:
             continue
-        used, s, r_x = _credit(r, x, nbrs, relax)
         pt = r_x + s
-        u = torch.rand((), generator=generator, device=r.device).item()
         if u * q_x < pt:
-            return node, (s, pt, r_x), r
-        r = _residual(_relaxed_target(r, x, nbrs, used, pt), qq)
+            return child, (s, pt, r_x), r
+        r = _residual(_relaxed_target(p[node] if r is None else r, x, nbrs, used, pt), qq)
         qq = _drop_drawn(qq, x)
     return None, None, r
 
@@ -194,15 +250,16 @@ def verify_tree(
     nbrs = _neighbour_rows(neighbors, relax)
     p, q = _as_float(p), _as_float(q)
     token_ids, is_valid = tokens.tolist(), valid.tolist()
+    first = [] if greedy or tree.num_nodes == 0 else _first_tests(tree, tokens, p, q, nbrs, relax, generator)
     path: list[int] = []
     credited: list[tuple[float, float, float]] = []
-    node, residual = 0, p[0]
+    node, residual = 0, None
     while True:
         children = [(c, token_ids[c]) for c in tree.children[node] if is_valid[c]]
         if greedy:
             child, credit = _pick_greedy(p[node], children, nbrs, relax)
         else:
-            child, credit, residual = _pick_sampled(p[node], q[node], children, nbrs, relax, generator)
+            child, credit, residual = _pick_sampled(p, q, node, children, nbrs, relax, generator, first)
         if child is None or credit is None:
             break
         path.append(child)
@@ -211,5 +268,5 @@ def verify_tree(
     if greedy:
         bonus = int(torch.argmax(p[node]).item())
     else:
-        bonus = int(categorical(residual, generator).item())
-    return StepResult(path=path, bonus=bonus, credited=credited)
+        bonus = int(categorical(p[node] if residual is None else residual, generator).item())
+    return StepResult(path, bonus, credited, [*(token_ids[c] for c in path), bonus])

@@ -13,9 +13,17 @@ from torch import Tensor
 
 from lantern_rt.runtime.acceptance import Relaxation, verify_tree
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
-from lantern_rt.runtime.drafting import Draft, draft_tree
+from lantern_rt.runtime.drafting import Draft, draft
+from lantern_rt.runtime.kv_cache import take
 from lantern_rt.runtime.profiling import span
-from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution, sample
+from lantern_rt.runtime.sampling import (
+    TOPK_LIMIT,
+    SamplingConfig,
+    cfg_mix,
+    check_sort_width,
+    distribution,
+    sample,
+)
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 
@@ -52,12 +60,15 @@ def decode_image(
     tree = spec.tree if spec else ROOT_ONLY
     relax = spec.relax if spec else EXACT
     neighbors = spec.neighbors if spec else None
+    if spec:
+        vocab = spec.drafter.vocab_size
+        check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
     with span("prefill"):
         logits, hidden = target.prefill(cond)
     p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
     device = p.device
     tokens = [int(sample(p, sampling, generator))]
-    pending = torch.tensor(tokens, device=device)
+    pending = tokens[:]
     pending_hidden = hidden[:, None]
     if spec:
         spec.drafter.cache.reset()
@@ -67,21 +78,33 @@ def decode_image(
         root_position = target.cache.length
         if spec:
             with span("draft"):
-                draft = draft_tree(
+                drafted = draft(
                     spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
                 )
         else:
             # no children: q is never read
-            draft = Draft(pending[-1:], torch.ones(1, dtype=torch.bool, device=device), p[None])
+            drafted = Draft(
+                torch.tensor(pending[-1:], device=device),
+                torch.ones(1, dtype=torch.bool, device=device),
+                p[None],
+            )
         with span("verify"):
-            logits, hidden = target.step(draft.tokens, root_position + depth, mask)
+            logits, hidden = target.step(drafted.tokens, root_position + depth, mask)
         with span("accept"):
             p_tree = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
             result = verify_tree(
-                tree, draft.tokens, draft.valid, p_tree, draft.q, neighbors, relax, sampling.greedy, generator
+                tree,
+                drafted.tokens,
+                drafted.valid,
+                p_tree,
+                drafted.q,
+                neighbors,
+                relax,
+                sampling.greedy,
+                generator,
             )
         kept = [0, *result.path]
-        new = draft.tokens[kept[1:]].tolist() + [result.bonus]
+        new = result.tokens
         emitted = new[: num_tokens - len(tokens)]
         tokens.extend(emitted)
         accepted.append(len(emitted))
@@ -89,6 +112,6 @@ def decode_image(
             break
         with span("kv_compaction"):
             target.cache.commit(kept)
-        pending = torch.tensor(new, device=device)
-        pending_hidden = hidden[:, kept]
+        pending = new
+        pending_hidden = take(hidden, 1, kept)
     return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)

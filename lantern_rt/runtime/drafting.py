@@ -1,25 +1,40 @@
-"""Drafting a static tree with the drafter, level by level, in fixed-shape calls.
+"""Drafting a static tree: the drafter's catch-up call, then every tree level, as one function.
 
-Per decode step the drafter makes ``max_depth`` calls:
-1. catch-up: the pairs committed since the last step (accepted path + bonus, at most
-   ``max_depth + 1``, padded to that many rows), whose last row is the root; its output gives
-   the distribution the root's children are drawn from;
-2. one call per tree level 1..max_depth-1: every node of the level, paired with its parent's
-   predicted hidden state, attending to the committed cache, its ancestors' entries (kept in
-   scratch slots right after the committed length) and itself.
-At each node ``tree.width`` distinct children are drawn without replacement (Gumbel-top-k).
+Per decode step the drafter
+1. catches up on the pairs committed since the last step (accepted path + bonus, at most
+   ``max_depth + 1``), right-aligned in ``catch_up_rows(tree)`` rows so that the root is always
+   the last row (padding rows come first and see only themselves); the root's output gives the
+   distribution its children are drawn from;
+2. runs each tree level 1..max_depth-1 at once: every node of the level, paired with its
+   parent's predicted hidden state, attends to what the root sees (the committed cache and the
+   catch-up rows), to its ancestors' K/V from this same call, and to itself.
+At each node ``tree.width`` distinct children are drawn without replacement by Gumbel-top-k
+from noise the caller passes in (METHOD.md section 4). :func:`draft_tree` is therefore a pure
+function of tensors and a drafter step: the torch backend runs it eagerly with the drafter's
+own step, a bundle holds it as one graph per tree, and the same noise gives the same draft.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lantern_rt.runtime.backends.base import DrafterBackend
-from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution, draw_distinct
+from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.sampling import (
+    TOPK_LIMIT,
+    SamplingConfig,
+    cfg_mix,
+    draw_distinct,
+    draw_noise,
+    filter_inputs,
+    filter_logits,
+)
 from lantern_rt.runtime.tree import StaticTree
 
 # Most distinct children drafted per node: tree ranks must stay below it (the authors' TOPK).
@@ -28,7 +43,8 @@ MAX_DRAFT_WIDTH = 10
 
 @dataclass
 class Draft:
-    """A drafted tree: tokens [N+1] (root first), valid [N+1], drafter probabilities q [N+1, V]."""
+    """A drafted tree: tokens [N+1] (root first), valid [N+1], drafter probabilities q [N+1, V]
+    (rows of nodes at the tree's last level are zero: nothing is drawn below them)."""
 
     tokens: Tensor
     valid: Tensor
@@ -36,46 +52,87 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class Context:
+    """What new drafter rows attend to besides themselves, per layer: blocks of keys and
+    values [2, Hkv, P_b, D] (the committed cache first, then rows computed in this call)."""
+
+    keys: tuple[tuple[Tensor, ...], ...]
+    values: tuple[tuple[Tensor, ...], ...]
+
+    @classmethod
+    def of_cache(cls, keys: list[Tensor] | Tensor, values: list[Tensor] | Tensor) -> Context:
+        """One block per layer: the cache [2, Hkv, capacity, D] of each layer."""
+        return cls(tuple((k,) for k in keys), tuple((v,) for v in values))
+
+    def plus(self, new_k: Tensor, new_v: Tensor) -> Context:
+        """This context and the rows ``new_k``/``new_v`` [n_layer, 2, Hkv, S, D]."""
+        return Context(
+            tuple((*blocks, k) for blocks, k in zip(self.keys, new_k, strict=True)),
+            tuple((*blocks, v) for blocks, v in zip(self.values, new_v, strict=True)),
+        )
+
+
+# A drafter step: pairs (tokens [S], target hidden [2, S, D]) at positions [S] under a mask
+# [1, 1, S, P + S] over the context (P slots in all) and the new rows -> predicted hidden
+# states [2, S, D] and new K/V [n_layer, 2, Hkv, S, D].
+DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, Context], tuple[Tensor, Tensor, Tensor]]
+# The target's LM head (affine): hidden [..., D] -> fp32 logits [..., V].
+Head = Callable[[Tensor], Tensor]
+
+# The sampling settings as one-element tensors: cfg scale, temperature, top-k, top-p
+# (sampling.filter_inputs).
+FilterInputs = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+@dataclass(frozen=True)
 class LevelPlan:
-    nodes: Tensor  # node ids at this depth
-    parents: Tensor  # their parents' node ids
-    ranks: Tensor  # their sibling ranks
-    scratch: Tensor  # [n, N] bool: the scratch slots (node id - 1) of each node's strict ancestors
-    own_mask: Tensor  # [n, n] bool: each node sees only itself among the new rows
-    slots: Tensor  # the nodes' scratch slots (node id - 1)
-    last_slot: int
+    """Static index tables of one tree level below the root."""
+
+    pick: Tensor  # [n]: each node's draw among its parent level's draws (flat [parents * width])
+    parents: Tensor  # [n]: each node's parent, as an index into the parent level
+    ancestors: Tensor  # [1, 1, n, M]: the node's strict ancestors among nodes 1..M (M: the
+    # nodes above this level, root excluded)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A tree's drafting tables: children drawn per node, and the plans of depths 1..max_depth."""
+
+    width: int
+    levels: tuple[LevelPlan, ...]
 
 
 @lru_cache(maxsize=32)
-def level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...]:
-    """Static per-level index tables for depths 1..max_depth, on ``device``."""
+def draft_plan(tree: StaticTree, device: torch.device) -> DraftPlan:
+    """The drafting tables of ``tree`` on ``device`` (node ids are numbered level by level).
+
+    Built outside inference mode (a graph export may use them after a decode did); build them
+    outside a graph trace too, where tensors would be the tracer's."""
+    with torch.inference_mode(False):
+        return DraftPlan(tree.width, _level_plans(tree, device))
+
+
+def _level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...]:
     plans = []
-    for nodes in tree.levels[1:]:
-        scratch = torch.zeros(len(nodes), tree.num_nodes, dtype=torch.bool)
+    for depth in range(1, tree.max_depth + 1):
+        nodes, above = tree.levels[depth], tree.levels[depth - 1]
+        first = nodes[0]
+        ancestors = torch.zeros(len(nodes), first - 1, dtype=torch.bool)
         for i, node in enumerate(nodes):
-            for a in tree.ancestors[node][:-1]:
-                scratch[i, a - 1] = True
-        ids = torch.tensor(nodes)
+            for a in tree.ancestors[node][1:-1]:  # root and the node itself excluded
+                ancestors[i, a - 1] = True
+        parents = [above.index(tree.parents[node]) for node in nodes]
         plans.append(
             LevelPlan(
-                nodes=ids.to(device),
-                parents=tree.parent[list(nodes)].to(device),
-                ranks=tree.rank[list(nodes)].to(device),
-                scratch=scratch.to(device),
-                own_mask=torch.eye(len(nodes), dtype=torch.bool, device=device),
-                slots=(ids - 1).to(device),
-                last_slot=max(nodes) - 1,
+                pick=torch.tensor(
+                    [p * tree.width + tree.ranks[n] for p, n in zip(parents, nodes, strict=True)],
+                    device=device,
+                ),
+                parents=torch.tensor(parents, device=device),
+                ancestors=ancestors[None, None].to(device),
             )
         )
     return tuple(plans)
-
-
-@lru_cache(maxsize=64)
-def catch_up_mask(rows: int, m: int, device: torch.device) -> Tensor:
-    """[rows, rows]: the first ``m`` rows causal, padding rows see only themselves."""
-    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
-    causal[m:] = torch.eye(rows, dtype=torch.bool, device=device)[m:]
-    return causal
 
 
 def catch_up_rows(tree: StaticTree) -> int:
@@ -83,61 +140,127 @@ def catch_up_rows(tree: StaticTree) -> int:
     return tree.max_depth + 1
 
 
+def drafter_capacity(block_size: int) -> int:
+    """Slots in the drafter's KV cache: one committed pair per image token at most."""
+    return block_size
+
+
+def noise_rows(tree: StaticTree) -> int:
+    """Nodes that draw children: every node above the tree's last level."""
+    return tree.levels[-1][0]
+
+
+@lru_cache(maxsize=64)
+def catch_up_mask(rows: int, m: int, device: torch.device) -> Tensor:
+    """[rows, rows]: the last ``m`` rows causal among themselves, padding rows see only themselves."""
+    mask = torch.eye(rows, dtype=torch.bool, device=device)
+    mask[rows - m :, rows - m :] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+@lru_cache(maxsize=16)
+def _offsets(rows: int, device: torch.device) -> Tensor:
+    return torch.arange(1 - rows, 1, device=device)
+
+
+def catch_up_inputs(
+    tree: StaticTree, tokens: list[int], hidden: Tensor, root_position: int, cache: KVCache
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The pending pairs (``tokens``, m of them, and hidden [2, m, D]; the root, last, at
+    ``root_position``) right-aligned in the catch-up rows: (tokens [R], hidden [2, R, D],
+    positions [R], mask [1, 1, R, capacity + R] over ``cache``)."""
+    m, rows = len(tokens), catch_up_rows(tree)
+    pad, device = rows - m, hidden.device
+    return (
+        torch.tensor([0] * pad + tokens, device=device),
+        F.pad(hidden, (0, 0, pad, 0)),
+        (_offsets(rows, device) + root_position).clamp_min(0),
+        cache.mask(catch_up_mask(rows, m, device)),
+    )
+
+
 def draft_tree(
+    step: DraftStep,
+    head: Head,
+    plan: DraftPlan,
+    tokens: Tensor,
+    hidden: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+    cache: Context,
+    noise: Tensor,
+    sampling: FilterInputs,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Catch up on the rows of :func:`catch_up_inputs`, then draft a tree (its ``plan``) below
+    the root.
+
+    ``noise`` [noise_rows(tree), V] is the uniform noise of each drawing node's draws, in node
+    order (sampling.draw_noise). Returns the node tokens [N+1], valid [N+1], drafter probabilities
+    q [N+1, V], and the catch-up rows' K/V [n_layer, 2, Hkv, R, D] for the caller to commit.
+    """
+    cfg_scale, temperature, top_k, top_p = sampling
+    out, catch_k, catch_v = step(tokens, hidden, positions, mask, cache)
+    level_hidden = out[:, -1:]
+
+    def probabilities(level_hidden: Tensor) -> Tensor:
+        # The head is affine and CFG weights sum to one: mixing the hidden states first gives
+        # the mixed logits with half the head's work.
+        logits = head(cfg_mix(level_hidden, cfg_scale).to(level_hidden.dtype))
+        width = min(logits.shape[-1], TOPK_LIMIT)
+        return torch.softmax(filter_logits(logits, temperature, top_k, top_p, width), dim=-1)
+
+    seen = mask[:, :, -1:]  # what the root sees: committed slots and catch-up rows
+    context = cache.plus(catch_k, catch_v)
+    q = probabilities(level_hidden)  # [1, V]
+    vocab = q.shape[-1]
+    node_tokens, valid, q_rows = [tokens[-1:]], [torch.ones(1, dtype=torch.bool, device=tokens.device)], [q]
+    drawn, drawn_ok = draw_distinct(q, noise[:1], plan.width)
+    drawing = 1
+    for depth, level in enumerate(plan.levels, start=1):
+        level_tokens = drawn.flatten()[level.pick]
+        node_tokens.append(level_tokens)
+        valid.append(drawn_ok.flatten()[level.pick])
+        n = level_tokens.shape[0]
+        if depth == len(plan.levels):
+            q_rows.append(q.new_zeros(n, vocab))
+            break
+        level_mask = torch.cat(
+            [
+                seen.expand(1, 1, n, -1),
+                level.ancestors,
+                torch.eye(n, dtype=torch.bool, device=tokens.device)[None, None],
+            ],
+            dim=-1,
+        )
+        level_positions = (positions[-1:] + depth).expand(n)
+        level_hidden, k, v = step(
+            level_tokens, level_hidden[:, level.parents], level_positions, level_mask, context
+        )
+        context = context.plus(k, v)
+        q = probabilities(level_hidden)
+        q_rows.append(q)
+        drawn, drawn_ok = draw_distinct(q, noise[drawing : drawing + n], plan.width)
+        drawing += n
+    return torch.cat(node_tokens), torch.cat(valid), torch.cat(q_rows), catch_k, catch_v
+
+
+def draft(
     drafter: DrafterBackend,
     tree: StaticTree,
-    pending_tokens: Tensor,
+    pending_tokens: list[int],
     pending_hidden: Tensor,
     root_position: int,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
 ) -> Draft:
-    """Feed the pending pairs, then draft ``tree`` below the root (the last pending token).
-
-    ``pending_tokens`` [m] are the tokens committed since the last call, ``pending_hidden``
-    [2, m, D] the target hidden states of the positions before each of them; the root sits at
-    target position ``root_position``.
-    """
-    device = pending_tokens.device
-    m, rows = pending_tokens.shape[0], catch_up_rows(tree)
-    pad = rows - m
-    tokens = torch.cat([pending_tokens, pending_tokens.new_zeros(pad)])
-    hidden = torch.cat([pending_hidden, pending_hidden.new_zeros(2, pad, pending_hidden.shape[-1])], dim=1)
-    positions = torch.full((rows,), root_position, device=device)
-    positions[:m] = torch.arange(root_position - m + 1, root_position + 1, device=device)
-    logits, out = drafter.step(tokens, hidden, positions, catch_up_mask(rows, m, device), None)
-    drafter.cache.commit(list(range(m)))
-
-    n = tree.num_nodes + 1
-    q_rows = distribution(cfg_mix(logits[:, m - 1 : m], sampling.cfg_scale), sampling)
-    q = q_rows.new_zeros(n, q_rows.shape[-1])
-    q[0] = q_rows[0]
-    node_tokens = torch.zeros(n, dtype=torch.long, device=device)
-    node_tokens[0] = pending_tokens[-1]
-    valid = torch.ones(n, dtype=torch.bool, device=device)
-    node_hidden = out.new_zeros(2, n, out.shape[-1])
-    node_hidden[:, 0] = out[:, m - 1]
-    drawn, drawn_ok = draw_distinct(q[:1], tree.width, sampling.greedy, generator)
-    drawn_ids = torch.zeros(n, tree.width, dtype=torch.long, device=device)
-    drawn_valid = torch.zeros(n, tree.width, dtype=torch.bool, device=device)
-    drawn_ids[0], drawn_valid[0] = drawn[0], drawn_ok[0]
-
-    for depth, plan in enumerate(level_plans(tree, device), start=1):
-        nodes, parents, ranks = plan.nodes, plan.parents, plan.ranks
-        node_tokens[nodes] = drawn_ids[parents, ranks]
-        valid[nodes] = drawn_valid[parents, ranks]
-        if depth == tree.max_depth:
-            break
-        logits, out = drafter.step(
-            node_tokens[nodes],
-            node_hidden[:, parents],
-            torch.full((nodes.shape[0],), root_position + depth, device=device),
-            plan.own_mask,
-            plan.scratch,
-        )
-        drafter.cache.place(plan.slots, plan.last_slot)
-        node_hidden[:, nodes] = out
-        q[nodes] = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-        ids, ok = draw_distinct(q[nodes], tree.width, sampling.greedy, generator)
-        drawn_ids[nodes], drawn_valid[nodes] = ids, ok
-    return Draft(node_tokens, valid, q)
+    """Draft ``tree`` below the root (the last of the m ``pending_tokens``, committed since the
+    last call, at target position ``root_position``; ``pending_hidden`` [2, m, D] are the target
+    hidden states before each of them) and commit the pending pairs to the drafter's cache."""
+    device = pending_hidden.device
+    inputs = catch_up_inputs(tree, pending_tokens, pending_hidden, root_position, drafter.cache)
+    noise = draw_noise(noise_rows(tree), drafter.vocab_size, sampling.greedy, generator, device)
+    tokens, valid, q, new_k, new_v = drafter.draft(tree, *inputs, noise, filter_inputs(sampling, device))
+    drafter.cache.stage(new_k, new_v)
+    rows, m = catch_up_rows(tree), len(pending_tokens)
+    drafter.cache.commit(list(range(rows - m, rows)))
+    return Draft(tokens, valid, q)

@@ -6,11 +6,21 @@ import torch
 from torch import Tensor
 
 
+def take(t: Tensor, dim: int, keep: list[int]) -> Tensor:
+    """``t``'s entries ``keep`` along ``dim``: a view when they are one contiguous run (a chain's
+    accepted path always is), else a gather."""
+    first, n = keep[0], len(keep)
+    if keep[-1] - first == n - 1 and keep == list(range(first, first + n)):
+        return t.narrow(dim, first, n)
+    return t.index_select(dim, torch.tensor(keep, device=t.device))
+
+
 class KVCache:
     """Fixed-size K/V storage [n_layer, rows, heads, capacity, head_dim] plus a committed length.
 
     Entries past ``length`` are stale and masked. ``stage`` keeps the K/V a call just produced;
     ``commit`` copies the chosen ones (the accepted path) to the slots right after ``length``.
+    ``layers_k``/``layers_v`` are per-layer views of the storage (graphs take one input per layer).
     """
 
     def __init__(
@@ -26,8 +36,10 @@ class KVCache:
         shape = (n_layer, rows, heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
         self.capacity = capacity
-        self._slots = torch.arange(capacity, device=device)
+        slots = torch.arange(capacity, device=device)
+        self._visible = slots[None, :] < torch.arange(capacity + 1, device=device)[:, None]  # [length, slot]
         self.length = 0
         self._staged: tuple[Tensor, Tensor] | None = None
 
@@ -35,41 +47,23 @@ class KVCache:
         self.length = 0
         self._staged = None
 
-    def mask(self, new_mask: Tensor, scratch: Tensor | None = None) -> Tensor:
+    def mask(self, new_mask: Tensor) -> Tensor:
         """Attention mask [1, 1, S, capacity + S] for S new tokens whose mutual visibility is
-        ``new_mask`` [S, S]: every committed entry is visible, stale entries are not, except
-        that ``scratch`` [S, M] opens the M slots right after ``length`` (see ``place``)."""
+        ``new_mask`` [S, S]: every committed entry is visible, stale entries are not."""
         s = new_mask.shape[0]
-        past = (self._slots < self.length).expand(s, -1)
-        if scratch is not None:
-            past = past.clone()
-            past[:, self.length : self.length + scratch.shape[1]] = scratch
-        return torch.cat([past, new_mask], dim=1)[None, None]
+        return torch.cat([self._visible[self.length].expand(s, -1), new_mask], dim=1)[None, None]
 
     def stage(self, new_k: Tensor, new_v: Tensor) -> None:
         self._staged = (new_k, new_v)
 
-    def place(self, offsets: Tensor, last: int) -> None:
-        """Write every staged entry to slot ``length + offset`` without committing it (drafted
-        tree levels that deeper levels attend to; overwritten by later commits). ``last`` is
-        the largest offset (checked against the capacity without reading the device)."""
-        assert self._staged is not None, "place without a staged call"
-        if self.length + last >= self.capacity:
-            raise RuntimeError(f"KV cache overflow: slot {self.length + last} >= {self.capacity}")
-        new_k, new_v = self._staged
-        slots = offsets.to(new_k.device) + self.length
-        self.k.index_copy_(3, slots, new_k)
-        self.v.index_copy_(3, slots, new_v)
-
-    def commit(self, keep: Tensor | list[int]) -> None:
+    def commit(self, keep: list[int]) -> None:
         """Append staged entries ``keep`` (indices along the new-token axis) after ``length``."""
         assert self._staged is not None, "commit without a staged call"
         new_k, new_v = self._staged
-        keep = torch.as_tensor(keep, device=new_k.device, dtype=torch.long)
-        n = keep.numel()
+        n = len(keep)
         if self.length + n > self.capacity:
             raise RuntimeError(f"KV cache overflow: {self.length} + {n} > {self.capacity}")
-        self.k[:, :, :, self.length : self.length + n] = new_k.index_select(3, keep)
-        self.v[:, :, :, self.length : self.length + n] = new_v.index_select(3, keep)
+        self.k[:, :, :, self.length : self.length + n] = take(new_k, 3, keep)
+        self.v[:, :, :, self.length : self.length + n] = take(new_v, 3, keep)
         self.length += n
         self._staged = None

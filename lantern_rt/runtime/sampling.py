@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -41,30 +42,80 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-def cfg_mix(logits: Tensor, scale: float) -> Tensor:
-    """Mix [2, ..., V] logits (row 0 conditional, row 1 unconditional): u + s * (c - u)."""
-    return torch.lerp(logits[1], logits[0], scale)
+def cfg_mix(logits: Tensor, scale: float | Tensor) -> Tensor:
+    """Mix [2, ..., V] logits (row 0 conditional, row 1 unconditional): u + s * (c - u)
+    (written out: ``torch.lerp`` exports as two formulas and a Where)."""
+    uncond = logits[1]
+    return uncond + scale * (logits[0] - uncond)
+
+
+# TensorRT's TopK returns at most this many values: fixed-shape graphs filter on that many.
+TOPK_LIMIT = 3840
+
+
+def filter_logits(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int
+) -> Tensor:
+    """Temperature, then top-k (0 = off), then top-p applied to logits [..., V]; removed entries
+    are -inf. The settings are tensors (one element each) so that a fixed-shape graph can take
+    them as inputs.
+
+    Tokens are kept by value: at least the k-th largest logit, and at least the smallest of the
+    fewest largest whose mass reaches ``top_p`` (tokens tied with a threshold all stay). Both
+    thresholds are read from the ``sort_width`` largest logits: exact when ``sort_width`` is V,
+    or top-k is on and at most ``sort_width`` (see :func:`check_sort_width`).
+    """
+    logits = logits.float() / temperature
+    top = torch.topk(logits, sort_width, dim=-1).values  # descending
+    index = (top_k.clamp(1, sort_width) - 1).expand(*top.shape[:-1], 1)
+    kth = torch.where(top_k > 0, top.gather(-1, index), float("-inf"))
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    top = top.masked_fill(top < kth, float("-inf"))
+    mass = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+    before = torch.cumsum(mass, dim=-1) - mass  # the mass of the larger logits
+    kept = (before <= top_p) | (top_p >= 1.0)
+    smallest = torch.where(kept, top, float("inf")).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < smallest, float("-inf"))
+
+
+def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
+    """:class:`SamplingError` when :func:`filter_logits` over ``sort_width`` of ``vocab`` logits
+    cannot apply ``cfg`` exactly (a top-k above the width, or top-p without such a top-k)."""
+    if sort_width >= vocab or cfg.greedy:
+        return
+    if cfg.top_k > sort_width:
+        raise SamplingError(
+            f"top-k {cfg.top_k} is above {sort_width}, the most this runtime's drafter keeps for a "
+            f"vocabulary of {vocab}: use --top-k {sort_width} or less"
+        )
+    if cfg.top_p < 1.0 and cfg.top_k == 0:
+        raise SamplingError(
+            f"top-p on a vocabulary of {vocab} needs a top-k of at most {sort_width} as well: add --top-k"
+        )
+
+
+@lru_cache(maxsize=16)
+def filter_inputs(cfg: SamplingConfig, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(cfg_scale, temperature, top_k, top_p) as one-element tensors for :func:`filter_logits`
+    (temperature 1 in greedy mode, where the logits are not filtered)."""
+    temperature = 1.0 if cfg.greedy else cfg.temperature
+    top_k = 0 if cfg.greedy else cfg.top_k
+    top_p = 1.0 if cfg.greedy else cfg.top_p
+    return (
+        torch.tensor([cfg.cfg_scale], device=device),
+        torch.tensor([temperature], device=device),
+        torch.tensor([top_k], device=device),
+        torch.tensor([top_p], device=device),
+    )
 
 
 def processed_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     """Temperature, top-k and top-p applied to mixed logits [..., V]; removed entries are -inf."""
     logits = logits.float()
-    if cfg.greedy:
-        return logits
-    if cfg.temperature != 1.0:
-        logits = logits / cfg.temperature
-    vocab = logits.shape[-1]
-    if 0 < cfg.top_k < vocab:
-        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
-        remove = cum > cfg.top_p
-        remove[..., 1:] = remove[..., :-1].clone()
-        remove[..., 0] = False
-        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    return logits
+    if cfg.greedy or (cfg.top_k == 0 and cfg.top_p >= 1.0):
+        return logits if cfg.temperature in (0.0, 1.0) else logits / cfg.temperature
+    _, temperature, top_k, top_p = filter_inputs(cfg, logits.device)
+    return filter_logits(logits, temperature, top_k, top_p, logits.shape[-1])
 
 
 def distribution(logits: Tensor, cfg: SamplingConfig) -> Tensor:
@@ -95,23 +146,29 @@ def sample(probs: Tensor, cfg: SamplingConfig, generator: torch.Generator | None
     return categorical(probs, generator)
 
 
-def draw_distinct(
-    probs: Tensor, width: int, greedy: bool, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
+def draw_noise(
+    rows: int, vocab: int, greedy: bool, generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    """Uniform noise [rows, V] for :func:`draw_distinct`; in greedy mode e^-1 everywhere, whose
+    Gumbel transform is one constant, so the draw is the plain top-w."""
+    if greedy:
+        return _greedy_noise(rows, vocab, device)
+    return torch.rand(rows, vocab, generator=generator, device=device)
+
+
+@lru_cache(maxsize=16)
+def _greedy_noise(rows: int, vocab: int, device: torch.device) -> Tensor:
+    return torch.full((rows, vocab), math.exp(-1.0), device=device)
+
+
+def draw_distinct(probs: Tensor, noise: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """``width`` distinct tokens per row of ``probs`` [M, V], drawn without replacement.
 
-    Gumbel-top-k (top-``width`` of log p + Gumbel noise) gives the same law as drawing one by
-    one without replacement, in one fixed-shape op; greedy mode takes the top-``width``.
-    Returns (tokens [M, width] in draw order, valid [M, width]): a token is invalid when its
+    Gumbel-top-k (top-``width`` of log p + Gumbel noise, made from the uniform ``noise``
+    [M, V]) gives the same law as drawing one by one without replacement, in one fixed-shape
+    op. Returns (tokens [M, width] in draw order, valid [M, width]): a token is invalid when its
     probability is zero (fewer than ``width`` tokens have support).
     """
-    if width == 1 and not greedy:  # one draw: a categorical sample is the same law, cheaper
-        tokens = categorical(probs, generator)[:, None]
-        return tokens, torch.ones_like(tokens, dtype=torch.bool)
-    logp = torch.log(probs)
-    if not greedy:
-        u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)
-        logp = logp - torch.log(-torch.log(u.clamp_min(1e-20)))
-    tokens = torch.topk(logp, width, dim=-1).indices
-    valid = torch.gather(probs, -1, tokens) > 0
-    return tokens, valid
+    gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
+    tokens = torch.topk(torch.log(probs) + gumbel, width, dim=-1).indices
+    return tokens, torch.gather(probs, -1, tokens) > 0

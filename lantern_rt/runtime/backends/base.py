@@ -7,6 +7,7 @@ from typing import Protocol
 from torch import Tensor
 
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.tree import StaticTree
 
 
 class TargetBackend(Protocol):
@@ -32,16 +33,24 @@ class TargetBackend(Protocol):
 
 
 class DrafterBackend(Protocol):
-    """Runs the drafter (with the target's LM head) over two CFG rows; owns the drafter cache.
-    Returned tensors may be the backend's own buffers: valid until its next call of that size."""
+    """Runs the drafter (with the target's LM head) over two CFG rows; owns the drafter cache."""
 
     name: str
     cache: KVCache
+    vocab_size: int
 
-    def step(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """Pairs (tokens [S], previous hidden [2, S, D]) at ``positions`` [S]; ``new_mask``
-        [S, S] and ``scratch`` (see ``KVCache.mask``) -> logits [2, S, V] and predicted hidden
-        [2, S, D]; K/V are staged."""
+    def draft(
+        self,
+        tree: StaticTree,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        noise: Tensor,
+        sampling: tuple[Tensor, Tensor, Tensor, Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``runtime.drafting.draft_tree`` over this backend's cache: catch-up rows (tokens [R],
+        hidden [2, R, D], positions [R], mask [1, 1, R, capacity + R]), uniform draw noise and the
+        sampling settings -> node tokens [N+1], valid [N+1], q [N+1, V] and the catch-up K/V.
+        Returned tensors may be the backend's own buffers: valid until its next call."""
         ...

@@ -42,11 +42,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 CACHE_INPUTS = ("past_k_", "past_v_")
+SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # sampling.filter_inputs, cached
 
 
 def bound_by_pointer(spec: dict[str, Any]) -> bool:
-    """Whether an input is bound where the caller keeps it (the caches) rather than copied."""
-    return spec["name"].startswith(CACHE_INPUTS)
+    """Whether an input is bound where the caller keeps it rather than copied: the caches (too
+    large to copy) and the sampling settings (the same tensors every call)."""
+    return spec["name"].startswith(CACHE_INPUTS) or spec["name"] in SAMPLING_INPUTS
 
 
 def check_inputs(inputs: list[dict[str, Any]], args: tuple[Tensor, ...]) -> None:
@@ -63,6 +65,13 @@ def check_inputs(inputs: list[dict[str, Any]], args: tuple[Tensor, ...]) -> None
 def kv_layers(entry: dict[str, Any]) -> int:
     """Layers of a step graph: how many ``past_k_{i}`` inputs it declares."""
     return sum(spec["name"].startswith("past_k_") for spec in entry["inputs"])
+
+
+def cache_for(entry: dict[str, Any], device: torch.device) -> KVCache:
+    """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs, on ``device``."""
+    past = next(spec for spec in entry["inputs"] if spec["name"] == "past_k_0")
+    rows, heads, capacity, head_dim = past["shape"]
+    return KVCache(kv_layers(entry), rows, heads, capacity, head_dim, torch_dtype(past["dtype"]), device)
 
 
 class StepGraphs:
@@ -86,12 +95,9 @@ class StepGraphs:
         return graph
 
     def new_cache(self) -> KVCache:
-        """An empty cache shaped like the per-layer ``past_k_{i}`` inputs, on the graphs' device."""
+        """An empty cache for these graphs (see :func:`cache_for`)."""
         s, entry = next(iter(self.entries.items()))
-        past = next(spec for spec in entry["inputs"] if spec["name"] == "past_k_0")
-        rows, heads, capacity, head_dim = past["shape"]
-        dtype, device = torch_dtype(past["dtype"]), self.graphs[s].device
-        return KVCache(kv_layers(entry), rows, heads, capacity, head_dim, dtype, device)
+        return cache_for(entry, self.graphs[s].device)
 
 
 class BundleTarget:
@@ -117,38 +123,51 @@ class BundleTarget:
     def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
         graph = self._steps[len(tokens)]
         mask = self.cache.mask(tree_mask.to(self.cache.k.device))
-        logits, hidden, k, v = graph(tokens, positions, mask, *self.cache.k, *self.cache.v)
+        logits, hidden, k, v = graph(tokens, positions, mask, *self.cache.layers_k, *self.cache.layers_v)
         self.cache.stage(k, v)
         return logits, hidden
 
 
 class BundleDrafter:
-    """``DrafterBackend`` over a bundle's ``drafter_step_{S}`` graphs (the LM head is inside them);
-    its cache has the manifest's ``drafter_capacity``."""
+    """``DrafterBackend`` over a bundle's drafting graphs, one per exported tree (the drafter's
+    layers and the LM head are inside them); its cache has the manifest's ``drafter_capacity``."""
 
     def __init__(self, bundle: str | Path, runner: RunnerFactory, name: str):
         bundle = Path(bundle)
         manifest = load_manifest(bundle)
-        constants = manifest["constants"]
-        if not constants["drafter"] or not constants["drafter_step_sizes"]:
+        constants, graphs = manifest["constants"], manifest["graphs"]
+        trees = {name: tree for name, tree in manifest["trees"].items() if tree.get("graph")}
+        if not constants["drafter"] or not trees:
             raise BundleError(
                 f"{bundle} has no drafter graphs; export it from a model directory with a drafter "
                 "and at least one tree"
             )
         self.name = name
-        sizes = constants["drafter_step_sizes"]
-        self._steps = StepGraphs(bundle, manifest["graphs"], "drafter_step", sizes, runner)
-        self.cache = self._steps.new_cache()
+        self.vocab_size = constants["vocab_size"]
+        self._graphs = {
+            tuple(map(tuple, tree["paths"])): runner(bundle, graphs[tree["graph"]]) for tree in trees.values()
+        }
+        entry = graphs[next(iter(trees.values()))["graph"]]
+        self.cache = cache_for(entry, next(iter(self._graphs.values())).device)
 
-    def step(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        graph = self._steps[len(tokens)]
-        device = self.cache.k.device
-        mask = self.cache.mask(new_mask.to(device), None if scratch is None else scratch.to(device))
-        logits, out, k, v = graph(tokens, hidden, positions, mask, *self.cache.k, *self.cache.v)
-        self.cache.stage(k, v)
-        return logits, out
+    def draft(
+        self,
+        tree: StaticTree,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        noise: Tensor,
+        sampling: tuple[Tensor, Tensor, Tensor, Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        graph = self._graphs.get(tree.paths)
+        if graph is None:
+            raise BundleError(
+                f"the bundle has no drafting graph for tree {tree.name}; export it with that tree"
+            )
+        return graph(
+            tokens, hidden, positions, mask, noise, *sampling, *self.cache.layers_k, *self.cache.layers_v
+        )
 
 
 class BundleVQDecoder:

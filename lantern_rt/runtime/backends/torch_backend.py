@@ -9,7 +9,9 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
+from lantern_rt.runtime.drafting import Context, DraftStep, FilterInputs, Head, draft_plan, draft_tree
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.tree import StaticTree
 
 
 def _replayed(fn: StepFn, cuda_graphs: bool, device: torch.device) -> StepFn:
@@ -68,30 +70,75 @@ class TorchTarget:
         return self.model.step(h, positions, mask, self.cache.k, self.cache.v)
 
 
+def drafter_step(drafter: Drafter) -> DraftStep:
+    """The drafter's own ``step`` as a ``DraftStep``; the context blocks are joined (copies:
+    this is the reference the graphs are checked against)."""
+
+    def step(
+        tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        pairs = tokens.unsqueeze(0).expand(2, -1)
+        past_k = torch.stack([torch.cat(blocks, dim=2) for blocks in context.keys])
+        past_v = torch.stack([torch.cat(blocks, dim=2) for blocks in context.values])
+        return drafter.step(pairs, hidden, positions, mask, past_k, past_v)
+
+    return step
+
+
+def lm_head(head: torch.nn.Linear) -> Head:
+    """The target's LM head with fp32 logits, as ``draft_tree`` takes it."""
+    return lambda hidden: head(hidden).float()
+
+
 class TorchDrafter:
-    """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head (CUDA graphs
-    as for :class:`TorchTarget`)."""
+    """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
+    run eagerly with the drafter's own ``step`` (with ``cuda_graphs``, captured once per tree
+    and replayed)."""
 
     name = "torch"
 
     def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int, cuda_graphs: bool = False):
         c = drafter.config
         self.drafter, self.head = drafter, head
+        self.vocab_size = head.out_features
         weight = drafter.fc.weight
         self.cache = KVCache(
             c.num_hidden_layers, 2, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
         )
-        self._step = _replayed(self._forward, cuda_graphs, weight.device)
+        self._step, self._head = drafter_step(drafter), lm_head(head)
+        self._cuda_graphs = cuda_graphs
+        self._drafts: dict[StaticTree, StepFn] = {}
 
     @torch.inference_mode()
-    def step(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, new_mask: Tensor, scratch: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        logits, h, k, v = self._step(tokens, hidden, positions, self.cache.mask(new_mask, scratch))
-        self.cache.stage(k, v)
-        return logits, h
+    def draft(
+        self,
+        tree: StaticTree,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        noise: Tensor,
+        sampling: FilterInputs,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        run = self._drafts.get(tree)
+        if run is None:
+            plan = draft_plan(tree, self.cache.k.device)
 
-    def _forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
-        pairs = tokens.unsqueeze(0).expand(2, -1)
-        h, k, v = self.drafter.step(pairs, hidden, positions, mask, self.cache.k, self.cache.v)
-        return self.head(h).float(), h, k, v
+            def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
+                tokens, hidden, positions, mask, noise, *sampling = args
+                context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
+                return draft_tree(
+                    self._step,
+                    self._head,
+                    plan,
+                    tokens,
+                    hidden,
+                    positions,
+                    mask,
+                    context,
+                    noise,
+                    tuple(sampling),
+                )
+
+            run = self._drafts[tree] = _replayed(run_tree, self._cuda_graphs, self.cache.k.device)
+        return run(tokens, hidden, positions, mask, noise, *sampling)
