@@ -20,6 +20,7 @@ from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
+    CatchUp,
     Context,
     DraftStep,
     catch_up_mask,
@@ -282,12 +283,9 @@ class DrafterTree(nn.Module):
         return self._draft(drafter_step(self.drafter), inputs)
 
     def _draft(self, step: DraftStep, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        tokens, hidden, positions, mask, noise, *sampling = inputs[:9]
+        rows, noise, sampling = CatchUp(*inputs[:4]), inputs[4], inputs[5:9]
         context = Context.of_cache(*_split_past(inputs[9:]))
-        head = lm_head(self.head)
-        return draft_tree(
-            step, head, self.plan, tokens, hidden, positions, mask, context, noise, tuple(sampling)
-        )
+        return draft_tree(step, lm_head(self.head), self.plan, rows, context, noise, sampling)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
         """Catch-up rows after a random committed length, right-aligned, at positions the RoPE

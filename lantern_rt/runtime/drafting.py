@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -163,15 +164,28 @@ def _offsets(rows: int, device: torch.device) -> Tensor:
     return torch.arange(1 - rows, 1, device=device)
 
 
+class CatchUp(NamedTuple):
+    """The catch-up rows of a drafting call (see :func:`catch_up_inputs`)."""
+
+    tokens: Tensor  # [R]
+    hidden: Tensor  # [2, R, D]
+    positions: Tensor  # [R]
+    mask: Tensor  # [1, 1, R, capacity + R]
+
+
+# What a drafting call returns: node tokens [N+1], valid [N+1], q [N+1, V], and the catch-up
+# rows' new K and V [n_layer, 2, Hkv, R, D].
+DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
 def catch_up_inputs(
     tree: StaticTree, tokens: list[int], hidden: Tensor, root_position: int, cache: KVCache
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> CatchUp:
     """The pending pairs (``tokens``, m of them, and hidden [2, m, D]; the root, last, at
-    ``root_position``) right-aligned in the catch-up rows: (tokens [R], hidden [2, R, D],
-    positions [R], mask [1, 1, R, capacity + R] over ``cache``)."""
+    ``root_position``) right-aligned in the catch-up rows over ``cache``."""
     m, rows = len(tokens), catch_up_rows(tree)
     pad, device = rows - m, hidden.device
-    return (
+    return CatchUp(
         torch.tensor([0] * pad + tokens, device=device),
         F.pad(hidden, (0, 0, pad, 0)),
         (_offsets(rows, device) + root_position).clamp_min(0),
@@ -183,21 +197,17 @@ def draft_tree(
     step: DraftStep,
     head: Head,
     plan: DraftPlan,
-    tokens: Tensor,
-    hidden: Tensor,
-    positions: Tensor,
-    mask: Tensor,
+    rows: CatchUp,
     cache: Context,
     noise: Tensor,
     sampling: FilterInputs,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Catch up on the rows of :func:`catch_up_inputs`, then draft a tree (its ``plan``) below
-    the root.
+) -> DraftOutputs:
+    """Catch up on ``rows``, then draft a tree (its ``plan``) below the root, the last row.
 
     ``noise`` [noise_rows(tree), V] is the uniform noise of each drawing node's draws, in node
-    order (sampling.draw_noise). Returns the node tokens [N+1], valid [N+1], drafter probabilities
-    q [N+1, V], and the catch-up rows' K/V [n_layer, 2, Hkv, R, D] for the caller to commit.
+    order (sampling.draw_noise). The catch-up rows' K/V are returned for the caller to commit.
     """
+    tokens, hidden, positions, mask = rows
     cfg_scale, temperature, top_k, top_p = sampling
     out, catch_k, catch_v = step(tokens, hidden, positions, mask, cache)
     level_hidden = out[:, -1:]
@@ -257,10 +267,10 @@ def draft(
     last call, at target position ``root_position``; ``pending_hidden`` [2, m, D] are the target
     hidden states before each of them) and commit the pending pairs to the drafter's cache."""
     device = pending_hidden.device
-    inputs = catch_up_inputs(tree, pending_tokens, pending_hidden, root_position, drafter.cache)
+    rows = catch_up_inputs(tree, pending_tokens, pending_hidden, root_position, drafter.cache)
     noise = draw_noise(noise_rows(tree), drafter.vocab_size, sampling.greedy, generator, device)
-    tokens, valid, q, new_k, new_v = drafter.draft(tree, *inputs, noise, filter_inputs(sampling, device))
+    tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, filter_inputs(sampling, device))
     drafter.cache.stage(new_k, new_v)
-    rows, m = catch_up_rows(tree), len(pending_tokens)
-    drafter.cache.commit(list(range(rows - m, rows)))
+    r, m = catch_up_rows(tree), len(pending_tokens)
+    drafter.cache.commit(list(range(r - m, r)))
     return Draft(tokens, valid, q)

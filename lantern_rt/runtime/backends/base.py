@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree
+
+if TYPE_CHECKING:  # drafting imports this module
+    from lantern_rt.runtime.drafting import CatchUp, DraftOutputs, FilterInputs
 
 
 class TargetBackend(Protocol):
@@ -39,18 +42,8 @@ class DrafterBackend(Protocol):
     cache: KVCache
     vocab_size: int
 
-    def draft(
-        self,
-        tree: StaticTree,
-        tokens: Tensor,
-        hidden: Tensor,
-        positions: Tensor,
-        mask: Tensor,
-        noise: Tensor,
-        sampling: tuple[Tensor, Tensor, Tensor, Tensor],
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """``runtime.drafting.draft_tree`` over this backend's cache: catch-up rows (tokens [R],
-        hidden [2, R, D], positions [R], mask [1, 1, R, capacity + R]), uniform draw noise and the
-        sampling settings -> node tokens [N+1], valid [N+1], q [N+1, V] and the catch-up K/V.
-        Returned tensors may be the backend's own buffers: valid until its next call."""
+    def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
+        """``runtime.drafting.draft_tree`` over this backend's cache: catch-up ``rows``, uniform
+        draw noise and the sampling settings. Returned tensors may be the backend's own buffers:
+        valid until its next call."""
         ...

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.models.neighbors import load_neighbors_file
+from lantern_rt.runtime.drafting import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree, build_tree
 
@@ -150,24 +151,13 @@ class BundleDrafter:
         entry = graphs[next(iter(trees.values()))["graph"]]
         self.cache = cache_for(entry, next(iter(self._graphs.values())).device)
 
-    def draft(
-        self,
-        tree: StaticTree,
-        tokens: Tensor,
-        hidden: Tensor,
-        positions: Tensor,
-        mask: Tensor,
-        noise: Tensor,
-        sampling: tuple[Tensor, Tensor, Tensor, Tensor],
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)
         if graph is None:
             raise BundleError(
                 f"the bundle has no drafting graph for tree {tree.name}; export it with that tree"
             )
-        return graph(
-            tokens, hidden, positions, mask, noise, *sampling, *self.cache.layers_k, *self.cache.layers_v
-        )
+        return graph(*rows, noise, *sampling, *self.cache.layers_k, *self.cache.layers_v)
 
 
 class BundleVQDecoder:

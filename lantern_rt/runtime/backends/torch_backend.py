@@ -9,7 +9,16 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
-from lantern_rt.runtime.drafting import Context, DraftStep, FilterInputs, Head, draft_plan, draft_tree
+from lantern_rt.runtime.drafting import (
+    CatchUp,
+    Context,
+    DraftOutputs,
+    DraftStep,
+    FilterInputs,
+    Head,
+    draft_plan,
+    draft_tree,
+)
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree
 
@@ -110,35 +119,15 @@ class TorchDrafter:
         self._drafts: dict[StaticTree, StepFn] = {}
 
     @torch.inference_mode()
-    def draft(
-        self,
-        tree: StaticTree,
-        tokens: Tensor,
-        hidden: Tensor,
-        positions: Tensor,
-        mask: Tensor,
-        noise: Tensor,
-        sampling: FilterInputs,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         run = self._drafts.get(tree)
         if run is None:
             plan = draft_plan(tree, self.cache.k.device)
 
             def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
-                tokens, hidden, positions, mask, noise, *sampling = args
                 context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
-                return draft_tree(
-                    self._step,
-                    self._head,
-                    plan,
-                    tokens,
-                    hidden,
-                    positions,
-                    mask,
-                    context,
-                    noise,
-                    tuple(sampling),
-                )
+                rows, noise, sampling = CatchUp(*args[:4]), args[4], args[5:]
+                return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
 
             run = self._drafts[tree] = _replayed(run_tree, self._cuda_graphs, self.cache.k.device)
-        return run(tokens, hidden, positions, mask, noise, *sampling)
+        return run(*rows, noise, *sampling)
