@@ -395,6 +395,8 @@ def inspect_cmd(bundle, graph):
     from lantern_rt.export.bundle import load_manifest
 
     m = load_manifest(bundle)
+    if graph is not None and graph not in m["graphs"]:
+        raise UserError(f"no graph {graph!r} in the bundle; it has {', '.join(m['graphs'])}")
     c = m["constants"]
     click.echo(f"bundle   {bundle}  (format {m['format']} v{m['bundle_version']})")
     click.echo(
@@ -405,7 +407,8 @@ def inspect_cmd(bundle, graph):
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     )
     for name, tree in m.get("trees", {}).items():
-        click.echo(f"tree     {name}: {len(tree['paths'])} nodes")
+        drafted = f", drafted by {tree['graph']}" if tree.get("graph") else ""
+        click.echo(f"tree     {name}: {len(tree['paths'])} nodes{drafted}")
     click.echo("")
     click.echo(f"{'graph':<22} {'io':<4} {'name':<12} {'dtype':<9} shape")
     for name, entry in m["graphs"].items():
@@ -413,8 +416,6 @@ def inspect_cmd(bundle, graph):
             for spec in specs:
                 click.echo(f"{name:<22} {io:<4} {spec['name']:<12} {spec['dtype']:<9} {spec['shape']}")
     if graph is not None:
-        if graph not in m["graphs"]:
-            raise UserError(f"no graph {graph!r} in the bundle; it has {', '.join(m['graphs'])}")
         _polygraphy_view(Path(bundle) / m["graphs"][graph]["file"])
 
 

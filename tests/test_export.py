@@ -261,6 +261,33 @@ def test_missing_file_is_refused(bundles, tmp_path):
         load_manifest(path)
 
 
+def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, tmp_path):
+    from click.testing import CliRunner
+
+    from lantern_rt.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(bundles["t2i-gqa-fp16"])])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "(format lantern-rt-bundle v4)" in lines[0]
+    assert "tree     chain-1: 1 nodes, drafted by draft_tree_0" in lines
+    rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
+    assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
+    assert ("target_step_1", "out", "hidden", "float16", "[2, 1, 32]") in rows
+    manifest = load_manifest(bundles["t2i-gqa-fp16"])
+    assert len(rows) == sum(len(g["inputs"]) + len(g["outputs"]) for g in manifest["graphs"].values())
+    result = CliRunner().invoke(main, ["inspect", str(bundles["t2i-gqa-fp16"]), "--graph", "nope"])
+    assert result.exit_code == 2 and result.output.startswith("error: no graph 'nope'")
+    path = tampered(bundles, tmp_path)
+    (path / "vq_decode.onnx").unlink()
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert (
+        result.exit_code == 2
+        and result.output.count("\n") == 1
+        and "vq_decode.onnx is missing" in result.output
+    )
+
+
 def test_failed_check_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(bundle_module, "compare_with_torch", lambda *a, **k: {"logits": (1.0, 1.0)})
     out = tmp_path / "exports" / "bundle"
