@@ -217,14 +217,21 @@ def write_fashion_like(root: Path, n: int = 60) -> Path:
     return root
 
 
-def test_bench_quality_and_calibration(tmp_path):
-    """A 10-class 32x32 greyscale model, a random classifier and a fake dataset: every quality field."""
+def fashion_tiny(tmp_path: Path) -> Path:
+    """A 10-class 32x32 greyscale model at ``tmp_path``/fashion-tiny (no class names, so the
+    Fashion-MNIST classifier scores it) and a random classifier at ``tmp_path``/classifier.safetensors."""
     vq = VQModel(VQConfig(**{**TINY_VQ, "encoder_ch_mult": [1, 1, 1, 1], "decoder_ch_mult": [1, 1, 1, 1]}))
     model = model_with_drafter(tmp_path / "fashion-tiny", vq.eval(), num_classes=10)
     raw = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**raw, "class_names": []}))
     torch.manual_seed(0)
     save_safetensors(FashionClassifier(), tmp_path / "classifier.safetensors")
+    return model
+
+
+def test_bench_quality_and_calibration(tmp_path):
+    """A 10-class 32x32 greyscale model, a random classifier and a fake dataset: every quality field."""
+    model = fashion_tiny(tmp_path)
     settings = BenchSettings(
         out=tmp_path / "out",
         model=model,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,15 +13,14 @@ from torch import nn
 from lantern_rt.cli import main
 from lantern_rt.eval import bench
 from lantern_rt.eval.bench import BenchSettings, run_bench
-from lantern_rt.eval.classifier import FashionClassifier, load_classifier
+from lantern_rt.eval.classifier import load_classifier
 from lantern_rt.eval.features import load_features, load_reference, user_features
 from lantern_rt.eval.metrics import extract_features, quality_report
-from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.config import ConfigError, VQConfig
 from lantern_rt.models.vq import VQModel
 from lantern_rt.training.data import load_fashion_mnist
 from tests.conftest import TINY_VQ
-from tests.test_bench import model_with_drafter, write_fashion_like
+from tests.test_bench import fashion_tiny, model_with_drafter, write_fashion_like
 
 FEATURES_PY = """
 import torch
@@ -159,12 +157,7 @@ def test_bad_features_and_reference_are_one_line_exit_2(feats_py, grey_model, tm
 
 def test_features_on_fashion_shape_match_quality_report(feats_py, tmp_path, monkeypatch):
     """FD/precision/recall from the user's extractor; class accuracy still from the classifier."""
-    vq = VQModel(VQConfig(**{**TINY_VQ, "encoder_ch_mult": [1, 1, 1, 1], "decoder_ch_mult": [1, 1, 1, 1]}))
-    model = model_with_drafter(tmp_path / "fashion-tiny", vq.eval(), num_classes=10)
-    raw = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**raw, "class_names": []}))
-    torch.manual_seed(0)
-    save_safetensors(FashionClassifier(), tmp_path / "classifier.safetensors")
+    model = fashion_tiny(tmp_path)
     data_root = write_fashion_like(tmp_path / "fashion")
     spec = f"{feats_py}:make"
     base = BenchSettings(

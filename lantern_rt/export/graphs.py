@@ -304,9 +304,9 @@ class DrafterTree(nn.Module):
         tokens = torch.randint(c.vocab_size, (rows,), generator=g)
         hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
         noise = torch.zeros(self.spec.inputs[4].shape)  # a Gumbel score of -3.8 (clamped)
-        top = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
+        forced = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
         for row in noise:
-            row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = top
+            row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
         positions = torch.arange(root - rows + 1, root + 1)
         past = _random_cache(g, self.spec.inputs[9:])

@@ -91,8 +91,8 @@ class LevelPlan:
 
     pick: Tensor  # [n]: each node's draw among its parent level's draws (flat [parents * width])
     parents: Tensor  # [n]: each node's parent, as an index into the parent level
-    ancestors: Tensor  # [1, 1, n, M]: the node's strict ancestors among nodes 1..M (M: the
-    # nodes above this level, root excluded)
+    visible: Tensor  # [1, 1, n, M + n]: each node's strict ancestors among nodes 1..M (the
+    # nodes above this level, root excluded), then itself among the level's nodes
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,7 @@ def _level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...
             for a in tree.ancestors[node][1:-1]:  # root and the node itself excluded
                 ancestors[i, a - 1] = True
         parents = [above.index(tree.parents[node]) for node in nodes]
+        visible = torch.cat([ancestors, torch.eye(len(nodes), dtype=torch.bool)], dim=1)
         plans.append(
             LevelPlan(
                 pick=torch.tensor(
@@ -130,7 +131,7 @@ def _level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...
                     device=device,
                 ),
                 parents=torch.tensor(parents, device=device),
-                ancestors=ancestors[None, None].to(device),
+                visible=visible[None, None].to(device),
             )
         )
     return tuple(plans)
@@ -234,14 +235,7 @@ def draft_tree(
         if depth == len(plan.levels):
             q_rows.append(q.new_zeros(n, vocab))
             break
-        level_mask = torch.cat(
-            [
-                seen.expand(1, 1, n, -1),
-                level.ancestors,
-                torch.eye(n, dtype=torch.bool, device=tokens.device)[None, None],
-            ],
-            dim=-1,
-        )
+        level_mask = torch.cat([seen.expand(1, 1, n, -1), level.visible], dim=-1)
         level_positions = (positions[-1:] + depth).expand(n)
         level_hidden, k, v = step(
             level_tokens, level_hidden[:, level.parents], level_positions, level_mask, context
