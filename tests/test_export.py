@@ -188,7 +188,7 @@ def test_declared_shapes_and_dtypes(bundles):
 def test_manifest_describes_the_bundle(bundles):
     path = bundles["t2i-gqa-fp16"]
     manifest = load_manifest(path)
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 4
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 5
     assert manifest["dtype"] == "fp16" and manifest["opset"] == 18
     assert set(manifest["versions"]) == {"lantern_rt", "torch", "onnx"}
     assert manifest["gpt"]["n_kv_head"] == 2 and manifest["vq"]["codebook_size"] == 64
@@ -340,5 +340,15 @@ def test_checks_catch_each_rule(tmp_path):
         io("u", TensorProto.FLOAT, [1]),
     ]
     assert lint(tmp_path, scatter, inputs, [io("o", TensorProto.FLOAT, [4])]) == [
+        "ScatterND node o has a 'reduction' attribute"
+    ]
+    # the same rules hold inside an If's branches (the drafting graphs' filter is one)
+    branch = helper.make_graph(scatter, "then", [], [io("o", TensorProto.FLOAT, [4])])
+    plain = helper.make_graph(
+        [helper.make_node("Identity", ["d"], ["e"])], "else", [], [io("e", TensorProto.FLOAT, [4])]
+    )
+    cond = [helper.make_node("If", ["c"], ["o"], then_branch=branch, else_branch=plain)]
+    inputs.append(io("c", TensorProto.BOOL, []))
+    assert lint(tmp_path, cond, inputs, [io("o", TensorProto.FLOAT, [4])]) == [
         "ScatterND node o has a 'reduction' attribute"
     ]

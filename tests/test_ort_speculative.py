@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
@@ -30,6 +31,8 @@ from tests.test_speculative import GREEDY, models  # noqa: F401  (models: the tr
 
 TREES = ["naive_extend_57", "chain-5"]
 SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+# top-k and top-p on: the drafting graphs' filtering branch (an If), which SAMPLED skips
+FILTERED = SamplingConfig(cfg_scale=2.0, temperature=0.8, top_k=20, top_p=0.9)
 RELAX = Relaxation("lantern++", k=5, lam=5.0)
 
 
@@ -58,10 +61,13 @@ def test_drafter_graphs_pass_the_checks(bundle):
     for name, graph in manifest["graphs"].items():
         assert check_graph(bundle / graph["file"]) == [], name
         assert all(err < 1e-4 for err in graph["max_abs_err"].values()), name
+    for name, tree in manifest["trees"].items():  # the top-k/top-p sort runs only when asked for
+        nodes = onnx.load(str(bundle / manifest["graphs"][tree["graph"]]["file"])).graph.node
+        assert sum(node.op_type == "If" for node in nodes) == load_tree(name).max_depth, name
     assert bundle_trees(bundle) == {name: load_tree(name) for name in TREES}
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, FILTERED], ids=["greedy", "sampled", "filtered"])
 def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
     """Two drafted naive_extend_57 trees from the same noise: catch-up rows right-aligned over a
     committed cache, then every level in one graph; the same tokens, q and committed caches as
@@ -82,14 +88,28 @@ def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
     torch.testing.assert_close(ours.cache.k, reference.cache.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.cache.v, reference.cache.v, atol=1e-5, rtol=1e-5)
     for got, want in zip(drafts[:2], drafts[2:], strict=True):
-        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.valid, want.valid)
-        torch.testing.assert_close(got.q, want.q, atol=1e-5, rtol=1e-4)
-        assert len(set(got.tokens[list(tree.children[0])].tolist())) == tree.width  # distinct siblings
+        # a draw where q is 0 (top-k/top-p on) is invalid, its token arbitrary: compare the
+        # nodes verification can reach
+        seen = reachable(tree, want.valid)
+        assert torch.equal(got.valid[seen], want.valid[seen]) and torch.equal(
+            got.tokens[seen], want.tokens[seen]
+        )
+        torch.testing.assert_close(got.q[seen], want.q[seen], atol=1e-5, rtol=1e-4)
+        siblings = [c for c in tree.children[0] if want.valid[c]]
+        assert len(set(got.tokens[siblings].tolist())) == len(siblings) > 0  # distinct siblings
     assert not torch.equal(drafts[0].tokens, drafts[1].tokens)
 
 
+def reachable(tree, valid: torch.Tensor) -> torch.Tensor:
+    """Nodes whose ancestors and themselves are all valid."""
+    ok = valid.tolist()
+    for node in range(1, len(ok)):
+        ok[node] = ok[node] and ok[tree.parents[node]]
+    return torch.tensor(ok)
+
+
 @pytest.mark.parametrize("tree", TREES)
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, FILTERED], ids=["greedy", "sampled", "filtered"])
 def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
     """Same tokens, same accepted lengths per verify call, on both backends: greedy, and sampled
     from the same random stream (drafts, acceptance and bonus tokens all use it)."""

@@ -49,8 +49,8 @@ from lantern_rt.runtime.tree import StaticTree, tree_to_json
 
 FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
-# graph per tree
-BUNDLE_VERSION = 4
+# graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If)
+BUNDLE_VERSION = 5
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"

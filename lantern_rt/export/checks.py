@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -28,13 +29,15 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
     problems = _opset(model)
     typed = [*graph.input, *graph.output]
     problems += [f"{v.name}: dims {_dims(v)} are not all static" for v in typed if not _static(v)]
-    loose = [v.name for v in graph.value_info if not _static(v)]
+    graphs = list(_with_subgraphs(graph))  # If branches hold nodes too
+    inner = [v for g in graphs for v in g.value_info] + [v for g in graphs[1:] for v in g.output]
+    loose = [v.name for v in inner if not _static(v)]
     if loose:
         problems.append(f"{len(loose)} intermediate tensors have non-static dims, e.g. {loose[0]}")
-    elem = {v.name: v.type.tensor_type.elem_type for v in [*typed, *graph.value_info]}
-    elem.update({t.name: t.data_type for t in graph.initializer})
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*typed, *inner]}
+    elem.update({t.name: t.data_type for g in graphs for t in g.initializer})
     problems += [f"tensor {name} is complex" for name, t in elem.items() if t in COMPLEX]
-    for node in graph.node:
+    for node in (node for g in graphs for node in g.node):
         label = f"{node.op_type} node {node.name or node.output[0]}"
         if node.op_type in SCATTER_OPS and any(a.name == "reduction" for a in node.attribute):
             problems.append(f"{label} has a 'reduction' attribute")
@@ -49,6 +52,15 @@ def io_specs(path: Path) -> tuple[list[dict[str, object]], list[dict[str, object
     """The graph's declared inputs and outputs in the manifest's form (name, shape, dtype)."""
     graph = onnx.load(str(path), load_external_data=False).graph
     return [_as_dict(v) for v in graph.input], [_as_dict(v) for v in graph.output]
+
+
+def _with_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every graph nested in its nodes' attributes (If branches, loop bodies)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _with_subgraphs(sub)
 
 
 def _opset(model: onnx.ModelProto) -> list[str]:

@@ -171,6 +171,7 @@ def _pick_sampled(
     siblings are tested against it."""
     r: Tensor | None = None
     qq = q[node]
+    last = children[-1][0] if children else None
     for child, x in children:
         test = first[child]
         if r is None and test is not None:
@@ -186,7 +187,8 @@ def _pick_sampled(
         if u * q_x < pt:
             return child, (s, pt, r_x), r
         r = _residual(_relaxed_target(p[node] if r is None else r, x, nbrs, used, pt), qq)
-        qq = _drop_drawn(qq, x)
+        if child != last:  # a chain's only child has no sibling to draw from qq
+            qq = _drop_drawn(qq, x)
     return None, None, r
 
 

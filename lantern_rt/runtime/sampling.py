@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 from torch import Tensor
@@ -64,8 +64,19 @@ def filter_logits(
     fewest largest whose mass reaches ``top_p`` (tokens tied with a threshold all stay). Both
     thresholds are read from the ``sort_width`` largest logits: exact when ``sort_width`` is V,
     or top-k is on and at most ``sort_width`` (see :func:`check_sort_width`).
+
+    In an exported graph the filter is the branch of an If taken only when top-k or top-p is
+    on: its sort costs more than the rest of a drafter level. Eager code always filters (a
+    no-op when both are off), as a CUDA-graph capture needs: ``torch.cond`` would sync.
     """
     logits = logits.float() / temperature
+    if not torch.compiler.is_exporting():
+        return _top_k_top_p(logits, top_k, top_p, sort_width)
+    on = ((top_k > 0) | (top_p < 1.0)).reshape(())
+    return torch.cond(on, partial(_top_k_top_p, sort_width=sort_width), _unfiltered, (logits, top_k, top_p))
+
+
+def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int) -> Tensor:
     top = torch.topk(logits, sort_width, dim=-1).values  # descending
     index = (top_k.clamp(1, sort_width) - 1).expand(*top.shape[:-1], 1)
     kth = torch.where(top_k > 0, top.gather(-1, index), float("-inf"))
@@ -76,6 +87,10 @@ def filter_logits(
     kept = (before <= top_p) | (top_p >= 1.0)
     smallest = torch.where(kept, top, float("inf")).amin(dim=-1, keepdim=True)
     return logits.masked_fill(logits < smallest, float("-inf"))
+
+
+def _unfiltered(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    return logits.clone()  # a cond branch may not return its input
 
 
 def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
