@@ -99,11 +99,9 @@ def _normalized(t: Tensor) -> Tensor:
 
 
 def _residual(rt: Tensor, qq: Tensor) -> Tensor:
-    """normalize(max(rt - qq, 0)), or normalize(rt) when that has no mass left."""
+    """max(rt - qq, 0), or rt when that has no mass left; not normalised (see _pick_sampled)."""
     res = (rt - qq).clamp_min(0.0)
-    if res.sum().item() <= torch.finfo(res.dtype).eps:
-        return _normalized(rt)
-    return _normalized(res)
+    return rt if res.sum().item() <= torch.finfo(res.dtype).eps else res
 
 
 def _drop_drawn(qq: Tensor, x: int) -> Tensor:
@@ -147,9 +145,8 @@ def _first_tests(
         used, s = torch.zeros_like(r_x), torch.zeros_like(r_x)
     else:
         cum = torch.cumsum(p[parents[:, None], nbrs[kids]], dim=1)
-        fits = (cum <= relax.cap(r_x)[:, None]).sum(dim=1)
-        s = cum.gather(1, (fits - 1).clamp_min(0)[:, None])[:, 0] * (fits > 0)
-        used = fits.to(r_x.dtype)
+        fits = cum <= relax.cap(r_x)[:, None]  # a prefix: cum is non-decreasing
+        used, s = fits.sum(dim=1).to(r_x.dtype), (cum * fits).amax(dim=1)
     u = torch.rand(r_x.shape, generator=generator, device=p.device, dtype=r_x.dtype)
     rows = torch.stack([q_x, used, s, r_x, u], dim=1).tolist()
     return [None, *(_FirstTest(a, int(b), c, d, e) for a, b, c, d, e in rows)]
@@ -166,9 +163,10 @@ def _pick_sampled(
     first: list[_FirstTest | None],
 ) -> tuple[int | None, tuple[float, float, float] | None, Tensor | None]:
     """Test the (node id, token) children of ``node`` in order; returns (accepted node or None,
-    credit, final residual: None while it is still ``p[node]``). The first child tested uses
-    its precomputed ``first`` test; after a rejection the residual target is built and later
-    siblings are tested against it."""
+    credit, final residual: None while it is still ``p[node]``, unnormalised after the last
+    child, as only the bonus draw reads it). The first child tested uses its precomputed
+    ``first`` test; after a rejection the residual target is built and later siblings are
+    tested against it."""
     r: Tensor | None = None
     qq = q[node]
     last = children[-1][0] if children else None
@@ -187,8 +185,8 @@ def _pick_sampled(
         if u * q_x < pt:
             return child, (s, pt, r_x), r
         r = _residual(_relaxed_target(p[node] if r is None else r, x, nbrs, used, pt), qq)
-        if child != last:  # a chain's only child has no sibling to draw from qq
-            qq = _drop_drawn(qq, x)
+        if child != last:  # a next sibling is tested against r and drawn from qq
+            r, qq = _normalized(r), _drop_drawn(qq, x)
     return None, None, r
 
 
