@@ -67,6 +67,18 @@ def test_drafter_graphs_pass_the_checks(bundle):
     assert bundle_trees(bundle) == {name: load_tree(name) for name in TREES}
 
 
+def test_drafting_graphs_run_on_one_thread(bundle):
+    """Their ops are too small to split; the target's graphs get the threads asked for."""
+    make = ort_runner(threads=2)
+    graphs = load_manifest(bundle)["graphs"]
+    threads = {
+        name: make(bundle, entry).session.get_session_options().intra_op_num_threads
+        for name, entry in graphs.items()
+    }
+    assert threads == {name: 1 if name.startswith("draft_tree_") else 2 for name in graphs}
+    assert sum(n == 1 for n in threads.values()) == len(TREES)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, FILTERED], ids=["greedy", "sampled", "filtered"])
 def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
     """Two drafted naive_extend_57 trees from the same noise: catch-up rows right-aligned over a

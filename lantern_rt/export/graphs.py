@@ -78,9 +78,12 @@ def target_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
     return sorted({1, *(tree.num_nodes + 1 for tree in trees)})
 
 
+DRAFT_GRAPH_PREFIX = "draft_tree_"
+
+
 def draft_graph_name(index: int) -> str:
     """The name of the drafting graph of a bundle's ``index``-th tree."""
-    return f"draft_tree_{index}"
+    return f"{DRAFT_GRAPH_PREFIX}{index}"
 
 
 KVDims = tuple[int, int, int]  # layers, kv heads, head dim

@@ -16,6 +16,7 @@ import onnxruntime as ort
 import torch
 from torch import Tensor
 
+from lantern_rt.export.graphs import DRAFT_GRAPH_PREFIX
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
@@ -81,7 +82,7 @@ class OrtGraph:
             buffer = self._buffers[i]
             if not self._in_place[i]:
                 buffer.copy_(arg)
-            elif buffer is None or buffer.data_ptr() != arg.data_ptr():
+            elif buffer is not arg and (buffer is None or buffer.data_ptr() != arg.data_ptr()):
                 arg = arg.to(self.device, torch_dtype(spec["dtype"])).contiguous()
                 self._bind(self._binding.bind_input, spec, arg)
                 self._buffers[i] = arg  # keeps the bound memory alive
@@ -102,10 +103,13 @@ def ort_runner(
     threads: int = 0, providers: list[str] | None = None, config: dict[str, str] | None = None
 ) -> RunnerFactory:
     """A :data:`RunnerFactory` making onnxruntime sessions (default providers: see above;
-    ``config``: session config entries, see :func:`session_options`)."""
+    ``config``: session config entries, see :func:`session_options`). Drafting graphs get one
+    thread whatever ``threads`` says: their ops are too small to split, and waking a second
+    thread per op made LANTERN++ 8% slower on two cores."""
     chosen = providers or default_providers()
 
     def make(bundle: Path, entry: dict[str, Any]) -> OrtGraph:
-        return OrtGraph(bundle, entry, session_options(threads, config), chosen)
+        drafting = entry["file"].startswith(DRAFT_GRAPH_PREFIX)
+        return OrtGraph(bundle, entry, session_options(1 if drafting else threads, config), chosen)
 
     return make
