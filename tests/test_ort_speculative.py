@@ -3,12 +3,14 @@ drafter exported to one fp32 bundle: drafting graphs, and LANTERN++ decoding, gr
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import onnx
 import pytest
 import torch
 
+from lantern_rt.engines.conditionals import has_conditionals, without_conditionals
 from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.export.checks import check_graph
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_target, open_model_dir
@@ -18,6 +20,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     BundleTarget,
     bundle_neighbors,
     bundle_trees,
+    torch_dtype,
 )
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
@@ -201,3 +204,36 @@ def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tm
     )
     assert r.exit_code == 0, r.output
     np.testing.assert_array_equal(np.load(tokens), np.load(tmp_path / "u.npy"))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (7, 0.8)], ids=["filter-off", "filter-on"])
+def test_drafting_graph_without_its_ifs_computes_the_same(bundle, tmp_path, top_k, top_p):
+    """What TensorRT parses (each If replaced by its then-branch, the filter) gives the same
+    draft on onnxruntime as the graph with its Ifs, with top-k/top-p off and on."""
+    manifest = load_manifest(bundle)
+    entry = manifest["graphs"][manifest["trees"]["chain-5"]["graph"]]
+    with without_conditionals(bundle / entry["file"]) as path:
+        inlined = onnx.load(str(path))
+        shutil.copy(path, tmp_path / entry["file"])
+    assert not has_conditionals(inlined.graph) and check_graph(tmp_path / entry["file"]) == []
+    g = torch.Generator().manual_seed(0)
+    args = []
+    for spec in entry["inputs"]:
+        shape, name = spec["shape"], spec["name"]
+        settings = {"cfg_scale": 2.0, "temperature": 0.8, "top_k": top_k, "top_p": top_p}
+        if name in settings:
+            args.append(torch.tensor([settings[name]], dtype=torch_dtype(spec["dtype"])))
+        elif name == "mask":
+            args.append(torch.ones(shape, dtype=torch.bool))
+        elif name in ("tokens", "positions"):
+            args.append(torch.randint(0, 8, shape, generator=g))
+        else:
+            args.append(
+                torch.rand(shape, generator=g) if name == "noise" else torch.randn(shape, generator=g)
+            )
+    make = ort_runner(threads=1)
+    got = [t.clone() for t in make(tmp_path, entry)(*args)]
+    want = make(bundle, entry)(*args)
+    assert (want[2][0] == 0).any() == (top_k > 0)  # the root's q: the filter ran or not
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

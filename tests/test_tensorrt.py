@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from lantern_rt.cli import main
 from lantern_rt.engines import compat, plans
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable
+from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.engines.plans import (
     check_plans,
     choose_precision,
@@ -280,6 +282,8 @@ class FakeTensorRT(ModuleType):
 
             def parse_from_file(self, path):
                 self.network["file"] = Path(path).name
+                graph = onnx.load(path, load_external_data=False).graph
+                fake.calls.append(("parsed", Path(path).name, has_conditionals(graph)))
                 self.errors = fake.reject.get(Path(path).name, [])
                 return not self.errors
 
@@ -336,6 +340,19 @@ def test_build_writes_a_checked_plan_set(bundle, fake_gpu, monkeypatch, tmp_path
     assert all(e["bundle_manifest_sha256"] == sha256(bundle / MANIFEST) for e in entries)
     plans.build_engines(bundle)  # a rebuild replaces the set
     assert [p.name for p in (bundle / "engines").iterdir()] == [folder.name]
+
+
+def test_tensorrt_parses_drafting_graphs_without_their_ifs(tmp_path_factory, tmp_path, fake_gpu, monkeypatch):
+    """An If keeps TensorRT from capturing a CUDA graph: the parser gets each drafting graph with
+    its Ifs replaced by their then-branches (an equal graph: see test_ort_speculative)."""
+    bundle = Path(shutil.copytree(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"), tmp_path / "bundle"))
+    drafting = load_manifest(bundle)["graphs"]["draft_tree_0"]["file"]
+    assert has_conditionals(onnx.load(str(bundle / drafting), load_external_data=False).graph)
+    trt = FakeTensorRT()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    plans.build_engines(bundle)
+    parsed = {call[1]: call[2] for call in trt.calls if call[0] == "parsed"}
+    assert parsed == {entry["file"]: False for entry in load_manifest(bundle)["graphs"].values()}
 
 
 def test_a_failed_build_leaves_nothing_and_lists_every_parser_error(bundle, fake_gpu, monkeypatch):

@@ -23,6 +23,7 @@ from typing import Any
 
 from lantern_rt.engines import compat
 from lantern_rt.engines.compat import DEFAULT_WORKSPACE_MB, PRECISIONS, EngineError
+from lantern_rt.engines.conditionals import without_conditionals
 from lantern_rt.export.bundle import MANIFEST, load_manifest, sha256
 
 ENGINES_DIR = "engines"
@@ -261,11 +262,14 @@ def build_engines(
 def build_plan(
     trt: Any, builder: Any, logger: Any, onnx_path: Path, workspace_mb: int, cache: Any
 ) -> memoryview:
-    """One serialized plan from one ONNX graph, strongly typed; every parser error, or the
+    """One serialized plan from one ONNX graph, strongly typed, its Ifs replaced by their
+    then-branches (see :mod:`lantern_rt.engines.conditionals`); every parser error, or the
     builder's logged errors, in the :class:`EngineError` when it fails."""
     network = builder.create_network(compat.network_flags(trt))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    with without_conditionals(onnx_path) as path:
+        parsed = parser.parse_from_file(str(path))
+    if not parsed:
         errors = [compat.parser_error_text(parser.get_error(i)) for i in range(parser.num_errors)]
         listed = "; ".join(f"({n}) {e}" for n, e in enumerate(errors, 1)) or "no error reported"
         raise EngineError(
