@@ -12,6 +12,7 @@ sessions.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import logging
 import random
@@ -27,6 +28,7 @@ import onnxruntime as ort
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 from torch import Tensor
 
+from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.export.bundle import MANIFEST, ExportError, _move_into_place, load_manifest, sha256
 from lantern_rt.export.checks import check_graph, io_specs
 from lantern_rt.generate import MethodConfig, Pipeline, bundle_pipeline, generate
@@ -165,6 +167,8 @@ def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]]) -
         _quantize(src, dst, samples, nodes, external)
     finally:
         logging.disable(logging.NOTSET)
+    if has_conditionals(model.graph):
+        _restore_order(dst, external)
     problems = check_graph(dst) + qdq_problems(dst)
     if problems:
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
@@ -205,6 +209,50 @@ def _quantize(
             "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),  # logits stay full precision
         },
     )
+
+
+def _restore_order(path: Path, external: bool) -> None:
+    """Sort the nodes of the graph at ``path`` again, counting what If branches read from
+    outside them: onnxruntime's quantizer sorts by explicit inputs only, so an If (a drafting
+    graph's filter) can land before the logits its branches read."""
+    model = onnx.load(str(path))
+    nodes = list(model.graph.node)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    needs = [{producer[name] for name in _reads(node) if name in producer} for node in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, deps in enumerate(needs):
+        for dep in deps:
+            users[dep].append(i)
+    waiting = [len(deps) for deps in needs]
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:  # Kahn's algorithm, earliest original position first
+        i = heapq.heappop(ready)
+        order.append(i)
+        for user in users[i]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, user)
+    if len(order) != len(nodes):
+        raise CalibrationError(f"{path.stem}: the quantized graph has a cycle")
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[i] for i in order)
+    location = f"{path.name}.data" if external else None  # where quantize_static put the weights
+    onnx.save(
+        model, str(path), save_as_external_data=external, all_tensors_to_one_file=True, location=location
+    )
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The values ``node`` reads: its inputs and what its subgraphs read from outside them."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.HasField("g") else list(attr.graphs):
+            inside = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+            inside |= {name for inner in graph.node for name in inner.output}
+            names |= {name for inner in graph.node for name in _reads(inner)} - inside
+    return names - {""}
 
 
 def qdq_problems(path: Path) -> list[str]:
