@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 from lantern_rt.export import bundle as bundle_module
 from lantern_rt.export.bundle import (
+    BUNDLE_VERSION,
     TOLERANCE,
     BundleError,
     ExportError,
@@ -188,7 +189,7 @@ def test_declared_shapes_and_dtypes(bundles):
 def test_manifest_describes_the_bundle(bundles):
     path = bundles["t2i-gqa-fp16"]
     manifest = load_manifest(path)
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == 5
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 5
     assert manifest["dtype"] == "fp16" and manifest["opset"] == 18
     assert set(manifest["versions"]) == {"lantern_rt", "torch", "onnx"}
     assert manifest["gpt"]["n_kv_head"] == 2 and manifest["vq"]["codebook_size"] == 64
@@ -269,7 +270,7 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, tmp_
     result = CliRunner().invoke(main, ["inspect", str(bundles["t2i-gqa-fp16"])])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert "(format lantern-rt-bundle v4)" in lines[0]
+    assert f"(format lantern-rt-bundle v{BUNDLE_VERSION})" in lines[0]
     assert "tree     chain-1: 1 nodes, drafted by draft_tree_0" in lines
     rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
