@@ -168,14 +168,14 @@ def _pick_sampled(
     ``first`` test; after a rejection the residual target is built and later siblings are
     tested against it."""
     r: Tensor | None = None
-    qq = q[node]
+    qq: Tensor | None = None  # q[node] once a child was rejected: until then nothing reads it
     last = children[-1][0] if children else None
     for child, x in children:
         test = first[child]
         if r is None and test is not None:
             q_x, used, s, r_x, u = test.q_x, test.used, test.s, test.r_x, test.u
         else:
-            r = p[node] if r is None else r
+            r, qq = (p[node], q[node]) if r is None or qq is None else (r, qq)
             q_x = qq[x].item()
             used, s, r_x = _credit(r, x, nbrs, relax)
             u = torch.rand((), generator=generator, device=p.device).item()
@@ -184,6 +184,7 @@ def _pick_sampled(
         pt = r_x + s
         if u * q_x < pt:
             return child, (s, pt, r_x), r
+        qq = q[node] if qq is None else qq
         r = _residual(_relaxed_target(p[node] if r is None else r, x, nbrs, used, pt), qq)
         if child != last:  # a next sibling is tested against r and drawn from qq
             r, qq = _normalized(r), _drop_drawn(qq, x)
