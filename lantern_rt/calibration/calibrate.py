@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.export.bundle import MANIFEST, ExportError, _move_into_place, load_manifest, sha256
-from lantern_rt.export.checks import check_graph, io_specs
+from lantern_rt.export.checks import check_graph, io_specs, node_subgraphs
 from lantern_rt.generate import MethodConfig, Pipeline, bundle_pipeline, generate
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
@@ -247,11 +247,10 @@ def _restore_order(path: Path, external: bool) -> None:
 def _reads(node: onnx.NodeProto) -> set[str]:
     """The values ``node`` reads: its inputs and what its subgraphs read from outside them."""
     names = set(node.input)
-    for attr in node.attribute:
-        for graph in [attr.g] if attr.HasField("g") else list(attr.graphs):
-            inside = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-            inside |= {name for inner in graph.node for name in inner.output}
-            names |= {name for inner in graph.node for name in _reads(inner)} - inside
+    for graph in node_subgraphs(node):
+        inside = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+        inside |= {name for inner in graph.node for name in inner.output}
+        names |= {name for inner in graph.node for name in _reads(inner)} - inside
     return names - {""}
 
 

@@ -54,13 +54,18 @@ def io_specs(path: Path) -> tuple[list[dict[str, object]], list[dict[str, object
     return [_as_dict(v) for v in graph.input], [_as_dict(v) for v in graph.output]
 
 
+def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs held in ``node``'s attributes (an If's branches, a loop's body)."""
+    for attr in node.attribute:
+        yield from [attr.g] if attr.HasField("g") else attr.graphs
+
+
 def _with_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every graph nested in its nodes' attributes (If branches, loop bodies)."""
+    """``graph`` and every graph nested in its nodes, at any depth."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                yield from _with_subgraphs(sub)
+        for sub in node_subgraphs(node):
+            yield from _with_subgraphs(sub)
 
 
 def _opset(model: onnx.ModelProto) -> list[str]:

@@ -175,7 +175,8 @@ def _pick_sampled(
         if r is None and test is not None:
             q_x, used, s, r_x, u = test.q_x, test.used, test.s, test.r_x, test.u
         else:
-            r, qq = (p[node], q[node]) if r is None or qq is None else (r, qq)
+            if r is None or qq is None:  # no first test: start from the node's own p and q
+                r, qq = p[node], q[node]
             q_x = qq[x].item()
             used, s, r_x = _credit(r, x, nbrs, relax)
             u = torch.rand((), generator=generator, device=p.device).item()
