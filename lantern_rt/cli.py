@@ -50,6 +50,17 @@ def _writable_output(path: Path | None, what: str) -> None:
         raise UserError(f"cannot write {what} {path}: it is a folder")
 
 
+def _save_tokens(path: Path, suffix: str, result) -> None:
+    """A generation's tokens as .npy, or as .npz with their class ids (train-drafter's --codes)."""
+    import numpy as np
+
+    codes = result.tokens.numpy()
+    if suffix == ".npz":
+        np.savez(path, codes=codes, labels=np.asarray(result.labels, dtype=np.int64))
+    else:
+        np.save(path, codes)
+
+
 model_option = click.option(
     "--model",
     "model_path",
@@ -171,7 +182,8 @@ def main() -> None:
     "--save-tokens",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write the tokens as an int64 .npy array [images, tokens].",
+    help="Write the tokens: an int64 .npy array [images, tokens], or a .npz with 'codes' and "
+    "'labels' (class ids), the training data of 'lantern train-drafter --codes'.",
 )
 @click.option(
     "--stats-json",
@@ -210,7 +222,6 @@ def generate(
 ):
     """Generate images and write them as a PNG grid (one row per class)."""
     t0 = time.perf_counter()
-    import numpy as np
 
     from lantern_rt.export.bundle import load_manifest
     from lantern_rt.generate import MethodConfig, make_pipeline
@@ -237,8 +248,8 @@ def generate(
     )
     for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_json, "stats")):
         _writable_output(path, what)
-    if save_tokens is not None and save_tokens.suffix != ".npy":
-        raise UserError(f"--save-tokens must end in .npy, got {save_tokens}")
+    if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
+        raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
 
     if method is None:
         method = "lantern++" if has_drafter else "ar"
@@ -254,7 +265,7 @@ def generate(
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
     if save_tokens is not None:
-        atomic_write(save_tokens, lambda tmp: np.save(tmp, result.tokens.numpy()))
+        atomic_write(save_tokens, lambda tmp: _save_tokens(tmp, save_tokens.suffix, result))
     stats = dict(result.stats, total_seconds=time.perf_counter() - t0, output=str(output))
     if stats_json is not None:
         atomic_write(stats_json, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
@@ -284,10 +295,23 @@ def generate(
 @click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--cfg-scale",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Train on (class, null) row pairs of every image and score the distribution mixed at "
+    "this guidance scale, the one drafts are drawn from (the demo samples at 3.0). Default: "
+    "single rows, 10%% of them unconditional.",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 @reports_errors
-def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, threads):
-    """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt)."""
+def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale, threads):
+    """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt).
+
+    To fine-tune a trained drafter on other codes (e.g. the target's own samples from
+    'lantern generate --method ar --save-tokens codes.npz'), copy its train_state.pt into OUT
+    and give a larger --steps: training resumes at the saved step on the new data, with the
+    learning-rate schedule of the new total."""
     import numpy as np
     import torch
 
@@ -307,7 +331,7 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, threads):
     target = load_target(md)
     config = DrafterConfig.for_target(md.gpt)
     drafter = Drafter(config, md.gpt)
-    cfg = DrafterTraining(steps=steps, batch=batch, lr=lr, seed=seed)
+    cfg = DrafterTraining(steps=steps, batch=batch, lr=lr, seed=seed, cfg_scale=cfg_scale)
     t0 = time.perf_counter()
     losses = train_drafter(target, drafter, data["codes"], data["labels"], cfg, out / "train_state.pt")
     save_safetensors(drafter, out / "drafter.safetensors")

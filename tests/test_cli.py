@@ -78,6 +78,33 @@ def test_same_seed_same_tokens_other_seed_other_tokens(tiny_model_dir, tmp_path)
     assert not np.array_equal(a[0], a[1])  # images of one run differ
 
 
+def test_save_tokens_npz_holds_codes_and_labels(tiny_model_dir, tmp_path):
+    """A .npz holds the same tokens as the .npy of an identical run, with their class ids:
+    the format of 'train-drafter --codes'."""
+
+    def save(name: str) -> Path:
+        path = tmp_path / name
+        args = ["--model", str(tiny_model_dir), "--class", "2,0", "-n", "2", "-o", str(tmp_path / "x.png")]
+        r = run(*args, "--save-tokens", str(path))
+        assert r.exit_code == 0, r.output
+        return path
+
+    tokens = np.load(save("t.npy"))
+    with np.load(save("t.npz")) as data:
+        assert sorted(data.files) == ["codes", "labels"]
+        assert np.array_equal(data["codes"], tokens)
+        assert data["labels"].tolist() == [2, 2, 0, 0]
+    r = run(
+        "--model",
+        str(tiny_model_dir),
+        "-o",
+        str(tmp_path / "y.png"),
+        "--save-tokens",
+        str(tmp_path / "t.txt"),
+    )
+    assert r.exit_code != 0 and "must end in .npy or .npz" in r.output
+
+
 def test_greedy_matches_argmax_of_full_forward(tiny_model_dir, tmp_path):
     """Greedy AR through the cached runtime equals argmax decoding with full forwards."""
     path = tmp_path / "g.npy"

@@ -1,10 +1,15 @@
 """Training the EAGLE drafter against a frozen target (EAGLE-1 loss).
 
-Data: image codes (VQ-encoded real images) with their class labels; the target runs
-teacher-forced on them (10% of rows with the null condition, for CFG's unconditional row) and
+Data: image codes (VQ-encoded real images, or the target's own samples from ``lantern generate
+--save-tokens codes.npz``) with their class labels; the target runs teacher-forced on them and
 its final-norm hidden states are the drafter's inputs and regression targets. Loss:
 SmoothL1(predicted hidden, next target hidden) + 0.1 x cross-entropy between the frozen LM
 head's distributions of the two.
+
+Rows are either single (10% of them with the null condition, for CFG's unconditional row) or,
+with ``cfg_scale`` set, pairs: every image once with its class and once with the null
+condition, and the cross-entropy is taken between the CFG-mixed distributions, the ones the
+runtime draws drafts from (it mixes the drafter's two rows the same way).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from tqdm import tqdm
 
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.sampling import cfg_mix
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class DrafterTraining:
     noise: float = 0.05  # uniform input noise on target hidden states, relative to their RMS
     seed: int = 0
     save_every: int = 100
+    cfg_scale: float | None = None  # set: train on (cond, null) row pairs, score the mixed distribution
 
 
 def drafter_batch(target: Transformer, codes: torch.Tensor, labels: torch.Tensor, uncond: torch.Tensor):
@@ -51,14 +58,28 @@ def drafter_batch(target: Transformer, codes: torch.Tensor, labels: torch.Tensor
     return codes, hidden[:, cfg.cls_token_num - 1 : -1], positions, hidden[:, cfg.cls_token_num :]
 
 
-def eagle_loss(drafter: Drafter, head: torch.nn.Linear, batch, noise: float, p_weight: float, generator=None):
-    """EAGLE-1 loss on one batch; returns (loss, regression loss, classification loss)."""
+def eagle_loss(
+    drafter: Drafter,
+    head: torch.nn.Linear,
+    batch,
+    noise: float,
+    p_weight: float,
+    generator=None,
+    cfg_scale: float | None = None,
+):
+    """EAGLE-1 loss on one batch; returns (loss, regression loss, classification loss).
+
+    With ``cfg_scale`` the batch's rows are all conditional rows, then the same images'
+    unconditional rows, and the classification loss compares the CFG-mixed distributions.
+    """
     tokens, h_in, positions, h_target = batch
     if noise > 0:
         rms = h_in.pow(2).mean().sqrt()
         h_in = h_in + (torch.rand(h_in.shape, generator=generator) - 0.5) * 2 * noise * rms
     pred = drafter(tokens, h_in, positions)
     vloss = F.smooth_l1_loss(pred, h_target)
+    if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
+        pred, h_target = (cfg_mix(h.unflatten(0, (2, -1)), cfg_scale) for h in (pred, h_target))
     with torch.no_grad():
         p_target = torch.softmax(head(h_target).float(), dim=-1)
     ploss = -(p_target * torch.log_softmax(head(pred).float(), dim=-1)).sum(-1).mean()
@@ -117,11 +138,17 @@ def train_drafter(
     for step in bar:
         step_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         sel = order[step * cfg.batch : (step + 1) * cfg.batch]
-        uncond = torch.rand(len(sel), generator=step_gen) < cfg.uncond_fraction
+        if cfg.cfg_scale is None:
+            uncond = torch.rand(len(sel), generator=step_gen) < cfg.uncond_fraction
+        else:
+            uncond = torch.arange(2 * len(sel)) >= len(sel)
+            sel = sel.repeat(2)
         batch = drafter_batch(target, all_codes[sel], all_labels[sel], uncond)
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
-        loss, vloss, ploss = eagle_loss(drafter, target.output, batch, cfg.noise, cfg.p_weight, step_gen)
+        loss, vloss, ploss = eagle_loss(
+            drafter, target.output, batch, cfg.noise, cfg.p_weight, step_gen, cfg.cfg_scale
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(params, 0.5)
