@@ -51,13 +51,13 @@ class Relaxation:
         """Whether any neighbour mass can be credited at all."""
         return self.method != "exact" and self.k > 0
 
-    def cap(self, r_x: Tensor) -> Tensor:
+    def cap(self, r_x: float) -> float:
         """Most neighbour mass that may be credited to a token whose own mass is ``r_x``."""
         if self.method == "lantern":
-            return torch.full_like(r_x, self.delta)
+            return self.delta
         if self.method == "lantern++":
             return (self.lam - 1.0) * r_x
-        return torch.zeros_like(r_x)
+        return 0.0
 
 
 @dataclass
@@ -73,12 +73,12 @@ class StepResult:
 def _credit(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[int, float, float]:
     """(used, S, r_x): x may be credited the mass S of its ``used`` nearest neighbours, the
     longest prefix whose mass fits the cap; pt = r_x + S. Reads ``r`` only."""
-    r_x = r[x]
+    r_x = r[x].item()
     if nbrs is None:
-        return 0, 0.0, r_x.item()
+        return 0, 0.0, r_x
     cum = torch.cumsum(r[nbrs[x]], dim=0)  # non-decreasing, so the admissible prefix is a count
     used = int((cum <= relax.cap(r_x)).sum().item())
-    return used, (cum[used - 1].item() if used else 0.0), r_x.item()
+    return used, (cum[used - 1].item() if used else 0.0), r_x
 
 
 def _relaxed_target(r: Tensor, x: int, nbrs: Tensor | None, used: int, pt: float) -> Tensor:
@@ -128,28 +128,39 @@ def _parents(tree: StaticTree, device: torch.device) -> Tensor:
     return tree.parent[1:].to(device)
 
 
+@lru_cache(maxsize=8)
+def _credit_columns(neighbors: Tensor | None, k: int, vocab: int, device: torch.device) -> Tensor:
+    """[V, 1 + k] on ``device``: every token, then its first ``k`` neighbours in the table
+    ``neighbors`` (none when it is None). Gathering a node's row of p by it reads r(x) and the
+    neighbours' mass at once. Cached per table: the decode loop passes the same one each step."""
+    tokens = torch.arange(vocab, device=device)[:, None]
+    return tokens if neighbors is None else torch.cat([tokens, neighbors[:, :k].to(device)], dim=1)
+
+
 def _first_tests(
     tree: StaticTree,
     tokens: Tensor,
     p: Tensor,
     q: Tensor,
-    nbrs: Tensor | None,
+    columns: Tensor,
     relax: Relaxation,
     generator: torch.Generator | None,
 ) -> list[_FirstTest | None]:
-    """Every node's test against its parent's untouched target, computed at once and read
-    from the device once (a few ops per tree, not per node). Index 0 (the root) is None."""
-    parents, kids = _parents(tree, p.device), tokens[1:]
-    r_x, q_x = p[parents, kids], q[parents, kids]
-    if nbrs is None:
-        used, s = torch.zeros_like(r_x), torch.zeros_like(r_x)
-    else:
-        cum = torch.cumsum(p[parents[:, None], nbrs[kids]], dim=1)
-        fits = cum <= relax.cap(r_x)[:, None]  # a prefix: cum is non-decreasing
-        used, s = fits.sum(dim=1).to(r_x.dtype), (cum * fits).amax(dim=1)
-    u = torch.rand(r_x.shape, generator=generator, device=p.device, dtype=r_x.dtype)
-    rows = torch.stack([q_x, used, s, r_x, u], dim=1).tolist()
-    return [None, *(_FirstTest(a, int(b), c, d, e) for a, b, c, d, e in rows)]
+    """Every node's test against its parent's untouched target: the masses it reads
+    (``columns``: see :func:`_credit_columns`) gathered for all nodes at once and read from
+    the device once, the admissible prefix then counted on the host. Index 0 (the root) is None."""
+    parents, kids = _parents(tree, p.device)[:, None], tokens[1:, None]
+    mass = p[parents, columns[kids[:, 0]]]  # [n, 1 + k]: r(x), then its neighbours' mass
+    u = torch.rand(kids.shape, generator=generator, device=p.device, dtype=p.dtype)
+    tests: list[_FirstTest | None] = [None]
+    for q_x, u_x, r_x, *neighbours in torch.cat([q[parents, kids], u, mass], dim=1).tolist():
+        cap, used, s = relax.cap(r_x), 0, 0.0
+        for m in neighbours:  # the longest prefix whose mass fits the cap
+            if s + m > cap:
+                break
+            used, s = used + 1, s + m
+        tests.append(_FirstTest(q_x, used, s, r_x, u_x))
+    return tests
 
 
 def _pick_sampled(
@@ -252,7 +263,19 @@ def verify_tree(
     nbrs = _neighbour_rows(neighbors, relax)
     p, q = _as_float(p), _as_float(q)
     token_ids, is_valid = tokens.tolist(), valid.tolist()
-    first = [] if greedy or tree.num_nodes == 0 else _first_tests(tree, tokens, p, q, nbrs, relax, generator)
+    first = (
+        []
+        if greedy or tree.num_nodes == 0
+        else _first_tests(
+            tree,
+            tokens,
+            p,
+            q,
+            _credit_columns(None if nbrs is None else neighbors, relax.k, p.shape[1], p.device),
+            relax,
+            generator,
+        )
+    )
     path: list[int] = []
     credited: list[tuple[float, float, float]] = []
     node, residual = 0, None
