@@ -13,10 +13,11 @@ import click
 
 from lantern_rt.errors import UserError, reports_errors
 
-# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): chain-4 and chain-5 tie as the
-# fastest trees on a CPU, where a tree's verify and drafting cost grow with its size; GPUs,
-# memory-bound at these sizes, should favour the wide tree (not measured: no GPU yet).
-CPU_DEFAULT_TREE = "chain-4"
+# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): chain-5 is the fastest tree on a
+# CPU since the drafter was fine-tuned on the target's samples (chain-4 before, when the two
+# tied); a tree's verify and drafting cost grow with its size there. GPUs, memory-bound at these
+# sizes, should favour the wide tree (not measured: no GPU yet).
+CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
 
 
@@ -120,7 +121,7 @@ def main() -> None:
     "--tree",
     default=None,
     help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
-    "the bundle's first tree with --bundle, else chain-4 on a CPU (a tree's cost grows with its size "
+    "the bundle's first tree with --bundle, else chain-5 on a CPU (a tree's cost grows with its size "
     "there; measured best in BENCHMARKS.md), "
     "naive_extend_57 on a GPU.",
 )

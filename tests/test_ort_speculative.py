@@ -159,7 +159,7 @@ def test_a_tree_that_was_not_exported_is_refused(bundle):
 
 
 def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tmp_path):
-    """No --tree: the bundle's first exported tree (not the CPU default chain-4, which it lacks);
+    """No --tree: the bundle's first exported tree (not the CPU default, chain-5, its second);
     greedy tokens equal the torch backend's with that tree."""
     import json
 
