@@ -51,12 +51,13 @@ def _writable_output(path: Path | None, what: str) -> None:
         raise UserError(f"cannot write {what} {path}: it is a folder")
 
 
-def _save_tokens(path: Path, suffix: str, result) -> None:
-    """A generation's tokens as .npy, or as .npz with their class ids (train-drafter's --codes)."""
+def _save_tokens(path: Path, result) -> None:
+    """A generation's tokens as .npy, or as .npz with their class ids (train-drafter's --codes),
+    by ``path``'s suffix."""
     import numpy as np
 
     codes = result.tokens.numpy()
-    if suffix == ".npz":
+    if path.suffix == ".npz":
         np.savez(path, codes=codes, labels=np.asarray(result.labels, dtype=np.int64))
     else:
         np.save(path, codes)
@@ -266,7 +267,7 @@ def generate(
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
     if save_tokens is not None:
-        atomic_write(save_tokens, lambda tmp: _save_tokens(tmp, save_tokens.suffix, result))
+        atomic_write(save_tokens, lambda tmp: _save_tokens(tmp, result))
     stats = dict(result.stats, total_seconds=time.perf_counter() - t0, output=str(output))
     if stats_json is not None:
         atomic_write(stats_json, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))

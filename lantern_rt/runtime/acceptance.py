@@ -70,15 +70,24 @@ class StepResult:
     tokens: list[int]  # the committed tokens: the accepted path's, then the bonus
 
 
+def _admissible(masses: list[float], cap: float) -> tuple[int, float]:
+    """(used, S): the longest prefix of the neighbours' ``masses`` (nearest first) whose sum S
+    fits the cap."""
+    used, total = 0, 0.0
+    for m in masses:
+        if total + m > cap:
+            break
+        used, total = used + 1, total + m
+    return used, total
+
+
 def _credit(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[int, float, float]:
     """(used, S, r_x): x may be credited the mass S of its ``used`` nearest neighbours, the
     longest prefix whose mass fits the cap; pt = r_x + S. Reads ``r`` only."""
     r_x = r[x].item()
     if nbrs is None:
         return 0, 0.0, r_x
-    cum = torch.cumsum(r[nbrs[x]], dim=0)  # non-decreasing, so the admissible prefix is a count
-    used = int((cum <= relax.cap(r_x)).sum().item())
-    return used, (cum[used - 1].item() if used else 0.0), r_x
+    return (*_admissible(r[nbrs[x]].tolist(), relax.cap(r_x)), r_x)
 
 
 def _relaxed_target(r: Tensor, x: int, nbrs: Tensor | None, used: int, pt: float) -> Tensor:
@@ -154,12 +163,7 @@ def _first_tests(
     u = torch.rand(kids.shape, generator=generator, device=p.device, dtype=p.dtype)
     tests: list[_FirstTest | None] = [None]
     for q_x, u_x, r_x, *neighbours in torch.cat([q[parents, kids], u, mass], dim=1).tolist():
-        cap, used, s = relax.cap(r_x), 0, 0.0
-        for m in neighbours:  # the longest prefix whose mass fits the cap
-            if s + m > cap:
-                break
-            used, s = used + 1, s + m
-        tests.append(_FirstTest(q_x, used, s, r_x, u_x))
+        tests.append(_FirstTest(q_x, *_admissible(neighbours, relax.cap(r_x)), r_x, u_x))
     return tests
 
 
@@ -271,7 +275,7 @@ def verify_tree(
             tokens,
             p,
             q,
-            _credit_columns(None if nbrs is None else neighbors, relax.k, p.shape[1], p.device),
+            _credit_columns(neighbors if relax.relaxed else None, relax.k, p.shape[1], p.device),
             relax,
             generator,
         )
