@@ -290,8 +290,9 @@ def generate(
 @click.option(
     "--codes",
     type=click.Path(path_type=Path),
-    default=None,
-    help="Training data: .npz with 'codes' [N, tokens] and 'labels' [N]. Default: Fashion-MNIST encoded by the model's tokenizer.",
+    multiple=True,
+    help="Training data: .npz with 'codes' [N, tokens] and 'labels' [N]; repeat it to train on "
+    "several files together. Default: Fashion-MNIST encoded by the model's tokenizer.",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True)
@@ -345,20 +346,35 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     )
 
 
-def _drafter_data(md, codes: Path | None, load_vq) -> dict:
-    """Codes and labels to train on: a user's .npz, or Fashion-MNIST through the model's tokenizer."""
+def _codes_file(path: Path) -> dict:
+    """One --codes file's codes [N, tokens] and labels [N]."""
     import numpy as np
 
-    if codes is not None:
-        if not codes.is_file():
-            raise UserError(f"codes file not found: {codes}")
-        try:
-            data = np.load(codes)
-            return {"codes": data["codes"], "labels": data["labels"]}
-        except (OSError, ValueError, KeyError) as exc:
-            raise UserError(
-                f"cannot read {codes}: expected an .npz with 'codes' and 'labels' ({exc})"
-            ) from None
+    if not path.is_file():
+        raise UserError(f"codes file not found: {path}")
+    try:
+        with np.load(path) as data:
+            codes, labels = data["codes"], data["labels"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"cannot read {path}: expected an .npz with 'codes' and 'labels' ({exc})") from None
+    if codes.ndim != 2 or labels.shape != codes.shape[:1]:
+        raise UserError(
+            f"{path}: 'codes' must be [N, tokens] and 'labels' [N], got {codes.shape} and {labels.shape}"
+        )
+    return {"codes": codes, "labels": labels}
+
+
+def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
+    """Codes and labels to train on: the user's .npz files concatenated, or Fashion-MNIST
+    through the model's tokenizer."""
+    import numpy as np
+
+    if codes:
+        parts = [_codes_file(path) for path in codes]
+        lengths = {part["codes"].shape[1] for part in parts}
+        if len(lengths) > 1:
+            raise UserError(f"the --codes files hold images of different token counts: {sorted(lengths)}")
+        return {key: np.concatenate([part[key] for part in parts]) for key in ("codes", "labels")}
     from lantern_rt.training.data import DatasetMissing
     from lantern_rt.training.demo import encode_dataset
 

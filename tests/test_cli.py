@@ -210,3 +210,34 @@ def test_bundle_from_another_format_version(tmp_path):
     (md / "config.json").write_text(json.dumps(cfg))
     r = run("--model", str(md), "-o", str(tmp_path / "x.png"))
     assert r.exit_code == 2 and "format version 99" in r.stderr
+
+
+def test_train_drafter_reads_several_codes_files(tiny_model_dir, tmp_path):
+    """Repeated --codes files are trained on together; files of other token counts, or not
+    .npz, are refused with a one-line error and no drafter written."""
+    from lantern_rt.cli import _drafter_data
+
+    rng = np.random.default_rng(0)
+    a, b, short = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "short.npz"
+    np.savez(a, codes=rng.integers(0, 64, (3, 16)), labels=np.array([0, 1, 2]))
+    np.savez(b, codes=rng.integers(0, 64, (2, 16)), labels=np.array([3, 4]))
+    np.savez(short, codes=rng.integers(0, 64, (2, 9)), labels=np.array([3, 4]))
+    data = _drafter_data(None, (a, b), None)
+    with np.load(a) as da, np.load(b) as db:
+        assert np.array_equal(data["codes"], np.concatenate([da["codes"], db["codes"]]))
+    assert data["labels"].tolist() == [0, 1, 2, 3, 4]
+
+    def train(out: str, *files: Path):
+        args = ["train-drafter", "--model", str(tiny_model_dir), "--out", str(tmp_path / out), "--steps", "2"]
+        return CliRunner().invoke(main, [*args, "--batch", "2", *(f"--codes={f}" for f in files)])
+
+    r = train("ok", a, b)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "ok" / "drafter.safetensors").is_file()
+    for files, message in (
+        ((a, short), "different token counts: [9, 16]"),
+        ((a, tmp_path / "x.npz"), "not found"),
+    ):
+        r = train("bad", *files)
+        assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output
+        assert not (tmp_path / "bad" / "drafter.safetensors").exists()
