@@ -306,9 +306,18 @@ def generate(
     "this guidance scale, the one drafts are drawn from (the demo samples at 3.0). Default: "
     "single rows, 10%% of them unconditional.",
 )
+@click.option(
+    "--unroll",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Levels the drafter is scored at: 1 is teacher-forced (EAGLE-1); d also feeds it its own "
+    "predictions d - 1 levels deep, as it drafts a tree (HASS/EAGLE-3 training-time test; "
+    "each level costs about one more drafter forward).",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
 @reports_errors
-def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale, threads):
+def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale, unroll, threads):
     """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt).
 
     To fine-tune a trained drafter on other codes (e.g. the target's own samples from
@@ -334,7 +343,7 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     target = load_target(md)
     config = DrafterConfig.for_target(md.gpt)
     drafter = Drafter(config, md.gpt)
-    cfg = DrafterTraining(steps=steps, batch=batch, lr=lr, seed=seed, cfg_scale=cfg_scale)
+    cfg = DrafterTraining(steps=steps, batch=batch, lr=lr, seed=seed, cfg_scale=cfg_scale, unroll=unroll)
     t0 = time.perf_counter()
     losses = train_drafter(target, drafter, data["codes"], data["labels"], cfg, out / "train_state.pt")
     save_safetensors(drafter, out / "drafter.safetensors")

@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.training.drafter import DrafterTraining, drafter_batch, eagle_loss, train_drafter
+from lantern_rt.training.drafter import (
+    DrafterTraining,
+    drafter_batch,
+    eagle_loss,
+    train_drafter,
+    unrolled_predictions,
+)
 from tests.conftest import tiny_gpt
 from tests.test_speculative import pattern_codes
 
@@ -73,3 +79,64 @@ def test_paired_training_lowers_the_mixed_loss():
     )
     after = mixed_kl()
     assert 0 < after < 0.6 * before
+
+
+def test_unrolled_levels_match_drafting_below_a_root():
+    """Level d of the unrolled training pass at row t is what the drafter predicts drafting the
+    row's token d - 1 levels below the root t - d + 1: the rows up to the root caught up
+    teacher-forced, then one call per level over the cache, fed the parent's prediction."""
+    target = tiny_gpt(7).eval()
+    cfg = target.config
+    config = DrafterConfig.for_target(cfg, num_hidden_layers=2)
+    drafter = Drafter(config, cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    rows = 9
+    tokens = torch.randint(0, cfg.vocab_size, (2, rows), generator=g)
+    h_in = torch.randn(2, rows, cfg.dim, generator=g)
+    positions = torch.arange(1, rows + 1)
+    with torch.no_grad():
+        levels = unrolled_predictions(drafter, tokens, h_in, positions, 3)
+        torch.testing.assert_close(levels[0], drafter(tokens, h_in, positions))
+        empty = h_in.new_zeros(config.num_hidden_layers, 2, config.kv_heads, 0, config.head_dim)
+        for root in range(rows - 2):
+            n = root + 1
+            causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+            out, keys, values = drafter.step(tokens[:, :n], h_in[:, :n], positions[:n], causal, empty, empty)
+            hidden = out[:, -1:]
+            for level in (2, 3):
+                t = root + level - 1
+                sees_all = torch.ones(1, 1, 1, keys.shape[3] + 1, dtype=torch.bool)
+                hidden, k, v = drafter.step(
+                    tokens[:, t : t + 1], hidden, positions[t : t + 1], sees_all, keys, values
+                )
+                keys, values = torch.cat([keys, k], dim=3), torch.cat([values, v], dim=3)
+                torch.testing.assert_close(levels[level - 1][:, t], hidden[:, 0], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(levels[1][:, 1:], levels[0][:, 1:], atol=1e-3)  # other inputs, other outputs
+
+
+def test_unrolled_training_lowers_deep_levels():
+    """Training with unroll=3 lowers the level-3 loss on held-out sequences further than
+    teacher-forced training does in the same steps."""
+    target = tiny_gpt(5).eval()
+    cfg = target.config
+    codes, labels = pattern_codes(64, cfg.vocab_size, cfg.block_size, cfg.num_classes)
+    held_out = paired_batch(
+        target, *pattern_codes(8, cfg.vocab_size, cfg.block_size, cfg.num_classes, seed=1)
+    )
+
+    def level_loss(drafter: Drafter, level: int) -> float:
+        with torch.no_grad():
+            tokens, h_in, positions, h_target = held_out
+            pred = unrolled_predictions(drafter.eval(), tokens, h_in, positions, level)[-1]
+            p = torch.softmax(target.output(h_target[:, level - 1 :]).float(), -1)
+            q = torch.log_softmax(target.output(pred[:, level - 1 :]).float(), -1)
+            return (p * (p.log() - q)).sum(-1).mean().item()  # KL(target || drafter)
+
+    results = {}
+    for unroll in (1, 3):
+        torch.manual_seed(0)
+        drafter = Drafter(DrafterConfig.for_target(cfg), cfg)
+        training = DrafterTraining(steps=60, batch=8, lr=3e-3, unroll=unroll)
+        train_drafter(target, drafter, codes.numpy(), labels.numpy(), training, progress=False)
+        results[unroll] = level_loss(drafter, 1), level_loss(drafter, 3)
+    assert results[3][1] < 0.97 * results[1][1]  # measured 0.94 (0.91-0.95 over six seeds)

@@ -6,6 +6,12 @@ its final-norm hidden states are the drafter's inputs and regression targets. Lo
 SmoothL1(predicted hidden, next target hidden) + 0.1 x cross-entropy between the frozen LM
 head's distributions of the two.
 
+With ``unroll`` d > 1 the drafter is also scored on its own predictions, as it drafts: level e
+(2 <= e <= d) of every row takes the hidden state it predicted one row earlier at level e - 1
+and attends to the teacher-forced rows up to its root, its ancestors' rows and itself, exactly
+the context of a tree node e - 1 levels below a root at run time (the "training-time test" of
+HASS and EAGLE-3); the levels' losses are averaged.
+
 Rows are either single (10% of them with the null condition, for CFG's unconditional row) or,
 with ``cfg_scale`` set, pairs: every image once with its class and once with the null
 condition, and the cross-entropy is taken between the CFG-mixed distributions, the ones the
@@ -41,6 +47,7 @@ class DrafterTraining:
     seed: int = 0
     save_every: int = 100
     cfg_scale: float | None = None  # set: train on (cond, null) row pairs, score the mixed distribution
+    unroll: int = 1  # levels the drafter is scored at (1: teacher-forced only, EAGLE-1)
 
 
 def drafter_batch(target: Transformer, codes: torch.Tensor, labels: torch.Tensor, uncond: torch.Tensor):
@@ -58,6 +65,38 @@ def drafter_batch(target: Transformer, codes: torch.Tensor, labels: torch.Tensor
     return codes, hidden[:, cfg.cls_token_num - 1 : -1], positions, hidden[:, cfg.cls_token_num :]
 
 
+def unroll_mask(rows: int, level: int) -> torch.Tensor:
+    """Bool [1, 1, rows, level * rows]: what row t sees at ``level`` over the rows of levels
+    1..level-1 (the keys of earlier passes) and its own level. Level 1 is causal
+    (teacher-forced); at level d > 1 row t drafts d - 1 levels below the root t - d + 1: it sees
+    level 1 up to the root, its ancestor t - d + e at each level e in 2..d-1, and itself."""
+    t = torch.arange(rows)
+    if level == 1:
+        return (t[None, :] <= t[:, None])[None, None]
+    blocks = [t[None, :] <= t[:, None] - (level - 1)]
+    blocks += [t[None, :] == t[:, None] - (level - e) for e in range(2, level)]
+    blocks.append(torch.eye(rows, dtype=torch.bool))
+    return torch.cat(blocks, dim=1)[None, None]
+
+
+def unrolled_predictions(
+    drafter: Drafter, tokens: torch.Tensor, h_in: torch.Tensor, positions: torch.Tensor, levels: int
+) -> list[torch.Tensor]:
+    """The drafter's predicted hidden states [B, T, D] at levels 1..``levels`` (see
+    :func:`unroll_mask`); rows t < d - 1 of level d have no root and carry no meaning."""
+    if levels == 1:
+        return [drafter(tokens, h_in, positions)]
+    c, (b, rows, _) = drafter.config, h_in.shape
+    keys = values = h_in.new_zeros(c.num_hidden_layers, b, c.kv_heads, 0, c.head_dim)
+    hidden, preds = h_in, []
+    for level in range(1, levels + 1):
+        pred, k, v = drafter.step(tokens, hidden, positions, unroll_mask(rows, level), keys, values)
+        preds.append(pred)
+        keys, values = torch.cat([keys, k], dim=3), torch.cat([values, v], dim=3)
+        hidden = torch.cat([h_in[:, :1], pred[:, :-1].detach()], dim=1)  # the parent's prediction
+    return preds
+
+
 def eagle_loss(
     drafter: Drafter,
     head: torch.nn.Linear,
@@ -66,8 +105,10 @@ def eagle_loss(
     p_weight: float,
     generator=None,
     cfg_scale: float | None = None,
+    unroll: int = 1,
 ):
-    """EAGLE-1 loss on one batch; returns (loss, regression loss, classification loss).
+    """EAGLE-1 loss on one batch, averaged over ``unroll`` levels (see :func:`unroll_mask`);
+    returns (loss, regression loss, classification loss).
 
     With ``cfg_scale`` the batch's rows are all conditional rows, then the same images'
     unconditional rows, and the classification loss compares the CFG-mixed distributions.
@@ -76,13 +117,16 @@ def eagle_loss(
     if noise > 0:
         rms = h_in.pow(2).mean().sqrt()
         h_in = h_in + (torch.rand(h_in.shape, generator=generator) - 0.5) * 2 * noise * rms
-    pred = drafter(tokens, h_in, positions)
-    vloss = F.smooth_l1_loss(pred, h_target)
-    if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
-        pred, h_target = (cfg_mix(h.unflatten(0, (2, -1)), cfg_scale) for h in (pred, h_target))
-    with torch.no_grad():
-        p_target = torch.softmax(head(h_target).float(), dim=-1)
-    ploss = -(p_target * torch.log_softmax(head(pred).float(), dim=-1)).sum(-1).mean()
+    vlosses, plosses = [], []
+    for level, pred in enumerate(unrolled_predictions(drafter, tokens, h_in, positions, unroll), start=1):
+        pred, target = pred[:, level - 1 :], h_target[:, level - 1 :]
+        vlosses.append(F.smooth_l1_loss(pred, target))
+        if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
+            pred, target = (cfg_mix(h.unflatten(0, (2, -1)), cfg_scale) for h in (pred, target))
+        with torch.no_grad():
+            p_target = torch.softmax(head(target).float(), dim=-1)
+        plosses.append(-(p_target * torch.log_softmax(head(pred).float(), dim=-1)).sum(-1).mean())
+    vloss, ploss = torch.stack(vlosses).mean(), torch.stack(plosses).mean()
     return vloss + p_weight * ploss, vloss, ploss
 
 
@@ -147,7 +191,7 @@ def train_drafter(
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
         loss, vloss, ploss = eagle_loss(
-            drafter, target.output, batch, cfg.noise, cfg.p_weight, step_gen, cfg.cfg_scale
+            drafter, target.output, batch, cfg.noise, cfg.p_weight, step_gen, cfg.cfg_scale, cfg.unroll
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
