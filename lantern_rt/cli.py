@@ -321,7 +321,8 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt).
 
     To fine-tune a trained drafter on other codes (e.g. the target's own samples from
-    'lantern generate --method ar --save-tokens codes.npz'), copy its train_state.pt into OUT
+    'lantern generate --method exact --save-tokens codes.npz': exact speculative decoding draws
+    from the target's distribution, faster than --method ar), copy its train_state.pt into OUT
     and give a larger --steps: training resumes at the saved step on the new data, with the
     learning-rate schedule of the new total."""
     import numpy as np
