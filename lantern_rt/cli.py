@@ -13,9 +13,9 @@ import click
 
 from lantern_rt.errors import UserError, reports_errors
 
-# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): chain-5 is the fastest tree on a
-# CPU since the drafter was fine-tuned on the target's samples (chain-4 before, when the two
-# tied); a tree's verify and drafting cost grow with its size there. GPUs, memory-bound at these
+# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was
+# fine-tuned on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it
+# (chain-4 before, when the two tied); a tree's verify and drafting cost grow with its size there. GPUs, memory-bound at these
 # sizes, should favour the wide tree (not measured: no GPU yet).
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"

@@ -213,8 +213,8 @@ def test_bundle_from_another_format_version(tmp_path):
 
 
 def test_train_drafter_reads_several_codes_files(tiny_model_dir, tmp_path):
-    """Repeated --codes files are trained on together; files of other token counts, or not
-    .npz, are refused with a one-line error and no drafter written."""
+    """Repeated --codes files are trained on together; files of other token counts, or a
+    missing file, are refused with a one-line error and no drafter written."""
     from lantern_rt.cli import _drafter_data
 
     rng = np.random.default_rng(0)
