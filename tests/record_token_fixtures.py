@@ -1,0 +1,44 @@
+"""Record the demo's tokens for tests/test_token_fixtures.py (run once, with the code the fixtures
+pin): ``python tests/record_token_fixtures.py``.
+
+Greedy and sampled tokens of AR, exact and LANTERN++ on torch and on onnxruntime, for fixed
+classes and a fixed seed, over the demo bundle exported with tree chain-3.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from token_fixture_cases import CASES, FIXTURE, LABELS, SEED, TREE, method_config, sampling  # noqa: E402
+
+from lantern_rt.export.bundle import export_bundle  # noqa: E402
+from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline  # noqa: E402
+from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir  # noqa: E402
+from lantern_rt.runtime.tree import load_tree  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    md = open_model_dir(DEMO_DIR)
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = export_bundle(md, Path(tmp) / "bundle", trees=[load_tree(TREE)], threads=1)
+        arrays = {}
+        for backend, method, mode in CASES:
+            mc = method_config(method)
+            pipe = torch_pipeline(md, mc) if backend == "torch" else onnxruntime_pipeline(bundle, mc, threads=1)
+            result = generate(pipe, LABELS, sampling(mode), seed=SEED, progress=False)
+            arrays[f"{backend}/{method}/{mode}"] = result.tokens.numpy()
+            print(backend, method, mode, result.stats["mean_accepted_length"])
+    np.savez_compressed(FIXTURE, **arrays)
+    print(f"wrote {FIXTURE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The cases of the recorded token fixtures (tests/fixtures/demo_tokens.npz)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lantern_rt.generate import MethodConfig
+from lantern_rt.runtime.sampling import SamplingConfig
+
+FIXTURE = Path(__file__).parent / "fixtures" / "demo_tokens.npz"
+TREE = "chain-3"
+LABELS = [3, 7, 9]  # dress, sneaker, ankle boot
+SEED = 11
+BACKENDS = ("torch", "onnxruntime")
+METHODS = ("ar", "exact", "lantern++")
+MODES = ("greedy", "sampled")
+CASES = [(b, m, s) for b in BACKENDS for m in METHODS for s in MODES]
+
+
+def method_config(method: str) -> MethodConfig:
+    return MethodConfig(method, tree=TREE, k=10, lam=5.0)
+
+
+def sampling(mode: str) -> SamplingConfig:
+    return SamplingConfig(cfg_scale=3.0, temperature=0.0 if mode == "greedy" else 1.0)
