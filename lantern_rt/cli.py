@@ -12,31 +12,21 @@ from pathlib import Path
 import click
 
 from lantern_rt.errors import UserError, reports_errors
-
-# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was
-# fine-tuned on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it
-# (chain-4 before, when the two tied); a tree's verify and drafting cost grow with its size there. GPUs, memory-bound at these
-# sizes, should favour the wide tree (not measured: no GPU yet).
-CPU_DEFAULT_TREE = "chain-5"
-GPU_DEFAULT_TREE = "naive_extend_57"
+from lantern_rt.settings import BACKENDS, CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, METHODS
 
 
 def _source(model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None):
-    """(model info, what to build the pipeline from, whether a drafter is available)."""
+    """What to build the pipeline from: a model directory, or the opened bundle."""
+    from lantern_rt.bundle import Bundle
     from lantern_rt.models.model_dir import open_model_dir
 
     if bundle is None:
-        md = open_model_dir(model_path)
-        return md, md, "drafter" in md.files or drafter_path is not None
-    from lantern_rt.export.bundle import load_manifest
-    from lantern_rt.generate import bundle_info
-
+        return open_model_dir(model_path)
     if model_path is not None or drafter_path is not None:
         raise UserError("--bundle runs an exported bundle: drop --model and --drafter")
     if backend == "torch":
         raise UserError("a bundle runs on onnxruntime or tensorrt: drop --backend torch or --bundle")
-    manifest = load_manifest(bundle)
-    return bundle_info(bundle, manifest), bundle, bool(manifest["constants"].get("drafter"))
+    return Bundle.open(bundle)
 
 
 def _writable_output(path: Path | None, what: str) -> None:
@@ -113,7 +103,7 @@ def main() -> None:
 )
 @click.option(
     "--method",
-    type=click.Choice(["ar", "exact", "lantern", "lantern++"]),
+    type=click.Choice(METHODS),
     default=None,
     help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++). "
     "Default: lantern++ when the model has a drafter, else ar.",
@@ -122,9 +112,8 @@ def main() -> None:
     "--tree",
     default=None,
     help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
-    "the bundle's first tree with --bundle, else chain-5 on a CPU (a tree's cost grows with its size "
-    "there; measured best in BENCHMARKS.md), "
-    "naive_extend_57 on a GPU.",
+    f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
+    f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
 )
 @click.option(
     "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
@@ -144,7 +133,7 @@ def main() -> None:
 )
 @click.option(
     "--backend",
-    type=click.Choice(["onnxruntime", "tensorrt", "torch"]),
+    type=click.Choice(BACKENDS),
     default=None,
     help="Runtime backend. Default on a CPU: onnxruntime (a model directory is exported once into "
     "$LANTERN_CACHE or ~/.cache/lantern-rt); torch for another --device or a --drafter override. "
@@ -225,56 +214,64 @@ def generate(
     """Generate images and write them as a PNG grid (one row per class)."""
     t0 = time.perf_counter()
 
-    from lantern_rt.export.bundle import load_manifest
-    from lantern_rt.generate import MethodConfig, make_pipeline
     from lantern_rt.generate import generate as run
+    from lantern_rt.generate import make_pipeline
     from lantern_rt.images import atomic_write, grid, save_png
     from lantern_rt.runtime.sampling import SamplingConfig
+    from lantern_rt.settings import MethodConfig, run_defaults
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    md, source, has_drafter = _source(model_path, bundle, backend, drafter_path)
-    if backend is None:
-        on_cpu = device == "cpu" and drafter_path is None
-        backend = "onnxruntime" if bundle is not None or on_cpu else "torch"
+    source = _source(model_path, bundle, backend, drafter_path)
+    md = source.model_info() if bundle is not None else source
+    run_settings = run_defaults(
+        source,
+        backend=backend,
+        method=method,
+        tree=tree,
+        cfg_scale=cfg_scale,
+        device=device,
+        drafter_override=drafter_path is not None,
+    )
     specs = [s for c in classes for s in c.split(",") if s.strip()] or [
         str(i) for i in range(md.gpt.num_classes)
     ]
     class_ids = [md.class_id(s) for s in specs]
-    if cfg_scale is None:
-        cfg_scale = float(md.raw.get("sampling_defaults", {}).get("cfg_scale", 4.0))
     sampling = SamplingConfig(
-        cfg_scale=cfg_scale, temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p
+        cfg_scale=run_settings.cfg_scale,
+        temperature=0.0 if greedy else temperature,
+        top_k=top_k,
+        top_p=top_p,
     )
     for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_json, "stats")):
         _writable_output(path, what)
     if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
 
-    if method is None:
-        method = "lantern++" if has_drafter else "ar"
     drafter = None if drafter_path is None else str(drafter_path)
-    if tree is None:
-        exported = [] if bundle is None else list(load_manifest(bundle)["trees"])
-        tree = exported[0] if exported else CPU_DEFAULT_TREE if device == "cpu" else GPU_DEFAULT_TREE
-    mc = MethodConfig(method, tree, lantern_k, lantern_delta, lantern_lambda, drafter)
+    mc = MethodConfig(
+        run_settings.method, run_settings.tree, lantern_k, lantern_delta, lantern_lambda, drafter
+    )
     mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
-    pipe = make_pipeline(source, backend, mc, device, threads, cuda_graphs)
+    pipe = make_pipeline(source, run_settings.backend, mc, device, threads, cuda_graphs)
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
     if save_tokens is not None:
         atomic_write(save_tokens, lambda tmp: _save_tokens(tmp, result))
-    stats = dict(result.stats, total_seconds=time.perf_counter() - t0, output=str(output))
+    stats = result.stats
+    stats.total_seconds = time.perf_counter() - t0
+    stats.extra["output"] = str(output)
     if stats_json is not None:
-        atomic_write(stats_json, lambda tmp: tmp.write_text(json.dumps(stats, indent=2) + "\n"))
-    per_image = stats["decode_seconds"] / max(1, stats["num_images"])
+        body = json.dumps(stats.to_json(), indent=2) + "\n"
+        atomic_write(stats_json, lambda tmp: tmp.write_text(body))
+    per_image = stats.decode_seconds / max(1, stats.num_images)
     click.echo(
-        f"{stats['num_images']} images ({method}, {backend}) in {stats['total_seconds']:.1f}s: "
-        f"{per_image:.3f}s/image decode, mean accepted length {stats['mean_accepted_length']:.2f} -> {output}",
+        f"{stats.num_images} images ({mc.method}, {pipe.backend}) in {stats.total_seconds:.1f}s: "
+        f"{per_image:.3f}s/image decode, mean accepted length {stats.mean_accepted_length:.2f} -> {output}",
         err=True,
     )
 
@@ -405,7 +402,7 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
     "--tree",
     "trees",
     multiple=True,
-    default=("naive_extend_57",),
+    default=(GPU_DEFAULT_TREE,),
     show_default=True,
     help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N or JSON file.",
 )
@@ -418,8 +415,9 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (17..20).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
-def export_cmd(model_path, trees, out, dtype, opset, force):
+def export_cmd(model_path, trees, out, dtype, opset, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.bundle import export_bundle
     from lantern_rt.models.model_dir import open_model_dir
@@ -429,7 +427,7 @@ def export_cmd(model_path, trees, out, dtype, opset, force):
     t0 = time.perf_counter()
     md = open_model_dir(model_path)
     parsed = [load_tree(t, max_width=MAX_DRAFT_WIDTH) for t in trees]
-    export_bundle(md, out, trees=parsed, dtype=dtype, opset=opset, overwrite=force)
+    export_bundle(md, out, trees=parsed, dtype=dtype, opset=opset, overwrite=force, progress=not quiet)
     click.echo(
         f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
@@ -444,31 +442,29 @@ def export_cmd(model_path, trees, out, dtype, opset, force):
 @reports_errors
 def inspect_cmd(bundle, graph):
     """Print a bundle's manifest as a readable table (after verifying its hashes)."""
-    from lantern_rt.export.bundle import load_manifest
+    from lantern_rt.bundle import FORMAT, Bundle
 
-    m = load_manifest(bundle)
-    if graph is not None and graph not in m["graphs"]:
-        raise UserError(f"no graph {graph!r} in the bundle; it has {', '.join(m['graphs'])}")
-    c = m["constants"]
-    click.echo(f"bundle   {bundle}  (format {m['format']} v{m['bundle_version']})")
+    b = Bundle.open(bundle)
+    entry = b.graph(graph) if graph is not None else None  # before printing: an unknown name fails
+    c = b.constants
+    click.echo(f"bundle   {bundle}  (format {FORMAT} v{b.format_version})")
     click.echo(
-        f"model    {m['model_name']}: {m['gpt']['model_type']}, dim {m['gpt']['dim']}, {m['gpt']['n_layer']} layers, vocab {c['vocab_size']}, {c['block_size']} tokens"
+        f"model    {b.model_name}: {c.model_type}, dim {b.gpt.dim}, {b.gpt.n_layer} layers, vocab {c.vocab_size}, {c.block_size} tokens"
     )
     click.echo(
-        f"export   {m['dtype']}, opset {m['opset']}, "
-        + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+        f"export   {b.dtype}, opset {b.opset}, " + ", ".join(f"{k} {v}" for k, v in b.versions.items())
     )
-    for name, tree in m.get("trees", {}).items():
-        drafted = f", drafted by {tree['graph']}" if tree.get("graph") else ""
-        click.echo(f"tree     {name}: {len(tree['paths'])} nodes{drafted}")
+    for name, tree in b.trees.items():
+        drafted = f", drafted by {tree.graph}" if tree.graph else ""
+        click.echo(f"tree     {name}: {len(tree.paths)} nodes{drafted}")
     click.echo("")
     click.echo(f"{'graph':<22} {'io':<4} {'name':<12} {'dtype':<9} shape")
-    for name, entry in m["graphs"].items():
-        for io, specs in (("in", entry["inputs"]), ("out", entry["outputs"])):
+    for name, g in b.graphs.items():
+        for io, specs in (("in", g.inputs), ("out", g.outputs)):
             for spec in specs:
-                click.echo(f"{name:<22} {io:<4} {spec['name']:<12} {spec['dtype']:<9} {spec['shape']}")
-    if graph is not None:
-        _polygraphy_view(Path(bundle) / m["graphs"][graph]["file"])
+                click.echo(f"{name:<22} {io:<4} {spec.name:<12} {spec.dtype:<9} {list(spec.shape)}")
+    if entry is not None:
+        _polygraphy_view(b.file(entry))
 
 
 def _polygraphy_view(path: Path) -> None:
@@ -507,7 +503,7 @@ def _polygraphy_view(path: Path) -> None:
     "trees",
     multiple=True,
     help="Tree(s) for configs that name none (repeatable: every such config runs on each). "
-    "Default: naive_extend_57.",
+    "Default: the tree 'lantern generate' uses (the bundle's first; else chain-5 on a CPU).",
 )
 @click.option(
     "--num-images",
@@ -582,7 +578,7 @@ def bench_cmd(
     """Measure decoding methods side by side (speed, acceptance, quality) and write a report."""
     import shlex
 
-    from lantern_rt.eval.bench import DEFAULT_CONFIGS, DEFAULT_TREE, BenchSettings, run_bench
+    from lantern_rt.eval.bench import DEFAULT_CONFIGS, BenchSettings, run_bench
     from lantern_rt.eval.report import speed_table
 
     settings = BenchSettings(
@@ -591,7 +587,7 @@ def bench_cmd(
         bundle=bundle,
         backends=backends,
         configs=configs or DEFAULT_CONFIGS,
-        trees=trees or (DEFAULT_TREE,),
+        trees=trees,
         num_images=num_images,
         classes=tuple(s for c in classes for s in c.split(",") if s.strip()),
         seed=seed,
@@ -607,6 +603,8 @@ def bench_cmd(
     )
     results = run_bench(settings)
     click.echo(speed_table(results["rows"]))
+    if results["quality_note"]:
+        click.echo(f"no quality metrics: {results['quality_note']}", err=True)
     click.echo(f"wrote results.json, results.md and plots -> {out}", err=True)
 
 

@@ -1,4 +1,9 @@
-"""One-line errors for the command line: what counts as bad input, and how it is reported."""
+"""One-line errors for the command line: what counts as bad input, and how it is reported.
+
+Every error the package raises for bad input derives from :class:`LanternError`; the command
+line turns it into ``error: ...`` on stderr and exit code 2. This module imports no other module
+of the package, so every layer can use it.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,12 @@ import click
 EXIT_BAD_INPUT = 2
 
 
-class UserError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
+class LanternError(Exception):
+    """Bad input, a bad file or an impossible setting: reported as one line, exit code 2."""
+
+
+class UserError(LanternError):
+    """Bad input given on the command line."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -19,37 +28,15 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from lantern_rt.engines.compat import EngineError
-    from lantern_rt.export.bundle import BundleError, ExportError
-    from lantern_rt.models.checkpoint import CheckpointError
-    from lantern_rt.models.config import ConfigError
-    from lantern_rt.runtime.acceptance import AcceptanceError
-    from lantern_rt.runtime.sampling import SamplingError
-    from lantern_rt.runtime.tree import TreeError
-
-    return (
-        UserError,
-        CheckpointError,
-        ConfigError,
-        SamplingError,
-        TreeError,
-        AcceptanceError,
-        BundleError,
-        ExportError,
-        EngineError,
-    )
-
-
 def reports_errors(fn):
-    """Turn the package's input errors into ``error: ...`` on stderr and exit code 2."""
+    """Turn the package's errors into ``error: ...`` on stderr and exit code 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as exc:
-            click.echo(f"error: {exc}", err=True)
+        except LanternError as exc:
+            click.echo(f"error: {first_line(exc)}", err=True)
             sys.exit(EXIT_BAD_INPUT)
 
     return wrapper

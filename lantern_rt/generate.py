@@ -10,79 +10,48 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, Bundle
 from lantern_rt.images import to_uint8
-from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
+from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime import profiling
-from lantern_rt.runtime.acceptance import Relaxation
-from lantern_rt.runtime.backends.base import TargetBackend
+from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     BundleTarget,
     BundleVQDecoder,
     RunnerFactory,
-    bundle_neighbors,
     bundle_trees,
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.tree import load_tree, tree_to_json
-
-METHODS = ("ar", "exact", "lantern", "lantern++")
-
-
-@dataclass(frozen=True)
-class MethodConfig:
-    """A decoding method and its parameters (ignored by ``ar``)."""
-
-    method: str = "ar"
-    tree: str = "naive_extend_57"
-    k: int = 10
-    delta: float = 0.1
-    lam: float = 5.0
-    drafter: str | None = None  # an EAGLE-layout folder overriding the model's drafter
-
-    def relaxation(self) -> Relaxation:
-        if self.method == "lantern":
-            return Relaxation("lantern", k=self.k, delta=self.delta)
-        if self.method == "lantern++":
-            return Relaxation("lantern++", k=self.k, lam=self.lam)
-        return Relaxation("exact")
-
-    def params(self) -> dict[str, Any]:
-        """The parameters that matter for this method, for reports."""
-        if self.method == "ar":
-            return {}
-        extra = {
-            "lantern": {"k": self.k, "delta": self.delta},
-            "lantern++": {"k": self.k, "lambda": self.lam},
-        }
-        return {"tree": self.tree, **extra.get(self.method, {})}
+from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
+from lantern_rt.settings import BACKENDS, MethodConfig
+from lantern_rt.stats import GenerationStats
 
 
 def speculation(
-    md: ModelDir, target: Transformer, mc: MethodConfig, device: str, cuda_graphs: bool = False
-) -> Speculation | None:
-    """Drafter, tree, relaxation and neighbour table for a speculative method (None for ar)."""
-    if mc.method == "ar":
-        return None
-    relax = mc.relaxation()
-    tree = load_tree(mc.tree, max_width=MAX_DRAFT_WIDTH)
-    drafter = load_drafter(md, mc.drafter, device)
-    neighbors = load_neighbors(md, relax.k).to(device) if relax.relaxed else None
-    capacity = drafter_capacity(md.gpt.block_size)
-    return Speculation(TorchDrafter(drafter, target.output, capacity, cuda_graphs), tree, relax, neighbors)
+    drafter: DrafterBackend,
+    tree: StaticTree,
+    method: MethodConfig,
+    neighbors: Callable[[int], torch.Tensor],
+    device: torch.device | str,
+) -> Speculation:
+    """A speculative ``method``'s drafter, tree, acceptance rule and (for the relaxed methods)
+    the first k columns of the neighbour table, read from ``neighbors(k)`` onto ``device``."""
+    relax = method.relaxation()
+    table = neighbors(relax.k).to(device) if relax.relaxed else None
+    return Speculation(drafter, tree, relax, table)
 
 
 def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -122,6 +91,17 @@ def torch_pipeline(
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
+    spec = None
+    if method.method != "ar":
+        drafter = load_drafter(md, method.drafter, device)
+        capacity = drafter_capacity(md.gpt.block_size)
+        spec = speculation(
+            TorchDrafter(drafter, target_model.output, capacity, cuda_graphs),
+            load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
+            method,
+            lambda k: load_neighbors(md, k),
+            device,
+        )
 
     @torch.inference_mode()
     def decode_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -131,7 +111,7 @@ def torch_pipeline(
         info=md,
         backend="torch",
         target=TorchTarget(target_model, cuda_graphs),
-        spec=speculation(md, target_model, method, device, cuda_graphs),
+        spec=spec,
         condition=lambda label: condition_rows(target_model, label),
         decode_codes=decode_codes,
         method=method,
@@ -139,20 +119,17 @@ def torch_pipeline(
     )
 
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
-
-
 def make_pipeline(
-    source: ModelDir | Path,
+    source: ModelDir | Bundle,
     backend: str,
     method: MethodConfig = MethodConfig(),
     device: str = "cpu",
     threads: int = 0,
     cuda_graphs: bool = True,
 ) -> Pipeline:
-    """A pipeline for a model directory (torch) or an exported bundle folder (onnxruntime,
-    tensorrt; a model directory is exported into the cache first). ``cuda_graphs`` applies to
-    torch on a CUDA device and to tensorrt."""
+    """A pipeline for a model directory (torch) or an opened bundle (onnxruntime, tensorrt; a
+    model directory is exported into the cache first, for ``method``'s tree). ``cuda_graphs``
+    applies to torch on a CUDA device and to tensorrt."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "torch":
@@ -171,12 +148,12 @@ def make_pipeline(
                 "a --drafter override runs on the torch backend (bundles hold the model's own "
                 "drafter): add --backend torch"
             )
-        source = cached_bundle(source, method)
+        source = Bundle.open(cached_bundle(source, method))
     if backend == "onnxruntime":
-        return onnxruntime_pipeline(Path(source), method, threads)
+        return onnxruntime_pipeline(source, method, threads)
     from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
 
-    return bundle_pipeline(Path(source), method, trt_runner(source, cuda_graphs=cuda_graphs), "tensorrt")
+    return bundle_pipeline(source, method, trt_runner(source, cuda_graphs=cuda_graphs), "tensorrt")
 
 
 def cache_root() -> Path:
@@ -197,14 +174,11 @@ def model_fingerprint(md: ModelDir) -> str:
 
 
 def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Path:
-    """The bundle of ``md`` for ``method``'s tree, exported on first use into the cache."""
-    from lantern_rt.export.bundle import BUNDLE_VERSION, export_bundle
+    """The bundle of ``md`` for ``method``'s tree, exported on first use into the cache. Every
+    method shares it: AR runs on the one-token step graph every bundle holds."""
+    from lantern_rt.export.bundle import export_bundle
 
-    trees = (
-        []
-        if method.method == "ar" or "drafter" not in md.files
-        else [load_tree(method.tree, MAX_DRAFT_WIDTH)]
-    )
+    trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files else []
     key = hashlib.sha256(
         json.dumps(
             {
@@ -218,49 +192,33 @@ def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Pa
         ).encode()
     ).hexdigest()[:16]
     out = cache_root() / f"{md.name}-{key}"
-    if not (out / "manifest.json").is_file():
+    if not (out / MANIFEST).is_file():
         print(f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr)
         export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True, progress=True)
     return out
 
 
-def bundle_info(bundle: Path, manifest: dict[str, Any]) -> ModelDir:
-    """Names, classes and geometry of a bundle, in the shape the pipeline reports them."""
-    return ModelDir(
-        root=bundle,
-        raw={"name": manifest["model_name"], "sampling_defaults": manifest.get("sampling_defaults", {})},
-        gpt=config_from_dict(GPTConfig, manifest["gpt"]),
-        vq=config_from_dict(VQConfig, manifest["vq"]),
-        files={},
-        image_size=manifest["image_size"],
-        class_names=list(manifest.get("class_names", [])),
-    )
-
-
-def bundle_pipeline(bundle: Path, method: MethodConfig, runner: RunnerFactory, backend: str) -> Pipeline:
+def bundle_pipeline(bundle: Bundle, method: MethodConfig, runner: RunnerFactory, backend: str) -> Pipeline:
     """A bundle run by an engine's graph runners; no torch model is built."""
-    from lantern_rt.export.bundle import load_manifest
-
-    manifest = load_manifest(bundle)
-    info = bundle_info(bundle, manifest)
+    info = bundle.model_info()
     if info.gpt.model_type != "c2i":
         raise ConfigError("the command line runs class-conditional bundles; use the Python API for captions")
     target = BundleTarget(bundle, runner, backend)
     spec = None
     if method.method != "ar":
-        if not manifest["constants"].get("drafter"):
-            raise ConfigError(f"bundle {bundle} has no drafter graphs: re-export a model that has a drafter")
-        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
-        exported = {json.dumps(t["paths"]) for t in manifest.get("trees", {}).values()}
-        if json.dumps(tree_to_json(tree)["paths"]) not in exported:
+        if not bundle.has_drafter:
             raise ConfigError(
-                f"bundle {bundle} was not exported for tree {method.tree}; export it with --tree {method.tree}"
+                f"bundle {bundle.path} has no drafter graphs: re-export a model that has a drafter"
             )
-        relax = method.relaxation()
-        neighbors = bundle_neighbors(bundle, relax.k).to(target.cache.k.device) if relax.relaxed else None
-        spec = Speculation(BundleDrafter(bundle, runner, backend), tree, relax, neighbors)
+        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
+        if tree.paths not in {t.paths for t in bundle.trees.values()}:
+            raise ConfigError(
+                f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
+            )
+        drafter = BundleDrafter(bundle, runner, backend)
+        spec = speculation(drafter, tree, method, bundle.neighbors, target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
-    null = info.gpt.num_classes
+    null = bundle.constants.null_class_id
     return Pipeline(
         info=info,
         backend=backend,
@@ -273,7 +231,7 @@ def bundle_pipeline(bundle: Path, method: MethodConfig, runner: RunnerFactory, b
     )
 
 
-def onnxruntime_pipeline(bundle: Path, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
+def onnxruntime_pipeline(bundle: Bundle, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
     """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu)."""
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 
@@ -285,7 +243,7 @@ class Generation:
     labels: list[int]
     tokens: torch.Tensor  # [N, T] int64
     images: np.ndarray  # [N, H, W, C] uint8
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: GenerationStats
 
 
 def generate(
@@ -332,31 +290,20 @@ def generate(
                 if len(tokens)
                 else np.zeros((0, md.image_size, md.image_size, md.vq.out_channels), np.uint8)
             )
-    calls = len(accepted)
-    stats = {
-        "model": md.name,
-        "method": method.method,
-        "params": method.params(),
-        "tree": tree_to_json(spec.tree) if spec else None,
-        "backend": pipe.backend,
-        "device": pipe.device,
-        "num_images": len(labels),
-        "tokens_per_image": n_tokens,
-        "target_calls": calls + len(labels),
-        "verify_calls": calls,
-        "mean_accepted_length": (sum(accepted) / calls) if calls else 0.0,
-        "accepted_length_histogram": {str(n): accepted.count(n) for n in sorted(set(accepted))},
-        "decode_seconds": sum(per_image),
-        "seconds_per_image": per_image,
-        "vq_decode_seconds": time.perf_counter() - t_vq,
-        "total_seconds": time.perf_counter() - t_start,
-        "seed": seed,
-        "sampling": {
-            "cfg_scale": sampling.cfg_scale,
-            "temperature": sampling.temperature,
-            "top_k": sampling.top_k,
-            "top_p": sampling.top_p,
-        },
-        "labels": labels,
-    }
+    stats = GenerationStats(
+        model=md.name,
+        method=method.method,
+        params=method.params(),
+        tree=tree_to_json(spec.tree) if spec else None,
+        backend=pipe.backend,
+        device=pipe.device,
+        tokens_per_image=n_tokens,
+        accepted=accepted,
+        seconds_per_image=per_image,
+        vq_decode_seconds=time.perf_counter() - t_vq,
+        total_seconds=time.perf_counter() - t_start,
+        seed=seed,
+        sampling=sampling,
+        labels=labels,
+    )
     return Generation(labels, tokens, images, stats)

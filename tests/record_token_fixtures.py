@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from token_fixture_cases import CASES, FIXTURE, LABELS, SEED, TREE, method_config, sampling  # noqa: E402
 
+from lantern_rt.bundle import Bundle
 from lantern_rt.export.bundle import export_bundle  # noqa: E402
 from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline  # noqa: E402
 from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir  # noqa: E402
@@ -32,10 +33,14 @@ def main() -> None:
         arrays = {}
         for backend, method, mode in CASES:
             mc = method_config(method)
-            pipe = torch_pipeline(md, mc) if backend == "torch" else onnxruntime_pipeline(bundle, mc, threads=1)
+            pipe = (
+                torch_pipeline(md, mc)
+                if backend == "torch"
+                else onnxruntime_pipeline(Bundle.open(bundle), mc, threads=1)
+            )
             result = generate(pipe, LABELS, sampling(mode), seed=SEED, progress=False)
             arrays[f"{backend}/{method}/{mode}"] = result.tokens.numpy()
-            print(backend, method, mode, result.stats["mean_accepted_length"])
+            print(backend, method, mode, result.stats.mean_accepted_length)
     np.savez_compressed(FIXTURE, **arrays)
     print(f"wrote {FIXTURE}")
 

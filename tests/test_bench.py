@@ -27,12 +27,14 @@ from lantern_rt.eval.bench import (
 )
 from lantern_rt.eval.classifier import FashionClassifier
 from lantern_rt.eval.report import markdown_table, nice_ticks, row_label, speed_table
-from lantern_rt.generate import Generation, MethodConfig
+from lantern_rt.generate import Generation
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.config import ConfigError, VQConfig
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.settings import MethodConfig
+from lantern_rt.stats import GenerationStats
 from tests.conftest import TINY_VQ, randomize, tiny_gpt, tiny_vq, write_model_dir
 
 PLOTS = ("quality_vs_speedup.png", "accepted_lengths.png")
@@ -58,6 +60,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_with_drafter(tmp_path_factory.mktemp("bench") / "tiny", tiny_vq())
 
 
+T = "naive_extend_57"  # the tree a config gets when it names none
+
+
 # --- config specs --------------------------------------------------------------------------
 
 
@@ -66,9 +71,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         ("ar", MethodConfig("ar")),
         ("exact:tree=chain-3", MethodConfig("exact", tree="chain-3")),
-        ("lantern", MethodConfig("lantern", k=1000, delta=0.1)),
-        ("lantern:k=20,delta=0.05", MethodConfig("lantern", k=20, delta=0.05)),
-        ("lantern++", MethodConfig("lantern++", k=10, lam=5.0)),
+        ("lantern", MethodConfig("lantern", tree=T, k=1000, delta=0.1)),
+        ("lantern:k=20,delta=0.05", MethodConfig("lantern", tree=T, k=20, delta=0.05)),
+        ("lantern++", MethodConfig("lantern++", tree=T, k=10, lam=5.0)),
         (
             " lantern++: k=5 , lambda=20, tree=mc_sim_7b_63",
             MethodConfig("lantern++", "mc_sim_7b_63", 5, lam=20.0),
@@ -76,7 +81,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_good_specs(spec, expected):
-    assert method_config(spec, "naive_extend_57") == expected
+    assert method_config(spec, T) == expected
 
 
 @pytest.mark.parametrize(
@@ -112,7 +117,7 @@ def test_configs_cross_trees_ar_first_without_repeats():
         ["exact", "ar", "lantern++:tree=chain-2", "exact:tree=chain-3"], ["chain-3", "chain-4"]
     )
     assert configs == [
-        MethodConfig("ar"),
+        MethodConfig("ar", tree="chain-3"),  # on the first tree's bundle, listed once
         MethodConfig("exact", tree="chain-3"),
         MethodConfig("exact", tree="chain-4"),
         MethodConfig("lantern++", tree="chain-2"),
@@ -135,11 +140,27 @@ def test_run_is_image_major_with_warmup_first():
 
     def fake_generate(pipe, labels, sampling, seed, progress, start_index):
         calls.append((pipe.name, start_index, labels))
-        stats = {"decode_seconds": 0.1, "total_seconds": 0.2, "accepted_length_histogram": {"1": 3}}
+        stats = GenerationStats(
+            model="m",
+            method="ar",
+            params={},
+            tree=None,
+            backend="torch",
+            device="cpu",
+            tokens_per_image=4,
+            accepted=[1, 1, 1],
+            seconds_per_image=[0.1],
+            vq_decode_seconds=0.0,
+            total_seconds=0.2,
+            seed=seed,
+            sampling=sampling,
+            labels=labels,
+        )
         return Generation(labels, torch.zeros(1, 4), np.zeros((1, 2, 2, 1), np.uint8), stats)
 
     pipes = [SimpleNamespace(name=n, backend="torch", method=MethodConfig()) for n in "abc"]
-    runs = run_interleaved(pipes, [7, 8], SamplingConfig(), seed=0, warmup=1, generate_fn=fake_generate)
+    sampling = SamplingConfig(cfg_scale=3.0)
+    runs = run_interleaved(pipes, [7, 8], sampling, seed=0, warmup=1, generate_fn=fake_generate)
     warm = [(n, 2, [7]) for n in "abc"]
     timed = [(n, i, [label]) for i, label in enumerate([7, 8]) for n in "abc"]
     assert calls == warm + timed
@@ -147,7 +168,7 @@ def test_run_is_image_major_with_warmup_first():
 
 
 def test_pure_numbers():
-    assert mean_accepted_length({"1": 2, "3": 2}) == 2.0 and mean_accepted_length({}) == 0.0
+    assert mean_accepted_length({1: 2, 3: 2}) == 2.0 and mean_accepted_length({}) == 0.0
     rows = [
         {"method": "ar", "backend": "torch", "seconds_per_image_all": [4.0, 2.0, 3.0]},
         {"method": "exact", "backend": "torch", "seconds_per_image_all": [1.0, 2.0]},
@@ -186,19 +207,17 @@ def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
             statistics.median(ar["seconds_per_image_all"]) / statistics.median(times)
         )
         assert row["mean_accepted_length"] == pytest.approx(
-            mean_accepted_length(row["accepted_length_histogram"])
+            mean_accepted_length({int(n): c for n, c in row["accepted_length_histogram"].items()})
         )
         assert row["fd_classifier"] is None and "--no-quality" in row["quality_note"]
         assert row["peak_memory_mb"] > 0
-    assert rows[1]["params"] == {"tree": "naive_extend_57", "k": 5, "lambda": 10.0}
+    assert rows[1]["params"] == {"tree": "chain-5", "k": 5, "lambda": 10.0}  # generate's CPU default
     # every committed token is counted: 15 per image after the prefill's
     hist = rows[1]["accepted_length_histogram"]
     assert sum(int(n) * c for n, c in hist.items()) == 4 * 15
     md = (out / "results.md").read_text()
     assert all(line in md for line in speed_table(rows).splitlines())
-    assert (
-        md.count("| ar |") == 1 and md.count("| lantern++ | k=5 lambda=10 | naive_extend_57 | torch |") == 1
-    )
+    assert md.count("| ar |") == 1 and md.count("| lantern++ | k=5 lambda=10 | chain-5 | torch |") == 1
     for name in PLOTS:
         with Image.open(out / name) as img:
             img.load()

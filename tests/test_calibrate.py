@@ -12,10 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.bundle import Bundle
 from lantern_rt.calibration.calibrate import MAX_SAMPLES_PER_GRAPH, Recorder, qdq_problems, spread_labels
 from lantern_rt.cli import main
-from lantern_rt.export.bundle import load_manifest, sha256
 from lantern_rt.export.checks import check_graph
+from lantern_rt.fileio import sha256
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle
@@ -49,9 +50,10 @@ def calibrated(fp32) -> tuple[Path, dict, str]:
     return out, json.loads(report.read_text()), result.stdout
 
 
-def quantized_graphs(bundle: Path) -> dict[str, Path]:
-    graphs = load_manifest(bundle)["graphs"]
-    return {name: bundle / g["file"] for name, g in graphs.items() if g["precision"] == "int8"}
+def quantized_graphs(path: Path) -> dict[str, Path]:
+    bundle = Bundle.open(path)
+    graphs = bundle.manifest()["graphs"]
+    return {name: bundle.file(bundle.graph(name)) for name, g in graphs.items() if g["precision"] == "int8"}
 
 
 def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
@@ -83,18 +85,18 @@ def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
 
 def test_the_int8_bundle_is_complete(fp32, calibrated):
     out, _, _ = calibrated
-    want, got = load_manifest(fp32), load_manifest(out)  # hashes and graph I/O verified
-    assert got["dtype"] == "int8" and got["calibration"]["method"] == "lantern++"
+    want, got = Bundle.open(fp32), Bundle.open(out)  # hashes and graph I/O verified
+    raw = got.manifest()
+    assert got.dtype == "int8" and raw["calibration"]["method"] == "lantern++"
     for key in ("constants", "trees", "gpt", "vq", "sampling_defaults", "bundle_version"):
-        assert got[key] == want[key]
-    assert set(got["files"]) == set(want["files"])
-    assert got["graphs"]["vq_decode"]["precision"] == "fp32"
-    assert sha256(out / "vq_decode.onnx") == want["files"]["vq_decode.onnx"]
-    for name, entry in got["graphs"].items():
-        assert (entry["inputs"], entry["outputs"]) == (
-            want["graphs"][name]["inputs"],
-            want["graphs"][name]["outputs"],
-        )
+        assert raw[key] == want.manifest()[key]
+    assert raw["calibration"]["source_manifest_sha256"] == want.manifest_sha256
+    assert set(got.files) == set(want.files)
+    assert raw["graphs"]["vq_decode"]["precision"] == "fp32"
+    assert sha256(out / "vq_decode.onnx") == want.files["vq_decode.onnx"]
+    assert set(got.graphs) == set(want.graphs)
+    for name, entry in got.graphs.items():
+        assert (entry.inputs, entry.outputs) == (want.graphs[name].inputs, want.graphs[name].outputs)
 
 
 def test_int8_tokens_agree_with_fp32(calibrated):
@@ -116,7 +118,7 @@ def test_int8_tokens_agree_with_fp32(calibrated):
 
 def test_calibration_used_recorded_inputs(calibrated):
     _, report, _ = calibrated
-    calls = load_manifest(Path(report["int8"]))["calibration"]["calls"]
+    calls = Bundle.open(report["int8"]).manifest()["calibration"]["calls"]
     for name, graph in report["graphs"].items():
         assert 0 < graph["samples"] <= min(MAX_SAMPLES_PER_GRAPH, graph["calls"]), name
         assert calls[name] == graph["calls"]
@@ -125,9 +127,9 @@ def test_calibration_used_recorded_inputs(calibrated):
 
 
 def test_recorder_keeps_a_bounded_uniform_sample_of_copies(fp32):
-    entry = load_manifest(fp32)["graphs"]["target_prefill"]
+    bundle = Bundle.open(fp32)
     recorder = Recorder(ort_runner(1, ["CPUExecutionProvider"]), limit=3)
-    graph = recorder(fp32, entry)
+    graph = recorder(bundle, bundle.graph("target_prefill"))
     cond = torch.tensor([0, 5])
     for i in range(10):
         cond[0] = i % 5

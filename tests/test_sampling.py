@@ -59,7 +59,7 @@ SETTINGS = [
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
 def test_filter_matches_the_sort_and_scatter_reference(temperature, top_k, top_p):
     logits = 3.0 * torch.randn(6, 64, generator=torch.Generator().manual_seed(top_k))
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    cfg = SamplingConfig(cfg_scale=3.0, temperature=temperature, top_k=top_k, top_p=top_p)
     _, t, k, p = filter_inputs(cfg, torch.device("cpu"))
     want = reference_filter(logits, temperature, top_k, top_p)
     got = filter_logits(logits, t, k, p, 64)
@@ -72,13 +72,13 @@ def test_filter_matches_the_sort_and_scatter_reference(temperature, top_k, top_p
 
 
 def test_sort_width_limits_are_one_line_errors():
-    check_sort_width(SamplingConfig(top_k=2000, top_p=0.9), 16384, 3840)  # LlamaGen's settings fit
-    check_sort_width(SamplingConfig(top_p=0.9), 1024, 1024)  # the whole vocabulary is sorted
-    check_sort_width(SamplingConfig(temperature=0.0, top_p=0.5), 16384, 3840)  # greedy: no filter
+    check_sort_width(SamplingConfig(3.0, top_k=2000, top_p=0.9), 16384, 3840)  # LlamaGen's settings fit
+    check_sort_width(SamplingConfig(3.0, top_p=0.9), 1024, 1024)  # the whole vocabulary is sorted
+    check_sort_width(SamplingConfig(3.0, temperature=0.0, top_p=0.5), 16384, 3840)  # greedy: no filter
     with pytest.raises(SamplingError, match="top-k 5000 is above 3840"):
-        check_sort_width(SamplingConfig(top_k=5000), 16384, 3840)
+        check_sort_width(SamplingConfig(3.0, top_k=5000), 16384, 3840)
     with pytest.raises(SamplingError, match="needs a top-k of at most 3840"):
-        check_sort_width(SamplingConfig(top_p=0.9), 16384, 3840)
+        check_sort_width(SamplingConfig(3.0, top_p=0.9), 16384, 3840)
 
 
 def test_cfg_mix_is_uncond_plus_scale_times_the_difference():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.bundle import DTYPES, MANIFEST, Bundle, BundleError, GraphEntry, IOSpec
 from lantern_rt.cli import main
 from lantern_rt.engines import compat, plans
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable
@@ -30,7 +31,7 @@ from lantern_rt.engines.plans import (
     plan_record,
     write_engines_json,
 )
-from lantern_rt.export.bundle import MANIFEST, BundleError, load_manifest, sha256
+from lantern_rt.fileio import sha256
 from lantern_rt.runtime.backends.bundle_graphs import bound_by_pointer
 from lantern_rt.runtime.backends.tensorrt_backend import io_problems, trt_runner
 from tests.test_export import shared_bundle
@@ -41,9 +42,9 @@ HINT = "pip install tensorrt --extra-index-url https://pypi.nvidia.com"
 
 
 @pytest.fixture
-def bundle(tmp_path_factory, tmp_path) -> Path:
-    """A private copy of the tiny fp32 bundle (tests write engines into it)."""
-    return Path(shutil.copytree(shared_bundle(tmp_path_factory, "c2i-fp32"), tmp_path / "bundle"))
+def bundle(tmp_path_factory, tmp_path) -> Bundle:
+    """A private copy of the tiny fp32 bundle, opened (tests write engines into it)."""
+    return Bundle.open(shutil.copytree(shared_bundle(tmp_path_factory, "c2i-fp32"), tmp_path / "bundle"))
 
 
 @pytest.fixture
@@ -52,13 +53,13 @@ def no_tensorrt(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
 
 
-def fake_plans(bundle: Path, key: dict, manifest_sha: str | None = None) -> Path:
+def fake_plans(bundle: Bundle, key: dict, manifest_sha: str | None = None) -> Path:
     """A plan set as build_engines writes one, with made-up plan bytes."""
     folder = plans.engines_folder(bundle, key)
     folder.mkdir(parents=True)
-    manifest_sha = manifest_sha or sha256(bundle / MANIFEST)
+    manifest_sha = manifest_sha or sha256(bundle.path / MANIFEST)
     records = []
-    for graph in load_manifest(bundle)["graphs"]:
+    for graph in bundle.graphs:
         (folder / f"{graph}.plan").write_bytes(f"plan of {graph}".encode())
         records.append(
             plan_record(graph, f"{graph}.plan", sha256(folder / f"{graph}.plan"), key, manifest_sha)
@@ -124,10 +125,12 @@ def test_check_plans_wants_every_graph_and_refuses_any_mismatch():
 
 
 def test_precision_comes_from_the_bundle(bundle):
-    assert plans.bundle_precision(load_manifest(bundle)) == "fp32"
-    assert plans.bundle_precision({"dtype": "int8"}) == "int8"  # a calibrated (Q/DQ) bundle
-    with pytest.raises(EngineError, match="dtype 'bf16' is none of"):
-        plans.bundle_precision({"dtype": "bf16"})
+    assert bundle.dtype == "fp32" and plans.choose_precision(bundle.dtype, None) == "fp32"
+    assert DTYPES == compat.PRECISIONS  # every dtype a bundle opens with (int8: Q/DQ) has engines
+    manifest = json.loads((bundle.path / MANIFEST).read_text())
+    (bundle.path / MANIFEST).write_text(json.dumps({**manifest, "dtype": "bf16"}))
+    with pytest.raises(BundleError, match="dtype 'bf16' is none of fp32, fp16, int8"):
+        Bundle.open(bundle.path)  # a bundle of another precision never opens
     assert choose_precision("fp32", None) == "fp32" and choose_precision("int8", "int8") == "int8"
     with pytest.raises(EngineError, match="graphs are fp32.*--dtype fp16"):
         choose_precision("fp32", "fp16")
@@ -189,17 +192,18 @@ def test_parser_errors_read_as_lines():
 
 
 def test_engines_round_trip_and_manifest_ignores_them(bundle):
-    before = load_manifest(bundle)
+    before = bundle.manifest()
     key = engine_key(ORIN, "10.3.0.30", "fp32")
     folder = fake_plans(bundle, key)
-    assert folder == bundle / "engines" / "orin-nvgpu-sm87-trt10.3.0.30-fp32"
+    assert folder == bundle.path / "engines" / "orin-nvgpu-sm87-trt10.3.0.30-fp32"
     found = find_engines(bundle, key)
-    assert set(found) == set(before["graphs"]) and all(p.parent == folder for p in found.values())
+    assert set(found) == set(bundle.graphs) and all(p.parent == folder for p in found.values())
     assert found["target_prefill"].read_bytes() == b"plan of target_prefill"
-    assert load_manifest(bundle) == before  # the engines/ subfolder is not part of the bundle
-    (bundle / "vq_decode.onnx").write_bytes(b"tampered")
+    reopened = Bundle.open(bundle.path)  # the engines/ subfolder is not part of the bundle
+    assert reopened.manifest() == before and reopened.manifest_sha256 == bundle.manifest_sha256
+    (bundle.path / "vq_decode.onnx").write_bytes(b"tampered")
     with pytest.raises(BundleError, match="vq_decode.onnx does not match its sha256"):
-        load_manifest(bundle)  # and top-level files are still checked
+        Bundle.open(bundle.path)  # and top-level files are still checked
 
 
 def test_a_modified_plan_is_refused(bundle):
@@ -231,7 +235,7 @@ def test_plans_of_another_machine_are_refused(bundle, built, reason):
         find_engines(bundle, key)
     message = str(err.value)
     assert "no TensorRT engines for Orin (nvgpu)" in message and reason in message
-    assert f"lantern build-engines {bundle}" in message
+    assert f"lantern build-engines {bundle.path}" in message
     other.rename(plans.engines_folder(bundle, key))  # copied under this machine's name
     with pytest.raises(EngineError, match=reason):
         find_engines(bundle, key)
@@ -325,46 +329,47 @@ def test_build_writes_a_checked_plan_set(bundle, fake_gpu, monkeypatch, tmp_path
     folder = plans.build_engines(bundle, workspace_mb=512, timing_cache=cache)
     key = engine_key(ORIN, "10.3.0.30", "fp32")
     assert folder == plans.engines_folder(bundle, key)
-    graphs = load_manifest(bundle)["graphs"]
     found = find_engines(bundle, key)
     assert {g: p.read_bytes() for g, p in found.items()} == {
-        g: f"plan of {e['file']}".encode() for g, e in graphs.items()
+        g: f"plan of {e.file}".encode() for g, e in bundle.graphs.items()
     }
     assert ("network", (1 << 5) | 1) in trt.calls  # strongly typed
     assert not [c for c in trt.calls if c[0] == "flag"]  # no precision flags
     assert ("workspace", "workspace", 512 << 20) in trt.calls
     assert cache.read_bytes() == b"timing:"
-    assert [p.name for p in (bundle / "engines").iterdir()] == [folder.name]  # no temporary left
+    assert [p.name for p in (bundle.path / "engines").iterdir()] == [folder.name]  # no temporary left
     entries = json.loads((folder / "engines.json").read_text())["plans"]
-    assert {e["graph"] for e in entries} == set(graphs)
-    assert all(e["bundle_manifest_sha256"] == sha256(bundle / MANIFEST) for e in entries)
+    assert {e["graph"] for e in entries} == set(bundle.graphs)
+    assert all(e["bundle_manifest_sha256"] == sha256(bundle.path / MANIFEST) for e in entries)
     plans.build_engines(bundle)  # a rebuild replaces the set
-    assert [p.name for p in (bundle / "engines").iterdir()] == [folder.name]
+    assert [p.name for p in (bundle.path / "engines").iterdir()] == [folder.name]
 
 
 def test_tensorrt_parses_drafting_graphs_without_their_ifs(tmp_path_factory, tmp_path, fake_gpu, monkeypatch):
     """An If keeps TensorRT from capturing a CUDA graph: the parser gets each drafting graph with
     its Ifs replaced by their then-branches (an equal graph: see test_ort_speculative)."""
-    bundle = Path(shutil.copytree(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"), tmp_path / "bundle"))
-    drafting = load_manifest(bundle)["graphs"]["draft_tree_0"]["file"]
-    assert has_conditionals(onnx.load(str(bundle / drafting), load_external_data=False).graph)
+    bundle = Bundle.open(
+        shutil.copytree(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"), tmp_path / "bundle")
+    )
+    drafting = bundle.file(bundle.graph("draft_tree_0"))
+    assert has_conditionals(onnx.load(str(drafting), load_external_data=False).graph)
     trt = FakeTensorRT()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     plans.build_engines(bundle)
     parsed = {call[1]: call[2] for call in trt.calls if call[0] == "parsed"}
-    assert parsed == {entry["file"]: False for entry in load_manifest(bundle)["graphs"].values()}
+    assert parsed == {entry.file: False for entry in bundle.graphs.values()}
 
 
 def test_a_failed_build_leaves_nothing_and_lists_every_parser_error(bundle, fake_gpu, monkeypatch):
     reject = {"target_step_1.onnx": ["ScatterND: reduction unsupported", "Gather: int64 index"]}
     monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT(reject))
-    before = files_of(bundle)
+    before = files_of(bundle.path)
     with pytest.raises(EngineError) as err:
         plans.build_engines(bundle)
     message = str(err.value)
     assert "rejected target_step_1.onnx (2 errors)" in message
     assert "(1) node 0: ScatterND: reduction unsupported; (2) node 1: Gather: int64 index" in message
-    assert files_of(bundle) == before and not (bundle / "engines").exists()
+    assert files_of(bundle.path) == before and not bundle.engines_dir.exists()
 
 
 def test_build_refuses_another_precision_before_tensorrt(bundle, no_tensorrt):
@@ -372,7 +377,7 @@ def test_build_refuses_another_precision_before_tensorrt(bundle, no_tensorrt):
         plans.build_engines(bundle, precision="int8")
     with pytest.raises(TensorRTUnavailable):
         plans.build_engines(bundle)
-    assert not (bundle / "engines").exists()
+    assert not bundle.engines_dir.exists()
 
 
 # the command line and the runner without TensorRT ------------------------------------------
@@ -391,17 +396,17 @@ def one_error_line(r) -> str:
 
 
 def test_build_engines_without_tensorrt_exits_2_with_the_hint(bundle, no_tensorrt):
-    before = files_of(bundle)
-    assert HINT in one_error_line(build_cmd(str(bundle), "--workspace-mb", "256"))
-    assert files_of(bundle) == before and not (bundle / "engines").exists()
+    before = files_of(bundle.path)
+    assert HINT in one_error_line(build_cmd(str(bundle.path), "--workspace-mb", "256"))
+    assert files_of(bundle.path) == before and not bundle.engines_dir.exists()
 
 
 def test_build_engines_checks_its_input_first(bundle, tmp_path, no_tensorrt):
     assert "not a lantern-rt bundle" in one_error_line(build_cmd(str(tmp_path / "nope")))
-    assert "graphs are fp32" in one_error_line(build_cmd(str(bundle), "--precision", "fp16"))
-    r = build_cmd(str(bundle), "--workspace-mb", "0")
+    assert "graphs are fp32" in one_error_line(build_cmd(str(bundle.path), "--precision", "fp16"))
+    r = build_cmd(str(bundle.path), "--workspace-mb", "0")
     assert r.exit_code == 2 and "--workspace-mb" in r.stderr  # click's own usage error
-    assert not (bundle / "engines").exists()
+    assert not bundle.engines_dir.exists()
 
 
 def test_trt_runner_without_tensorrt_fails_cleanly(bundle, no_tensorrt):
@@ -419,13 +424,12 @@ def test_importing_the_backend_imports_no_tensorrt():
 
 
 def test_runner_helpers():
-    entry = {
-        "inputs": [
-            {"name": "tokens", "shape": [1], "dtype": "int64"},
-            {"name": "past_k_0", "shape": [2], "dtype": "float16"},
-        ],
-        "outputs": [{"name": "logits", "shape": [2, 4], "dtype": "float32"}],
-    }
+    entry = GraphEntry(
+        "target_step_1",
+        "target_step_1.onnx",
+        inputs=(IOSpec("tokens", (1,), "int64"), IOSpec("past_k_0", (2,), "float16")),
+        outputs=(IOSpec("logits", (2, 4), "float32"),),
+    )
     io = {
         "tokens": {"input": True, "shape": [1], "dtype": "int64"},
         "past_k_0": {"input": True, "shape": [2], "dtype": "float16"},
@@ -436,7 +440,7 @@ def test_runner_helpers():
     assert io_problems({k: v for k, v in io.items() if k != "tokens"}, entry) == [
         "the plan has no tensor tokens"
     ]
-    assert [bound_by_pointer(s) for s in entry["inputs"]] == [False, True]
+    assert [bound_by_pointer(s) for s in entry.inputs] == [False, True]
 
 
 # real TensorRT on a GPU ----------------------------------------------------------------------
@@ -451,14 +455,14 @@ def test_trt_graphs_match_onnxruntime(bundle):
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 
     plans.build_engines(bundle, workspace_mb=256)
-    entry = load_manifest(bundle)["graphs"]["target_step_1"]
+    entry = bundle.graph("target_step_1")
     trt_graph = trt_runner(bundle)(bundle, entry)
     ort_graph = ort_runner(threads=1, providers=["CPUExecutionProvider"])(bundle, entry)
     g = torch.Generator().manual_seed(0)
-    cache = [torch.randn(s["shape"], generator=g) for s in entry["inputs"] if bound_by_pointer(s)]
+    cache = [torch.randn(s.shape, generator=g) for s in entry.inputs if bound_by_pointer(s)]
     cuda_cache = [c.cuda() for c in cache]
     for step in range(3):  # plain run and capture, then replays with new small inputs
-        capacity = entry["inputs"][2]["shape"][-1]
+        capacity = entry.inputs[2].shape[-1]
         small = [
             torch.tensor([step + 1]),
             torch.tensor([step]),

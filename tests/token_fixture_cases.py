@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lantern_rt.generate import MethodConfig
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.settings import MethodConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "demo_tokens.npz"
 TREE = "chain-3"

@@ -4,20 +4,18 @@
 :data:`RunnerFactory` (the decode loop is unchanged), quantizes the target and drafter graphs with
 onnxruntime's static QDQ quantizer (symmetric int8, zero points 0, per-channel weight scales, only
 the weight MatMul/Gemm inputs: attention products, softmax and the VQ decoder stay fp32), writes
-the new bundle like :func:`export_bundle` does, and compares it with the fp32 bundle: accuracy
-with the Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime
-sessions.
+the new bundle as the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
+:func:`~lantern_rt.bundle.write_manifest`), and compares it with the fp32 bundle: accuracy with the
+Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime sessions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 import logging
 import random
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,58 +26,56 @@ import onnxruntime as ort
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 from torch import Tensor
 
+from lantern_rt.bundle import VQ_DECODE_GRAPH, Bundle, GraphEntry, io_specs, staged_bundle, write_manifest
 from lantern_rt.engines.conditionals import has_conditionals
-from lantern_rt.export.bundle import MANIFEST, ExportError, _move_into_place, load_manifest, sha256
-from lantern_rt.export.checks import check_graph, io_specs, node_subgraphs
-from lantern_rt.generate import MethodConfig, Pipeline, bundle_pipeline, generate
-from lantern_rt.runtime.backends.bundle_graphs import (
-    BundleDrafter,
-    GraphRunner,
-    RunnerFactory,
-    bundle_neighbors,
-    bundle_trees,
-)
+from lantern_rt.errors import LanternError
+from lantern_rt.export.checks import check_graph, node_subgraphs
+from lantern_rt.generate import Pipeline, bundle_pipeline, generate, speculation
+from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, GraphRunner, RunnerFactory, bundle_trees
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
-from lantern_rt.runtime.decode import Speculation
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.settings import MethodConfig, default_cfg_scale
+from lantern_rt.stats import GenerationStats
 
-UNQUANTIZED = ("vq_decode",)  # convolutions run once per image; kept fp32
+UNQUANTIZED = (VQ_DECODE_GRAPH,)  # convolutions run once per image; kept fp32
 QUANTIZED_OPS = ("MatMul", "Gemm")
 MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
-class CalibrationError(ExportError):
+class CalibrationError(LanternError, ValueError):
     """The bundle cannot be calibrated, or a quantized graph breaks a rule."""
 
 
 class Recorder:
     """Wraps a :data:`RunnerFactory`; keeps copies of at most ``limit`` calls per graph, drawn
-    uniformly from all its calls (reservoir sampling), as numpy arrays keyed by input name."""
+    uniformly from all its calls (reservoir sampling), as numpy arrays keyed by input name, in
+    :attr:`samples` by graph name."""
 
     def __init__(self, inner: RunnerFactory, limit: int = MAX_SAMPLES_PER_GRAPH, seed: int = 0):
         self.inner, self.limit, self._rng = inner, limit, random.Random(seed)
         self.samples: dict[str, list[dict[str, np.ndarray]]] = {}
         self.calls: dict[str, int] = {}
 
-    def __call__(self, bundle: Path, entry: dict[str, Any]) -> GraphRunner:
-        name, runner = Path(entry["file"]).stem, self.inner(bundle, entry)
-        if name in UNQUANTIZED:
+    def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
+        runner = self.inner(bundle, entry)
+        if entry.name in UNQUANTIZED:
             return runner
-        self.samples.setdefault(name, [])
-        self.calls.setdefault(name, 0)
-        return _RecordingRunner(self, name, entry, runner)
+        self.samples.setdefault(entry.name, [])
+        self.calls.setdefault(entry.name, 0)
+        return _RecordingRunner(self, entry, runner)
 
-    def offer(self, name: str, entry: dict[str, Any], args: tuple[Tensor, ...]) -> None:
+    def offer(self, entry: GraphEntry, args: tuple[Tensor, ...]) -> None:
         """Keep this call's inputs with the probability that keeps the sample uniform."""
+        name = entry.name
         seen, kept = self.calls[name], self.samples[name]
         self.calls[name] = seen + 1
         slot = seen if seen < self.limit else self._rng.randrange(seen + 1)
         if slot >= self.limit:
             return
         record = {
-            spec["name"]: arg.detach().cpu().numpy().astype(spec["dtype"], copy=True)
-            for spec, arg in zip(entry["inputs"], args, strict=True)
+            spec.name: arg.detach().cpu().numpy().astype(spec.dtype, copy=True)
+            for spec, arg in zip(entry.inputs, args, strict=True)
         }
         if slot < len(kept):
             kept[slot] = record
@@ -90,12 +86,12 @@ class Recorder:
 class _RecordingRunner:
     """A graph runner that offers every call's inputs to its :class:`Recorder`."""
 
-    def __init__(self, recorder: Recorder, name: str, entry: dict[str, Any], inner: GraphRunner):
-        self.recorder, self.name, self.entry, self.inner = recorder, name, entry, inner
+    def __init__(self, recorder: Recorder, entry: GraphEntry, inner: GraphRunner):
+        self.recorder, self.entry, self.inner = recorder, entry, inner
         self.device = inner.device
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        self.recorder.offer(self.name, self.entry, args)
+        self.recorder.offer(self.entry, args)
         return self.inner(*args)
 
 
@@ -114,21 +110,19 @@ def spread_labels(count: int, num_classes: int) -> list[int]:
     return [i * num_classes // count if count < num_classes else i % num_classes for i in range(count)]
 
 
-def pipelines(bundle: Path, method: MethodConfig, runner: RunnerFactory) -> dict[str, Pipeline]:
+def pipelines(bundle: Bundle, method: MethodConfig, runner: RunnerFactory) -> dict[str, Pipeline]:
     """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle, all on one
     set of graph runners."""
     ar = bundle_pipeline(bundle, MethodConfig("ar"), runner, "onnxruntime")
     if method.method == "ar":
         return {"ar": ar}
-    if not load_manifest(bundle)["constants"]["drafter"]:
-        raise CalibrationError(f"{bundle} has no drafter graphs: use method ar")
-    relax = method.relaxation()
-    neighbors = bundle_neighbors(bundle, relax.k) if relax.relaxed else None
+    if not bundle.has_drafter:
+        raise CalibrationError(f"{bundle.path} has no drafter graphs: use method ar")
     drafter = BundleDrafter(bundle, runner, "onnxruntime")
     return {
         name: dataclasses.replace(
             ar,
-            spec=Speculation(drafter, tree, relax, neighbors),
+            spec=speculation(drafter, tree, method, bundle.neighbors, ar.device),
             method=dataclasses.replace(method, tree=name),
         )
         for name, tree in bundle_trees(bundle).items()
@@ -136,14 +130,18 @@ def pipelines(bundle: Path, method: MethodConfig, runner: RunnerFactory) -> dict
 
 
 def record_inputs(
-    bundle: Path, samples: int, method: MethodConfig, seed: int = 0, threads: int = 0, progress: bool = False
+    bundle: Bundle,
+    samples: int,
+    method: MethodConfig,
+    seed: int = 0,
+    threads: int = 0,
+    progress: bool = False,
 ) -> Recorder:
     """Generate ``samples`` images (sampling, the model's CFG scale) with every pipeline of
     :func:`pipelines` through a :class:`Recorder`; every graph but the VQ decoder must see calls."""
-    manifest = load_manifest(bundle)
     recorder = Recorder(ort_runner(threads, [CPU]), seed=seed)
-    sampling = SamplingConfig(cfg_scale=manifest["sampling_defaults"].get("cfg_scale", 4.0))
-    labels = spread_labels(samples, manifest["gpt"]["num_classes"])
+    sampling = SamplingConfig(cfg_scale=default_cfg_scale(bundle.model_info()))
+    labels = spread_labels(samples, bundle.gpt.num_classes)
     for i, pipe in enumerate(pipelines(bundle, method, recorder).values()):
         generate(pipe, labels, sampling, seed=seed, progress=progress, start_index=i * samples)
     missing = [name for name, calls in recorder.calls.items() if not calls]
@@ -274,7 +272,7 @@ def qdq_problems(path: Path) -> list[str]:
 
 
 def calibrate_bundle(
-    bundle: Path,
+    bundle: Bundle,
     out: Path,
     samples: int,
     method: MethodConfig | None = None,
@@ -288,40 +286,34 @@ def calibrate_bundle(
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
     bundle has a drafter); compare it with ``bundle`` on ``validate`` images (default: one per
     class) and return the report (see :func:`validation` and :func:`markdown_table`)."""
-    bundle, out = Path(bundle), Path(out)
-    manifest = load_manifest(bundle)
-    if manifest["dtype"] != "fp32":
-        raise CalibrationError(f"{bundle} is a {manifest['dtype']} bundle; calibrate an fp32 bundle")
+    out = Path(out)
+    if bundle.dtype != "fp32":
+        raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
     if samples < 1:
         raise CalibrationError(f"samples must be at least 1, got {samples}")
-    if out.resolve() == bundle.resolve():
-        raise CalibrationError(f"the int8 bundle must go elsewhere than {bundle}")
+    if out.resolve() == bundle.path:
+        raise CalibrationError(f"the int8 bundle must go elsewhere than {bundle.path}")
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
-    method = method or MethodConfig("lantern++" if manifest["constants"]["drafter"] else "ar")
+    method = method or MethodConfig("lantern++" if bundle.has_drafter else "ar")
     recorder = record_inputs(bundle, samples, method, seed, threads, progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        graphs = _write_graphs(bundle, manifest, recorder, tmp)
-        _write_manifest(bundle, manifest, graphs, recorder, method, samples, seed, tmp)
-        tmp.chmod(0o755)  # mkdtemp made it private
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    labels = spread_labels(validate or manifest["gpt"]["num_classes"], manifest["gpt"]["num_classes"])
+    with staged_bundle(out) as tmp:
+        graphs = _write_graphs(bundle, recorder, tmp)
+        write_manifest(tmp, _int8_manifest(bundle, graphs, recorder, method, samples, seed))
+    int8 = Bundle.open(out)
+    num_classes = bundle.gpt.num_classes
+    labels = spread_labels(validate or num_classes, num_classes)
     return {
-        "fp32": str(bundle),
-        "int8": str(out),
+        "fp32": str(bundle.path),
+        "int8": str(int8.path),
         "samples": samples,
-        "graphs": graph_agreement(bundle, out, recorder, threads),
-        "validation": validation(bundle, out, labels, method, seed, threads, progress),
+        "graphs": graph_agreement(bundle, int8, recorder, threads),
+        "validation": validation(bundle, int8, labels, method, seed, threads, progress),
     }
 
 
 def graph_agreement(
-    fp32: Path, int8: Path, recorder: Recorder, threads: int = 0
+    fp32: Bundle, int8: Bundle, recorder: Recorder, threads: int = 0
 ) -> dict[str, dict[str, Any]]:
     """Per quantized graph, on its recorded (calibration) inputs and ``AS_WRITTEN`` sessions:
     calls seen, inputs kept, the fraction of logits rows whose argmax the int8 graph keeps, and
@@ -332,8 +324,8 @@ def graph_agreement(
     result = {}
     for name, samples in recorder.samples.items():
         fp32_graph, int8_graph = (
-            ort.InferenceSession(str(path / f"{name}.onnx"), options, providers=["CPUExecutionProvider"])
-            for path in (fp32, int8)
+            ort.InferenceSession(str(b.file(b.graph(name))), options, providers=["CPUExecutionProvider"])
+            for b in (fp32, int8)
         )
         agree, error = [], 0.0
         scored = "logits" if any(o.name == "logits" for o in fp32_graph.get_outputs()) else "q"
@@ -352,39 +344,41 @@ def graph_agreement(
     return result
 
 
-def _write_graphs(bundle: Path, manifest: dict[str, Any], recorder: Recorder, tmp: Path) -> dict[str, Any]:
-    """Quantized graphs and copies of the other files in ``tmp``; the new graph entries."""
+def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, Any]:
+    """Quantized graphs and copies of the other files in ``tmp``; the new manifest's graph entries."""
+    raw = bundle.manifest()["graphs"]
     graphs = {}
-    for name, entry in manifest["graphs"].items():
-        src, dst = bundle / entry["file"], tmp / entry["file"]
+    for name, entry in bundle.graphs.items():
+        src, dst = bundle.file(entry), tmp / entry.file
         if name in UNQUANTIZED:
-            graphs[name] = {**entry, "precision": "fp32"}
+            graphs[name] = {**raw[name], "precision": "fp32"}
             continue
         quantize_graph(src, dst, recorder.samples[name])
-        if list(io_specs(dst)) != [entry["inputs"], entry["outputs"]]:
+        inputs, outputs = io_specs(dst)
+        if (inputs, outputs) != ([s.to_json() for s in entry.inputs], [s.to_json() for s in entry.outputs]):
             raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
-        kept = {k: v for k, v in entry.items() if k != "max_abs_err"}  # that was fp32 vs torch
+        kept = {k: v for k, v in raw[name].items() if k != "max_abs_err"}  # that was fp32 vs torch
         graphs[name] = {**kept, "precision": "int8", "calibration_samples": len(recorder.samples[name])}
-    for file in manifest["files"]:
+    for file in bundle.files:
         if not (tmp / file).exists():
-            shutil.copy2(bundle / file, tmp / file)
+            shutil.copy2(bundle.path / file, tmp / file)
     return graphs
 
 
-def _write_manifest(
-    source: Path,
-    manifest: dict[str, Any],
+def _int8_manifest(
+    source: Bundle,
     graphs: dict[str, Any],
     recorder: Recorder,
     method: MethodConfig,
     samples: int,
     seed: int,
-    tmp: Path,
-) -> None:
-    new = {**manifest, "dtype": "int8", "graphs": graphs}
-    new["versions"] = {**manifest["versions"], "onnxruntime": ort.__version__}
+) -> dict[str, Any]:
+    """The source's manifest with the int8 graphs and what the calibration did (its ``files``
+    are :func:`~lantern_rt.bundle.write_manifest`'s)."""
+    new = {**source.manifest(), "dtype": "int8", "graphs": graphs}
+    new["versions"] = {**source.versions, "onnxruntime": ort.__version__}
     new["calibration"] = {
-        "source_manifest_sha256": sha256(source / MANIFEST),
+        "source_manifest_sha256": source.manifest_sha256,
         "tool": f"onnxruntime.quantization {ort.__version__}",
         "scheme": "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations",
         "ops": [f"{op} with constant weights" for op in QUANTIZED_OPS],
@@ -394,8 +388,7 @@ def _write_manifest(
         "seed": seed,
         "calls": dict(recorder.calls),
     }
-    new["files"] = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
-    (tmp / MANIFEST).write_text(json.dumps(new, indent=1))
+    return new
 
 
 # Run Q/DQ graphs as written (DequantizeLinear, then the float op): the numerics a TensorRT
@@ -405,8 +398,8 @@ AS_WRITTEN = {"session.disable_quant_qdq": "1"}
 
 
 def validation(
-    fp32: Path,
-    int8: Path,
+    fp32: Bundle,
+    int8: Bundle,
     labels: list[int],
     method: MethodConfig,
     seed: int = 0,
@@ -420,7 +413,7 @@ def validation(
     difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
     onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
     """
-    cfg = load_manifest(fp32)["sampling_defaults"].get("cfg_scale", 4.0)
+    cfg = default_cfg_scale(fp32.model_info())
     modes = {"greedy": SamplingConfig(cfg, temperature=0.0), "sampling": SamplingConfig(cfg)}
     bundles = {"fp32": fp32, "int8": int8}
     reference = {d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN)) for d, b in bundles.items()}
@@ -439,7 +432,7 @@ def validation(
                     "run": f"{label} {mode}",
                     "token_agreement": float(same.float().mean()),
                     "common_prefix": float(same.int().cumprod(dim=1).sum(dim=1).float().mean()),
-                    **{d: {"mean_accepted_length": r.stats["mean_accepted_length"]} for d, r in runs.items()},
+                    **{d: {"mean_accepted_length": r.stats.mean_accepted_length} for d, r in runs.items()},
                 }
             )
         runs = {
@@ -450,10 +443,10 @@ def validation(
     return {"accuracy": accuracy, "speed": speed}
 
 
-def _speed(stats: dict[str, Any]) -> dict[str, float]:
+def _speed(stats: GenerationStats) -> dict[str, float]:
     return {
-        "mean_accepted_length": stats["mean_accepted_length"],
-        "seconds_per_image": stats["decode_seconds"] / max(1, stats["num_images"]),
+        "mean_accepted_length": stats.mean_accepted_length,
+        "seconds_per_image": stats.decode_seconds / max(1, stats.num_images),
     }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from lantern_rt.errors import UserError, reports_errors
+from lantern_rt.settings import METHODS
 
 
 @click.command("calibrate")
@@ -24,7 +25,7 @@ from lantern_rt.errors import UserError, reports_errors
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for the int8 bundle.")
 @click.option(
     "--method",
-    type=click.Choice(["ar", "exact", "lantern", "lantern++"]),
+    type=click.Choice(METHODS),
     default=None,
     help="Speculative method that drives the drafter and verify graphs. Default: lantern++ when "
     "the bundle has a drafter, else ar.",
@@ -48,15 +49,17 @@ from lantern_rt.errors import UserError, reports_errors
 def calibrate_cmd(bundle, samples, out, method, seed, validate, threads, report_json, force, quiet):
     """Quantize BUNDLE's target and drafter graphs to int8 (Q/DQ), calibrated on the inputs they
     see while generating, and compare the result with BUNDLE on onnxruntime."""
+    from lantern_rt.bundle import Bundle
     from lantern_rt.calibration.calibrate import calibrate_bundle, markdown_table
-    from lantern_rt.generate import MethodConfig
+    from lantern_rt.settings import MethodConfig
 
     t0 = time.perf_counter()
     if report_json is not None and not report_json.resolve().parent.is_dir():
         raise UserError(f"cannot write {report_json}: its folder does not exist")
     config = None if method is None else MethodConfig(method)
+    opened = Bundle.open(bundle)
     report = calibrate_bundle(
-        bundle, out, samples, config, seed, validate, threads, overwrite=force, progress=not quiet
+        opened, out, samples, config, seed, validate, threads, overwrite=force, progress=not quiet
     )
     click.echo(markdown_table(report))
     if report_json is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from lantern_rt.errors import first_line
+from lantern_rt.errors import LanternError, first_line
 
 PRECISIONS = ("fp32", "fp16", "int8")  # from the graphs: fp32/fp16 tensors, int8 Q/DQ nodes
 DEFAULT_WORKSPACE_MB = 1024
@@ -26,7 +26,7 @@ INSTALL_HINT = (
 )
 
 
-class EngineError(ValueError):
+class EngineError(LanternError, ValueError):
     """TensorRT engines cannot be built or used: bad input, missing or mismatched plans."""
 
 

@@ -8,7 +8,8 @@ bundle is refused with the reason. Precision is never a builder flag: networks a
 typed, so an fp16 bundle gives fp16 plans and an int8 (Q/DQ) bundle int8 plans.
 
 The key and refusal logic are pure functions over plain dicts; only :func:`build_engines` needs
-TensorRT, and only :func:`device_info` a GPU.
+TensorRT, and only :func:`device_info` a GPU. Every function over a bundle takes the opened
+:class:`~lantern_rt.bundle.Bundle` (its files, graph I/O and dtype were checked when it was opened).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from lantern_rt.bundle import Bundle
 from lantern_rt.engines import compat
 from lantern_rt.engines.compat import DEFAULT_WORKSPACE_MB, PRECISIONS, EngineError
-from lantern_rt.engines.conditionals import without_conditionals
-from lantern_rt.export.bundle import MANIFEST, load_manifest, sha256
+from lantern_rt.fileio import replace_folder, sha256
 
-ENGINES_DIR = "engines"
 ENGINES_JSON = "engines.json"
 FORMAT = "lantern-rt-engines"
 FORMAT_VERSION = 1
@@ -139,26 +139,23 @@ def read_engines_json(folder: Path) -> list[dict[str, Any]]:
     return plans
 
 
-def engines_folder(bundle: Path, key: dict[str, str]) -> Path:
+def engines_folder(bundle: Bundle, key: dict[str, str]) -> Path:
     """Where the plans of ``key`` live in ``bundle``."""
-    return Path(bundle) / ENGINES_DIR / key_slug(key)
+    return bundle.engines_dir / key_slug(key)
 
 
-def plan_sets(bundle: Path) -> list[Path]:
+def plan_sets(bundle: Bundle) -> list[Path]:
     """The finished plan sets in ``bundle`` (folders with an ``engines.json``; not temporary ones)."""
-    root = Path(bundle) / ENGINES_DIR
+    root = bundle.engines_dir
     if not root.is_dir():
         return []
     return sorted(p.parent for p in root.glob(f"*/{ENGINES_JSON}") if not p.parent.name.startswith("."))
 
 
-def find_engines(bundle: Path, key: dict[str, str]) -> dict[str, Path]:
-    """The plan of every graph of ``bundle`` for ``key``, each checked against its sha256;
-    :class:`EngineError` saying why when there is no matching, complete, untouched set."""
-    bundle = Path(bundle)
-    manifest = load_manifest(bundle)
-    manifest_sha256 = sha256(bundle / MANIFEST)
-    rebuild = f"build them on this machine with `lantern build-engines {bundle}`"
+def find_engines(bundle: Bundle, key: dict[str, str]) -> dict[str, Path]:
+    """The plan of every graph of ``bundle`` (by graph name) for ``key``, each checked against its
+    sha256; :class:`EngineError` saying why when there is no matching, complete, untouched set."""
+    rebuild = f"build them on this machine with `lantern build-engines {bundle.path}`"
     folder = engines_folder(bundle, key)
     if not (folder / ENGINES_JSON).is_file():
         others = []
@@ -167,12 +164,12 @@ def find_engines(bundle: Path, key: dict[str, str]) -> dict[str, Path]:
                 records = read_engines_json(other)
             except EngineError:
                 records = []
-            reasons = mismatches(records[0], key, manifest_sha256) if records else ["unreadable"]
+            reasons = mismatches(records[0], key, bundle.manifest_sha256) if records else ["unreadable"]
             others.append(f"{other.name} ({'; '.join(reasons)})")
         found = f"; it only has {', '.join(others)}" if others else ""
-        raise EngineError(f"{bundle} has no TensorRT engines for {describe(key)}{found}: {rebuild}")
+        raise EngineError(f"{bundle.path} has no TensorRT engines for {describe(key)}{found}: {rebuild}")
     try:
-        by_graph = check_plans(read_engines_json(folder), key, manifest_sha256, manifest["graphs"])
+        by_graph = check_plans(read_engines_json(folder), key, bundle.manifest_sha256, bundle.graphs)
     except EngineError as err:
         raise EngineError(f"{folder}: {err}: {rebuild}") from None
     plans = {}
@@ -182,15 +179,6 @@ def find_engines(bundle: Path, key: dict[str, str]) -> dict[str, Path]:
             raise EngineError(f"{path} is missing or does not match its sha256 in {ENGINES_JSON}: {rebuild}")
         plans[graph] = path
     return plans
-
-
-def bundle_precision(manifest: dict[str, Any]) -> str:
-    """The precision of a bundle's graphs, as its manifest declares it: ``dtype`` is fp32, fp16,
-    or int8 for a Q/DQ bundle written by ``calibrate``."""
-    dtype = manifest["dtype"]
-    if dtype not in PRECISIONS:
-        raise EngineError(f"the bundle's dtype {dtype!r} is none of {', '.join(PRECISIONS)}")
-    return dtype
 
 
 def choose_precision(bundle_prec: str, requested: str | None) -> str:
@@ -210,7 +198,7 @@ def choose_precision(bundle_prec: str, requested: str | None) -> str:
 
 
 def build_engines(
-    bundle: Path,
+    bundle: Bundle,
     precision: str | None = None,
     workspace_mb: int = DEFAULT_WORKSPACE_MB,
     timing_cache: Path | None = None,
@@ -220,37 +208,34 @@ def build_engines(
     folder. ``precision`` (default: the bundle's) must be the bundle's. Graphs are built one at a
     time in a temporary folder, renamed into place only when all succeed (replacing an older set
     of the same key); ``timing_cache`` is read when it exists and written after the build."""
-    bundle = Path(bundle)
-    manifest = load_manifest(bundle)
-    precision = choose_precision(bundle_precision(manifest), precision)
+    precision = choose_precision(bundle.dtype, precision)
     if workspace_mb < 1:
         raise EngineError(f"the workspace must be at least 1 MiB, not {workspace_mb}")
     trt = compat.require_tensorrt()
     key = engine_key(device_info(), trt.__version__, precision)
-    manifest_sha256 = sha256(bundle / MANIFEST)
-    root = bundle / ENGINES_DIR
+    root = bundle.engines_dir
     made_root = not root.exists()
     try:
         root.mkdir(exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     except OSError as err:
-        raise EngineError(f"cannot write engines into {bundle}: {err.strerror or err}") from None
+        raise EngineError(f"cannot write engines into {bundle.path}: {err.strerror or err}") from None
     try:
         logger = compat.make_logger(trt)
         builder = trt.Builder(logger)
         cache = compat.open_timing_cache(builder, timing_cache)
         records = []
-        for i, (graph, entry) in enumerate(manifest["graphs"].items(), 1):
+        for i, (graph, entry) in enumerate(bundle.graphs.items(), 1):
             if progress is not None:
-                progress(f"building {graph} ({i}/{len(manifest['graphs'])}, {describe(key)})")
+                progress(f"building {graph} ({i}/{len(bundle.graphs)}, {describe(key)})")
             plan = tmp / f"{graph}.plan"
-            plan.write_bytes(build_plan(trt, builder, logger, bundle / entry["file"], workspace_mb, cache))
-            records.append(plan_record(graph, plan.name, sha256(plan), key, manifest_sha256))
+            plan.write_bytes(build_plan(trt, builder, logger, bundle.file(entry), workspace_mb, cache))
+            records.append(plan_record(graph, plan.name, sha256(plan), key, bundle.manifest_sha256))
         write_engines_json(tmp, records)
         if timing_cache is not None:
             _save_timing_cache(cache, timing_cache)
         tmp.chmod(0o755)  # mkdtemp made it private
-        _replace_folder(tmp, engines_folder(bundle, key))
+        replace_folder(tmp, engines_folder(bundle, key))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if made_root and root.is_dir() and not any(root.iterdir()):
@@ -265,6 +250,8 @@ def build_plan(
     """One serialized plan from one ONNX graph, strongly typed, its Ifs replaced by their
     then-branches (see :mod:`lantern_rt.engines.conditionals`); every parser error, or the
     builder's logged errors, in the :class:`EngineError` when it fails."""
+    from lantern_rt.engines.conditionals import without_conditionals  # onnx: only for a build
+
     network = builder.create_network(compat.network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     with without_conditionals(onnx_path) as path:
@@ -293,18 +280,3 @@ def _save_timing_cache(cache: Any, path: Path) -> None:
         compat.save_timing_cache(cache, path)
     except OSError as err:
         raise EngineError(f"cannot write the timing cache {path}: {err.strerror or err}") from None
-
-
-def _replace_folder(tmp: Path, dest: Path) -> None:
-    """Rename ``tmp`` to ``dest``; an existing ``dest`` is removed only after that succeeds."""
-    old = dest.with_name(f".{dest.name}.old")
-    if dest.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        dest.rename(old)
-    try:
-        tmp.rename(dest)
-    except OSError:
-        if old.exists():
-            old.rename(dest)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from lantern_rt.bundle import Bundle
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
 from lantern_rt.eval.features import load_features, load_reference, user_features
 from lantern_rt.eval.metrics import (
@@ -37,15 +38,7 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
-from lantern_rt.generate import (
-    BACKENDS,
-    Generation,
-    MethodConfig,
-    Pipeline,
-    bundle_info,
-    generate,
-    make_pipeline,
-)
+from lantern_rt.generate import Generation, Pipeline, generate, make_pipeline
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
@@ -54,6 +47,7 @@ from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import TreeError, load_tree
+from lantern_rt.settings import METHODS, MethodConfig, run_defaults
 from lantern_rt.training.data import (
     CLASS_NAMES,
     FASHION_MNIST_DIR,
@@ -63,12 +57,13 @@ from lantern_rt.training.data import (
 )
 
 FORMAT_VERSION = 1
-SPEC_KEYS: dict[str, tuple[str, ...]] = {
+SPEC_KEYS: dict[str, tuple[str, ...]] = {  # the keys each of settings.METHODS takes
     "ar": (),
     "exact": ("tree",),
     "lantern": ("tree", "k", "delta"),
     "lantern++": ("tree", "k", "lambda"),
 }
+assert tuple(SPEC_KEYS) == METHODS
 SPEC_DEFAULTS: dict[str, dict[str, Any]] = {
     "lantern": {"k": 1000, "delta": 0.1},
     "lantern++": {"k": 10, "lambda": 5.0},
@@ -79,6 +74,7 @@ KEY_TYPES: dict[str, tuple[type, str]] = {
     "delta": (float, "a number"),
     "lambda": (float, "a number"),
 }
+BENCH_BACKENDS = ("torch", "onnxruntime")  # CPU backends measured by default
 MC_FIELDS = {"lambda": "lam"}  # spec key -> MethodConfig field, where they differ
 DEFAULT_CONFIGS = (
     "ar",
@@ -88,7 +84,6 @@ DEFAULT_CONFIGS = (
     "lantern++:k=5,lambda=10",
     "lantern++:k=5,lambda=20",
 )
-DEFAULT_TREE = MethodConfig().tree
 QUALITY_K = 3  # nearest neighbours of improved precision/recall
 QUALITY_FIELDS = ("fd_classifier", "class_accuracy", "precision", "recall")
 GenerateFn = Callable[..., Generation]
@@ -142,8 +137,11 @@ def method_config(spec: str, tree: str) -> MethodConfig:
 
 
 def expand_configs(specs: Sequence[str], trees: Sequence[str]) -> list[MethodConfig]:
-    """AR first, then every spec on each of ``trees`` (a spec naming its tree: that one); no repeats."""
-    return list(dict.fromkeys([MethodConfig("ar")] + [method_config(s, t) for s in specs for t in trees]))
+    """AR first (on the first tree's bundle: every bundle holds AR's step graph), then every spec
+    on each of ``trees`` (a spec naming its tree: that one); no repeats."""
+    ar = MethodConfig("ar", tree=trees[0])
+    configs = [method_config(s, t) for s in specs for t in trees]
+    return list(dict.fromkeys([ar] + [ar if mc.method == "ar" else mc for mc in configs]))
 
 
 # --- statistics ----------------------------------------------------------------------------
@@ -163,10 +161,10 @@ def speedup(reference: Sequence[float], values: Sequence[float]) -> float:
     return median(reference) / median(values)
 
 
-def mean_accepted_length(histogram: Mapping[int | str, int]) -> float:
+def mean_accepted_length(histogram: Mapping[int, int]) -> float:
     """Tokens committed per verify call, from {accepted length: number of calls}."""
     calls = sum(histogram.values())
-    return sum(int(n) * c for n, c in histogram.items()) / calls if calls else 0.0
+    return sum(n * c for n, c in histogram.items()) / calls if calls else 0.0
 
 
 def peak_rss_mb() -> float:
@@ -193,9 +191,9 @@ class Measurement:
 
     def add(self, gen: Generation) -> None:
         stats = gen.stats
-        self.seconds.append(stats["decode_seconds"])
-        self.end_to_end.append(stats["total_seconds"])
-        self.histogram.update({int(n): c for n, c in stats["accepted_length_histogram"].items()})
+        self.seconds.append(stats.decode_seconds)
+        self.end_to_end.append(stats.total_seconds)
+        self.histogram.update(stats.histogram)
         self.images.append(gen.images)
         self.peak_mb = peak_rss_mb()
 
@@ -441,7 +439,7 @@ class BenchSettings:
     bundle: Path | None = None
     backends: tuple[str, ...] = ()  # () = torch and onnxruntime; onnxruntime for a bundle
     configs: tuple[str, ...] = DEFAULT_CONFIGS
-    trees: tuple[str, ...] = (DEFAULT_TREE,)
+    trees: tuple[str, ...] = ()  # () = the tree `lantern generate` would use (settings.run_defaults)
     num_images: int = 4  # per class
     classes: tuple[str, ...] = ()  # ids or names; () = every class
     seed: int = 0
@@ -458,22 +456,21 @@ class BenchSettings:
     reference: Path | None = None  # --reference .npz: the user's real images
 
 
-def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Path]:
-    """(model info, what pipelines are built from): a model directory or a bundle folder."""
+def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Bundle]:
+    """(model info, what pipelines are built from): a model directory or the opened bundle."""
     if bundle is None:
         md = open_model_dir(model)
         return md, md
-    from lantern_rt.export.bundle import load_manifest
-
     if model is not None:
         raise ConfigError("--bundle runs an exported bundle: drop --model")
-    return bundle_info(bundle, load_manifest(bundle)), bundle
+    opened = Bundle.open(bundle)
+    return opened.model_info(), opened
 
 
 def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
     if bundle and "torch" in requested:
         raise ConfigError("a bundle runs on onnxruntime: drop --backend torch or --bundle")
-    return tuple(dict.fromkeys(requested)) or (("onnxruntime",) if bundle else BACKENDS)
+    return tuple(dict.fromkeys(requested)) or (("onnxruntime",) if bundle else BENCH_BACKENDS)
 
 
 def output_dir(out: Path) -> Path:
@@ -505,11 +502,10 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def sampling_config(info: ModelDir, s: BenchSettings) -> SamplingConfig:
-    """The settings' sampling, with the model's CFG scale unless one is given (as ``lantern generate``)."""
-    default = info.raw.get("sampling_defaults", {}).get("cfg_scale", 4.0)
+def sampling_config(source: ModelDir | Bundle, s: BenchSettings) -> SamplingConfig:
+    """The settings' sampling, with the CFG scale ``lantern generate`` would use unless one is given."""
     return SamplingConfig(
-        cfg_scale=float(default if s.cfg_scale is None else s.cfg_scale), temperature=s.temperature
+        cfg_scale=run_defaults(source, cfg_scale=s.cfg_scale).cfg_scale, temperature=s.temperature
     )
 
 
@@ -558,13 +554,14 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Run the benchmark and write results.json, results.md and the plots into ``s.out``."""
     from lantern_rt.eval.report import write_report
 
-    configs = expand_configs(s.configs, s.trees)
     info, source = open_source(s.model, s.bundle)
     md = source if isinstance(source, ModelDir) else None
     backends = resolve_backends(s.backends, md is None)
+    trees = s.trees or tuple(dict.fromkeys(run_defaults(source, backend=b).tree for b in backends))
+    configs = expand_configs(s.configs, trees)
     classes = [info.class_id(c) for c in s.classes] or list(range(info.gpt.num_classes))
     labels = [c for c in classes for _ in range(s.num_images)]
-    sampling = sampling_config(info, s)
+    sampling = sampling_config(source, s)
     shape = (info.vq.out_channels, info.image_size, info.image_size)
     feature_fn = None if s.features is None else load_features(s.features, shape)
     reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
@@ -592,7 +589,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "machine": {**machine_info(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "settings": {
             "model": info.name,
-            "source": str(source.root if md is not None else source),
+            "source": str(source.root if md is not None else source.path),
             "backends": list(backends),
             "classes": classes,
             "num_images_per_class": s.num_images,

@@ -1,20 +1,16 @@
 """The bundle: fixed-shape ONNX graphs plus ``manifest.json``, the contract with every runtime.
 
 :func:`export_bundle` exports, lints and numerically checks every graph against the torch model
-in a temporary folder beside ``out`` and renames it into place only when all of them pass.
-:func:`load_manifest` refuses a bundle whose files or declared graph shapes do not match.
+in a temporary folder beside ``out`` and renames it into place only when all of them pass
+(:func:`lantern_rt.bundle.staged_bundle`); the format itself lives in :mod:`lantern_rt.bundle`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib.metadata
-import json
 import logging
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,8 +22,9 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
-from lantern_rt.errors import first_line
-from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph, io_specs
+from lantern_rt.bundle import NEIGHBORS, NULL_CAPTION, draft_graph_name, staged_bundle, write_manifest
+from lantern_rt.errors import LanternError, first_line
+from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph
 from lantern_rt.export.graphs import (
     DrafterTree,
     GraphModule,
@@ -35,7 +32,6 @@ from lantern_rt.export.graphs import (
     TargetStep,
     VQDecode,
     cache_capacity,
-    draft_graph_name,
     target_step_sizes,
 )
 from lantern_rt.models.config import to_dict
@@ -47,13 +43,6 @@ from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.tree import StaticTree, tree_to_json
 
-FORMAT = "lantern-rt-bundle"
-# 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
-# graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If)
-BUNDLE_VERSION = 5
-MANIFEST = "manifest.json"
-NULL_CAPTION = "null_caption.npy"
-NEIGHBORS = "neighbors.npy"
 NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
 DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -62,7 +51,7 @@ TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2)}
 EXTERNAL_DATA_BYTES = 1 << 30  # larger graphs keep their weights in a side file
 
 
-class ExportError(ValueError):
+class ExportError(LanternError, ValueError):
     """A graph could not be exported, broke a rule, or disagrees with the torch model."""
 
 
@@ -93,83 +82,15 @@ def export_bundle(
     graphs = _graphs(target, vq, drafter, trees, DTYPES[dtype])
     k = neighbors_k(model_dir)
     neighbors = load_neighbors(model_dir, k, vq)[:, :k]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with staged_bundle(out) as tmp:
         entries = {}
         for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
             entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
         if target.config.model_type == "t2i":
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
         save_neighbors(neighbors, tmp / NEIGHBORS)
-        manifest = _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries)
-        manifest["files"] = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        tmp.chmod(0o755)  # mkdtemp made it private
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_manifest(tmp, _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries))
     return out
-
-
-# bundle folder -> (stat signature of its files, verified manifest): a runtime opens one bundle
-# from several places (target, drafter, decoder), and hashing a large bundle each time is slow.
-_VERIFIED: dict[Path, tuple[tuple, dict[str, Any]]] = {}
-
-
-def _signature(bundle: Path) -> tuple:
-    """Name, size and modification time of every file: any edit to the bundle changes it."""
-    if not bundle.is_dir():
-        return ()
-    return tuple(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(bundle.iterdir()) if p.is_file()
-    )
-
-
-def load_manifest(bundle: Path) -> dict[str, Any]:
-    """The bundle's manifest, after checking its version, every file's sha256 and every graph's
-    declared inputs and outputs against its ONNX file (once per process while no file changes)."""
-    bundle = Path(bundle).resolve()
-    signature = _signature(bundle)
-    cached = _VERIFIED.get(bundle)
-    if cached is None or cached[0] != signature:
-        cached = (signature, _verified_manifest(bundle))
-        _VERIFIED[bundle] = cached
-    return copy.deepcopy(cached[1])
-
-
-def _verified_manifest(bundle: Path) -> dict[str, Any]:
-    path = bundle / MANIFEST
-    if not path.is_file():
-        raise BundleError(f"{bundle} is not a lantern-rt bundle: no {MANIFEST}")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BundleError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"{path} is not a {FORMAT} manifest")
-    if manifest.get("bundle_version") != BUNDLE_VERSION:
-        raise BundleError(
-            f"{bundle} is bundle version {manifest.get('bundle_version')}; this lantern-rt reads "
-            f"version {BUNDLE_VERSION}: re-export it"
-        )
-    files, graphs = manifest.get("files"), manifest.get("graphs")
-    if not isinstance(files, dict) or not isinstance(graphs, dict):
-        raise BundleError(f"{path} lacks its 'files' or 'graphs' object")
-    for name, digest in files.items():
-        file = bundle / name
-        if not file.is_file():
-            raise BundleError(f"{bundle}: {name} is missing")
-        if sha256(file) != digest:
-            raise BundleError(f"{bundle}: {name} does not match its sha256 in {MANIFEST} (modified?)")
-    for name, graph in graphs.items():
-        if graph.get("file") not in files:
-            raise BundleError(f"{bundle}: graph {name} names an unlisted file {graph.get('file')!r}")
-        inputs, outputs = io_specs(bundle / graph["file"])
-        if inputs != graph.get("inputs") or outputs != graph.get("outputs"):
-            raise BundleError(f"{bundle}: graph {name}'s inputs/outputs differ from {MANIFEST}")
-    return manifest
 
 
 def neighbors_k(md: ModelDir) -> int:
@@ -329,8 +250,6 @@ def _manifest(
         "null_condition": {"class_id": c.num_classes} if c.model_type == "c2i" else {"file": NULL_CAPTION},
     }
     return {
-        "format": FORMAT,
-        "bundle_version": BUNDLE_VERSION,
         "versions": {
             "lantern_rt": importlib.metadata.version("lantern-rt"),
             "torch": torch.__version__,
@@ -351,28 +270,3 @@ def _manifest(
         },
         "graphs": graphs,
     }
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is replaced only after that succeeds."""
-    old = out.with_name(f".{out.name}.old") if out.exists() else None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-    try:
-        tmp.rename(out)
-    except OSError:
-        if old is not None:
-            old.rename(out)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def sha256(path: Path) -> str:
-    """The file's sha256 as hex, as the manifest's ``files`` holds it."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -48,12 +48,6 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
     return problems
 
 
-def io_specs(path: Path) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
-    """The graph's declared inputs and outputs in the manifest's form (name, shape, dtype)."""
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return [_as_dict(v) for v in graph.input], [_as_dict(v) for v in graph.output]
-
-
 def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
     """The graphs held in ``node``'s attributes (an If's branches, a loop's body)."""
     for attr in node.attribute:

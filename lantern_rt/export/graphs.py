@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lantern_rt.bundle import PREFILL_GRAPH, VQ_DECODE_GRAPH, step_graph_name
 from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
-    CatchUp,
     Context,
     DraftStep,
     catch_up_mask,
@@ -76,14 +77,6 @@ def cache_capacity(model: Transformer) -> int:
 def target_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
     """Token counts of the target step graphs: 1 (plain AR decoding) and each tree's N + 1 (verify)."""
     return sorted({1, *(tree.num_nodes + 1 for tree in trees)})
-
-
-DRAFT_GRAPH_PREFIX = "draft_tree_"
-
-
-def draft_graph_name(index: int) -> str:
-    """The name of the drafting graph of a bundle's ``index``-th tree."""
-    return f"{DRAFT_GRAPH_PREFIX}{index}"
 
 
 KVDims = tuple[int, int, int]  # layers, kv heads, head dim
@@ -143,7 +136,7 @@ class TargetPrefill(nn.Module):
             else TensorSpec("cond", (ROWS, c.cls_token_num, c.caption_dim), torch.float32)
         )
         self.spec = GraphSpec(
-            "target_prefill",
+            PREFILL_GRAPH,
             (cond,),
             (
                 TensorSpec("logits", (ROWS, c.vocab_size), torch.float32),
@@ -191,7 +184,7 @@ class TargetStep(nn.Module):
         dtype = model.output.weight.dtype
         cap, kv = cache_capacity(model), _target_kv(model)
         self.spec = GraphSpec(
-            f"target_step_{s}",
+            step_graph_name(s),
             (
                 TensorSpec("tokens", (s,), torch.int64),
                 TensorSpec("positions", (s,), torch.int64),
@@ -326,7 +319,7 @@ class VQDecode(nn.Module):
         side = grid * c.downsample
         dtype = vq.post_quant_conv.weight.dtype
         self.spec = GraphSpec(
-            "vq_decode",
+            VQ_DECODE_GRAPH,
             (TensorSpec("codes", (batch, grid * grid), torch.int64),),
             (TensorSpec("images", (batch, c.out_channels, side, side), torch.float32),),
             dtype,

@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from lantern_rt.errors import LanternError
 from lantern_rt.fileio import atomic_write
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LanternError, ValueError):
     """A checkpoint is missing, unreadable, or does not fit the model it is loaded into."""
 
 

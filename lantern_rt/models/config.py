@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lantern_rt.errors import LanternError
 
-class ConfigError(ValueError):
+
+class ConfigError(LanternError, ValueError):
     """A model configuration is invalid or does not match the weights."""
 
 

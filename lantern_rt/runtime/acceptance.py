@@ -1,4 +1,4 @@
-"""Verification of one drafted tree: exact, LANTERN and LANTERN++ acceptance (METHOD.md section 5).
+"""Verification of one drafted tree: exact, LANTERN and LANTERN++ acceptance (docs/method.md §5).
 
 Sampling mode is recursive rejection sampling without replacement over each node's drafted
 children, with the target mass of a child optionally relaxed by crediting it the mass of its
@@ -15,19 +15,21 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from lantern_rt.errors import LanternError
 from lantern_rt.runtime.sampling import categorical
 from lantern_rt.runtime.tree import StaticTree
 
 METHODS = ("exact", "lantern", "lantern++")
 
 
-class AcceptanceError(ValueError):
+class AcceptanceError(LanternError, ValueError):
     """Relaxation settings or verification inputs are invalid."""
 
 
 @dataclass(frozen=True)
 class Relaxation:
-    """How much target mass a drafted token may borrow from its ``k`` nearest latent neighbours."""
+    """How much target mass a drafted token may borrow from its ``k`` nearest latent neighbours
+    (docs/method.md §5.2 for LANTERN, §5.3 for LANTERN++)."""
 
     method: str  # "exact" | "lantern" | "lantern++"
     k: int = 0  # neighbours considered (0 for exact)

@@ -2,6 +2,7 @@
 
 Plain autoregressive decoding is the same loop without a drafter: the tree holds only the
 root, each target call scores one token and the "bonus" token is an ordinary sample.
+The steps are described in docs/method.md (§4 drafting, §5 acceptance, §6 KV compaction).
 """
 
 from __future__ import annotations

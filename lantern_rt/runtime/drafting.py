@@ -9,7 +9,7 @@ Per decode step the drafter
    parent's predicted hidden state, attends to what the root sees (the committed cache and the
    catch-up rows), to its ancestors' K/V from this same call, and to itself.
 At each node ``tree.width`` distinct children are drawn without replacement by Gumbel-top-k
-from noise the caller passes in (METHOD.md section 4). :func:`draft_tree` is therefore a pure
+from noise the caller passes in (docs/method.md §4). :func:`draft_tree` is therefore a pure
 function of tensors and a drafter step: the torch backend runs it eagerly with the drafter's
 own step, a bundle holds it as one graph per tree, and the same noise gives the same draft.
 """
@@ -19,13 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lantern_rt.runtime.backends.base import DrafterBackend
+from lantern_rt.runtime.backends.base import CatchUp, DrafterBackend, DraftOutputs, FilterInputs
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
@@ -80,11 +79,9 @@ DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, Context], tuple[Tensor, Te
 # The target's LM head (affine): hidden [..., D] -> fp32 logits [..., V].
 Head = Callable[[Tensor], Tensor]
 
+
 # The sampling settings as one-element tensors: cfg scale, temperature, top-k, top-p
 # (sampling.filter_inputs).
-FilterInputs = tuple[Tensor, Tensor, Tensor, Tensor]
-
-
 @dataclass(frozen=True)
 class LevelPlan:
     """Static index tables of one tree level below the root."""
@@ -163,20 +160,6 @@ def catch_up_mask(rows: int, m: int, device: torch.device) -> Tensor:
 @lru_cache(maxsize=16)
 def _offsets(rows: int, device: torch.device) -> Tensor:
     return torch.arange(1 - rows, 1, device=device)
-
-
-class CatchUp(NamedTuple):
-    """The catch-up rows of a drafting call (see :func:`catch_up_inputs`)."""
-
-    tokens: Tensor  # [R]
-    hidden: Tensor  # [2, R, D]
-    positions: Tensor  # [R]
-    mask: Tensor  # [1, 1, R, capacity + R]
-
-
-# What a drafting call returns: node tokens [N+1], valid [N+1], q [N+1, V], and the catch-up
-# rows' new K and V [n_layer, 2, Hkv, R, D].
-DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def catch_up_inputs(

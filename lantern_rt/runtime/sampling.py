@@ -1,4 +1,5 @@
-"""Sampling primitives shared by every backend: CFG mixing, logits processors, draws.
+"""Sampling primitives shared by every backend: CFG mixing, logits processors, draws
+(docs/method.md §2).
 
 All functions are pure and device-agnostic (torch tensors on CPU or GPU). Randomness comes
 only from an explicit ``torch.Generator`` so that a seed fixes every token.
@@ -13,8 +14,10 @@ from functools import lru_cache, partial
 import torch
 from torch import Tensor
 
+from lantern_rt.errors import LanternError
 
-class SamplingError(ValueError):
+
+class SamplingError(LanternError, ValueError):
     """Sampling settings are out of range."""
 
 
@@ -22,7 +25,7 @@ class SamplingError(ValueError):
 class SamplingConfig:
     """How the next token is chosen from the mixed logits. ``temperature == 0`` means greedy."""
 
-    cfg_scale: float = 3.0
+    cfg_scale: float  # no default: see lantern_rt.settings.default_cfg_scale
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

@@ -18,17 +18,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lantern_rt.errors import LanternError
+
 MAX_DEPTH = 32
 
 TreePath = tuple[int, ...]
 
 
-class TreeError(ValueError):
+class TreeError(LanternError, ValueError):
     """A tree specification is invalid; the message says what to fix."""
 
 
 def _parse_paths(text: str) -> tuple[TreePath, ...]:
-    """Paths written as ``[0],[1],[0,0]`` (the notation of METHOD.md)."""
+    """Paths written as ``[0],[1],[0,0]`` (the notation of docs/method.md §3)."""
     return tuple(tuple(int(v) for v in group.split(",")) for group in re.findall(r"\[([\d,\s]+)\]", text))
 
 

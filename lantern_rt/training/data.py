@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lantern_rt.errors import LanternError
+
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 CLASS_NAMES = (
     "t-shirt/top",
@@ -22,7 +24,7 @@ CLASS_NAMES = (
 )
 
 
-class DatasetMissing(FileNotFoundError):
+class DatasetMissing(LanternError, FileNotFoundError):
     """The Fashion-MNIST files are not installed."""
 
 

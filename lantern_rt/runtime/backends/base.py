@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree
 
-if TYPE_CHECKING:  # drafting imports this module
-    from lantern_rt.runtime.drafting import CatchUp, DraftOutputs, FilterInputs
+# The sampling settings as tensors (cfg_scale, temperature, top_k, top_p): sampling.filter_inputs.
+FilterInputs = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+class CatchUp(NamedTuple):
+    """The catch-up rows of a drafting call (see :func:`lantern_rt.runtime.drafting.catch_up_inputs`)."""
+
+    tokens: Tensor  # [R]
+    hidden: Tensor  # [2, R, D]
+    positions: Tensor  # [R]
+    mask: Tensor  # [1, 1, R, capacity + R]
+
+
+# What a drafting call returns: node tokens [N+1], valid [N+1], q [N+1, V], and the catch-up
+# rows' new K and V [n_layer, 2, Hkv, R, D].
+DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 class TargetBackend(Protocol):

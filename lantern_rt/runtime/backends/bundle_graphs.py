@@ -1,22 +1,29 @@
 """Backends over a bundle's graphs, whatever engine runs them (onnxruntime, TensorRT).
 
-An engine supplies a :data:`RunnerFactory`: given the bundle folder and one graph's manifest
-entry it returns a :class:`GraphRunner`. Everything else—which graph serves which call, the KV
+An engine supplies a :data:`RunnerFactory`: given the opened :class:`~lantern_rt.bundle.Bundle`
+and one of its graphs it returns a :class:`GraphRunner`. Everything else—which graph serves which call, the KV
 caches, masks and the VQ decoder's fixed batch—lives here once, for every engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from lantern_rt.export.bundle import BundleError, load_manifest
-from lantern_rt.models.neighbors import load_neighbors_file
-from lantern_rt.runtime.drafting import CatchUp, DraftOutputs, FilterInputs
+from lantern_rt.bundle import (
+    PREFILL_GRAPH,
+    STEP_GRAPH_PREFIX,
+    VQ_DECODE_GRAPH,
+    Bundle,
+    BundleError,
+    GraphEntry,
+    IOSpec,
+    step_graph_name,
+)
+from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree, build_tree
 
@@ -34,7 +41,7 @@ class GraphRunner(Protocol):
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]: ...
 
 
-RunnerFactory = Callable[[Path, dict[str, Any]], GraphRunner]
+RunnerFactory = Callable[[Bundle, GraphEntry], GraphRunner]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -46,73 +53,46 @@ CACHE_INPUTS = ("past_k_", "past_v_")
 SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # sampling.filter_inputs, cached
 
 
-def bound_by_pointer(spec: dict[str, Any]) -> bool:
+def bound_by_pointer(spec: IOSpec) -> bool:
     """Whether an input is bound where the caller keeps it rather than copied: the caches (too
     large to copy) and the sampling settings (the same tensors every call)."""
-    return spec["name"].startswith(CACHE_INPUTS) or spec["name"] in SAMPLING_INPUTS
+    return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS
 
 
-def check_inputs(inputs: list[dict[str, Any]], args: tuple[Tensor, ...]) -> None:
+def check_inputs(inputs: tuple[IOSpec, ...], args: tuple[Tensor, ...]) -> None:
     """``ValueError`` unless ``args`` are one tensor per declared input, each of its shape."""
     if len(args) != len(inputs):
         raise ValueError(f"the graph takes {len(inputs)} inputs, got {len(args)}")
     for spec, arg in zip(inputs, args, strict=True):
-        if list(arg.shape) != spec["shape"]:
+        if tuple(arg.shape) != spec.shape:
             raise ValueError(
-                f"input {spec['name']} has shape {list(arg.shape)}, the graph wants {spec['shape']}"
+                f"input {spec.name} has shape {list(arg.shape)}, the graph wants {list(spec.shape)}"
             )
 
 
-def kv_layers(entry: dict[str, Any]) -> int:
+def kv_layers(entry: GraphEntry) -> int:
     """Layers of a step graph: how many ``past_k_{i}`` inputs it declares."""
-    return sum(spec["name"].startswith("past_k_") for spec in entry["inputs"])
+    return sum(spec.name.startswith("past_k_") for spec in entry.inputs)
 
 
-def cache_for(entry: dict[str, Any], device: torch.device) -> KVCache:
+def cache_for(entry: GraphEntry, device: torch.device) -> KVCache:
     """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs, on ``device``."""
-    past = next(spec for spec in entry["inputs"] if spec["name"] == "past_k_0")
-    rows, heads, capacity, head_dim = past["shape"]
-    return KVCache(kv_layers(entry), rows, heads, capacity, head_dim, torch_dtype(past["dtype"]), device)
-
-
-class StepGraphs:
-    """A bundle's ``{prefix}_{S}`` graphs, one per exported S, and the cache their inputs declare."""
-
-    def __init__(
-        self, bundle: Path, graphs: dict[str, Any], prefix: str, sizes: list[int], runner: RunnerFactory
-    ):
-        self.prefix = prefix
-        self.entries = {s: graphs[f"{prefix}_{s}"] for s in sizes}
-        self.graphs = {s: runner(bundle, entry) for s, entry in self.entries.items()}
-
-    def __getitem__(self, s: int) -> GraphRunner:
-        """The graph for ``s`` tokens; :class:`BundleError` when it was not exported."""
-        graph = self.graphs.get(s)
-        if graph is None:
-            raise BundleError(
-                f"the bundle has no {self.prefix}_{s} graph (it has steps of {sorted(self.graphs)} "
-                "tokens); export it with that tree"
-            )
-        return graph
-
-    def new_cache(self) -> KVCache:
-        """An empty cache for these graphs (see :func:`cache_for`)."""
-        s, entry = next(iter(self.entries.items()))
-        return cache_for(entry, self.graphs[s].device)
+    past = entry.input("past_k_0")
+    rows, heads, capacity, head_dim = past.shape
+    return KVCache(kv_layers(entry), rows, heads, capacity, head_dim, torch_dtype(past.dtype), device)
 
 
 class BundleTarget:
     """``TargetBackend`` over a bundle's ``target_prefill`` and ``target_step_{S}`` graphs."""
 
-    def __init__(self, bundle: str | Path, runner: RunnerFactory, name: str):
-        bundle = Path(bundle)
-        manifest = load_manifest(bundle)
+    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str):
         self.name = name
-        self.cls_token_num = manifest["constants"]["cls_token_num"]
-        self._prefill = runner(bundle, manifest["graphs"]["target_prefill"])
-        sizes = manifest["constants"]["step_sizes"]
-        self._steps = StepGraphs(bundle, manifest["graphs"], "target_step", sizes, runner)
-        self.cache = self._steps.new_cache()
+        self.cls_token_num = bundle.constants.cls_token_num
+        self._prefill = runner(bundle, bundle.graph(PREFILL_GRAPH))
+        entries = {s: bundle.graph(step_graph_name(s)) for s in bundle.constants.step_sizes}
+        self._steps = {s: runner(bundle, entry) for s, entry in entries.items()}
+        first = next(iter(entries))
+        self.cache = cache_for(entries[first], self._steps[first].device)
 
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
         self.cache.reset()
@@ -122,7 +102,12 @@ class BundleTarget:
         return logits, hidden
 
     def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-        graph = self._steps[len(tokens)]
+        graph = self._steps.get(len(tokens))
+        if graph is None:
+            raise BundleError(
+                f"the bundle has no {STEP_GRAPH_PREFIX}{len(tokens)} graph (it has steps of "
+                f"{sorted(self._steps)} tokens); export it with that tree"
+            )
         mask = self.cache.mask(tree_mask.to(self.cache.k.device))
         logits, hidden, k, v = graph(tokens, positions, mask, *self.cache.layers_k, *self.cache.layers_v)
         self.cache.stage(k, v)
@@ -133,23 +118,17 @@ class BundleDrafter:
     """``DrafterBackend`` over a bundle's drafting graphs, one per exported tree (the drafter's
     layers and the LM head are inside them); its cache has the manifest's ``drafter_capacity``."""
 
-    def __init__(self, bundle: str | Path, runner: RunnerFactory, name: str):
-        bundle = Path(bundle)
-        manifest = load_manifest(bundle)
-        constants, graphs = manifest["constants"], manifest["graphs"]
-        trees = {name: tree for name, tree in manifest["trees"].items() if tree.get("graph")}
-        if not constants["drafter"] or not trees:
+    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str):
+        trees = [tree for tree in bundle.trees.values() if tree.graph is not None]
+        if not bundle.has_drafter or not trees:
             raise BundleError(
-                f"{bundle} has no drafter graphs; export it from a model directory with a drafter "
-                "and at least one tree"
+                f"{bundle.path} has no drafter graphs; export it from a model directory with a "
+                "drafter and at least one tree"
             )
         self.name = name
-        self.vocab_size = constants["vocab_size"]
-        self._graphs = {
-            tuple(map(tuple, tree["paths"])): runner(bundle, graphs[tree["graph"]]) for tree in trees.values()
-        }
-        entry = graphs[next(iter(trees.values()))["graph"]]
-        self.cache = cache_for(entry, next(iter(self._graphs.values())).device)
+        self.vocab_size = bundle.constants.vocab_size
+        self._graphs = {tree.paths: runner(bundle, bundle.graph(tree.graph)) for tree in trees}
+        self.cache = cache_for(bundle.graph(trees[0].graph), next(iter(self._graphs.values())).device)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)
@@ -163,11 +142,10 @@ class BundleDrafter:
 class BundleVQDecoder:
     """The bundle's ``vq_decode`` graph: codes [N, grid^2] -> images [N, C, H, W] in about [-1, 1]."""
 
-    def __init__(self, bundle: str | Path, runner: RunnerFactory):
-        bundle = Path(bundle)
-        entry = load_manifest(bundle)["graphs"]["vq_decode"]
+    def __init__(self, bundle: Bundle, runner: RunnerFactory):
+        entry = bundle.graph(VQ_DECODE_GRAPH)
         self._graph = runner(bundle, entry)
-        self.batch = entry["inputs"][0]["shape"][0]
+        self.batch = entry.inputs[0].shape[0]
 
     def decode(self, codes: Tensor) -> Tensor:
         """Decode in chunks of the graph's fixed batch, zero-padding the last one."""
@@ -180,23 +158,10 @@ class BundleVQDecoder:
         return torch.cat(images)
 
 
-def bundle_neighbors(bundle: str | Path, k: int | None = None) -> Tensor:
-    """The bundle's latent-neighbour table [V, k] as int64 (on the CPU): all its columns, or the
-    first ``k`` (:class:`BundleError` when it stores fewer)."""
-    bundle = Path(bundle)
-    table = load_neighbors_file(bundle / load_manifest(bundle)["constants"]["neighbors"]["file"])
-    if k is None:
-        return table
-    if table.shape[1] < k:
-        raise BundleError(f"bundle {bundle} stores {table.shape[1]} neighbours per code, fewer than k={k}")
-    return table[:, :k]
-
-
-def bundle_trees(bundle: str | Path) -> dict[str, StaticTree]:
+def bundle_trees(bundle: Bundle) -> dict[str, StaticTree]:
     """The trees the bundle was exported for, by name, validated against its drafting width."""
-    manifest = load_manifest(Path(bundle))
-    width = manifest["constants"]["max_draft_width"]
+    width = bundle.constants.max_draft_width
     return {
-        name: build_tree(tree["paths"], name=tree["name"], max_width=width)
-        for name, tree in manifest["trees"].items()
+        name: build_tree([list(p) for p in tree.paths], name=tree.name, max_width=width)
+        for name, tree in bundle.trees.items()
     }

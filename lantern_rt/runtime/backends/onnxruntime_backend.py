@@ -8,7 +8,6 @@ bound in place (they never move), and outputs live in buffers allocated once per
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import onnxruntime as ort
 import torch
 from torch import Tensor
 
-from lantern_rt.export.graphs import DRAFT_GRAPH_PREFIX
+from lantern_rt.bundle import Bundle, GraphEntry, IOSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
@@ -56,13 +55,11 @@ class OrtGraph:
     copy, are bound where they lie and rebound only when a call passes other memory.
     """
 
-    def __init__(
-        self, bundle: Path, entry: dict[str, Any], options: ort.SessionOptions, providers: list[str]
-    ):
-        self.session = ort.InferenceSession(str(bundle / entry["file"]), options, providers=providers)
+    def __init__(self, bundle: Bundle, entry: GraphEntry, options: ort.SessionOptions, providers: list[str]):
+        self.session = ort.InferenceSession(str(bundle.file(entry)), options, providers=providers)
         on_gpu = self.session.get_providers()[0] == CUDA
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-        self.inputs, self.outputs = entry["inputs"], entry["outputs"]
+        self.inputs, self.outputs = entry.inputs, entry.outputs
         self._binding = self.session.io_binding()
         self._in_place = [bound_by_pointer(spec) for spec in self.inputs]
         self._buffers: list[Tensor | None] = [
@@ -83,7 +80,7 @@ class OrtGraph:
             if not self._in_place[i]:
                 buffer.copy_(arg)
             elif buffer is not arg and (buffer is None or buffer.data_ptr() != arg.data_ptr()):
-                arg = arg.to(self.device, torch_dtype(spec["dtype"])).contiguous()
+                arg = arg.to(self.device, torch_dtype(spec.dtype)).contiguous()
                 self._bind(self._binding.bind_input, spec, arg)
                 self._buffers[i] = arg  # keeps the bound memory alive
         if self.device.type == "cuda":
@@ -91,12 +88,12 @@ class OrtGraph:
         self.session.run_with_iobinding(self._binding)
         return self._results
 
-    def _allocate(self, spec: dict[str, Any]) -> Tensor:
-        return torch.empty(spec["shape"], dtype=torch_dtype(spec["dtype"]), device=self.device)
+    def _allocate(self, spec: IOSpec) -> Tensor:
+        return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
 
-    def _bind(self, bind: Any, spec: dict[str, Any], tensor: Tensor) -> None:
+    def _bind(self, bind: Any, spec: IOSpec, tensor: Tensor) -> None:
         index = self.device.index or 0
-        bind(spec["name"], self.device.type, index, np.dtype(spec["dtype"]), spec["shape"], tensor.data_ptr())
+        bind(spec.name, self.device.type, index, np.dtype(spec.dtype), list(spec.shape), tensor.data_ptr())
 
 
 def ort_runner(
@@ -108,8 +105,7 @@ def ort_runner(
     thread per op made LANTERN++ 8% slower on two cores."""
     chosen = providers or default_providers()
 
-    def make(bundle: Path, entry: dict[str, Any]) -> OrtGraph:
-        drafting = entry["file"].startswith(DRAFT_GRAPH_PREFIX)
-        return OrtGraph(bundle, entry, session_options(1 if drafting else threads, config), chosen)
+    def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
+        return OrtGraph(bundle, entry, session_options(1 if entry.drafting else threads, config), chosen)
 
     return make

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lantern_rt.bundle import Bundle, GraphEntry, IOSpec
 from lantern_rt.engines.compat import EngineError, make_logger, require_tensorrt
-from lantern_rt.engines.plans import bundle_precision, device_info, engine_key, find_engines
+from lantern_rt.engines.plans import device_info, engine_key, find_engines
 from lantern_rt.errors import first_line
-from lantern_rt.export.bundle import load_manifest
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
@@ -33,19 +33,19 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 )
 
 
-def io_problems(engine_io: dict[str, dict[str, Any]], entry: dict[str, Any]) -> list[str]:
-    """How an engine's I/O tensors (name -> {"input", "shape", "dtype"}) differ from a manifest
-    graph entry's inputs and outputs: [] when they match."""
+def io_problems(engine_io: dict[str, dict[str, Any]], entry: GraphEntry) -> list[str]:
+    """How an engine's I/O tensors (name -> {"input", "shape", "dtype"}) differ from a bundle
+    graph's inputs and outputs: [] when they match."""
     problems = []
-    declared = [(spec, True) for spec in entry["inputs"]] + [(spec, False) for spec in entry["outputs"]]
+    declared = [(spec, True) for spec in entry.inputs] + [(spec, False) for spec in entry.outputs]
     for spec, is_input in declared:
-        got = engine_io.get(spec["name"])
-        want = {"input": is_input, "shape": spec["shape"], "dtype": spec["dtype"]}
+        got = engine_io.get(spec.name)
+        want = {"input": is_input, "shape": list(spec.shape), "dtype": spec.dtype}
         if got is None:
-            problems.append(f"the plan has no tensor {spec['name']}")
+            problems.append(f"the plan has no tensor {spec.name}")
         elif got != want:
-            problems.append(f"tensor {spec['name']} is {got} in the plan, {want} in the manifest")
-    extra = sorted(set(engine_io) - {spec["name"] for spec, _ in declared})
+            problems.append(f"tensor {spec.name} is {got} in the plan, {want} in the manifest")
+    extra = sorted(set(engine_io) - {spec.name for spec, _ in declared})
     problems += [f"the plan has an undeclared tensor {name}" for name in extra]
     return problems
 
@@ -67,7 +67,7 @@ class TrtGraph:
     """One bundle graph as a TensorRT engine (a :class:`GraphRunner`), on the current CUDA device."""
 
     def __init__(
-        self, trt: Any, runtime: Any, logger: Any, plan: Path, entry: dict[str, Any], cuda_graph: bool = True
+        self, trt: Any, runtime: Any, logger: Any, plan: Path, entry: GraphEntry, cuda_graph: bool = True
     ):
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._runtime, self._logger = runtime, logger  # TensorRT wants both to outlive the engine
@@ -82,7 +82,7 @@ class TrtGraph:
         if problems:
             raise EngineError(f"{plan} does not match the bundle's graph: {problems[0]}")
         self.context = self.engine.create_execution_context()
-        self.inputs, self.outputs = entry["inputs"], entry["outputs"]
+        self.inputs, self.outputs = entry.inputs, entry.outputs
         self.stream = torch.cuda.Stream(self.device)
         self._buffers = [self._empty(spec) for spec in self.inputs]
         self._bound: list[Tensor] = list(self._buffers)  # what each input is bound to (kept alive)
@@ -135,37 +135,32 @@ class TrtGraph:
         if not self.context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("TensorRT's execute_async_v3 failed (see its log above)")
 
-    def _in_place(self, arg: Tensor, spec: dict[str, Any]) -> bool:
+    def _in_place(self, arg: Tensor, spec: IOSpec) -> bool:
         """Whether ``arg`` can be bound as it is: on this GPU, of the graph's dtype, contiguous."""
-        return arg.device == self.device and arg.dtype == torch_dtype(spec["dtype"]) and arg.is_contiguous()
+        return arg.device == self.device and arg.dtype == torch_dtype(spec.dtype) and arg.is_contiguous()
 
-    def _empty(self, spec: dict[str, Any]) -> Tensor:
-        return torch.zeros(spec["shape"], dtype=torch_dtype(spec["dtype"]), device=self.device)
+    def _empty(self, spec: IOSpec) -> Tensor:
+        return torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
 
-    def _bind(self, spec: dict[str, Any], tensor: Tensor) -> None:
-        if not self.context.set_tensor_address(spec["name"], tensor.data_ptr()):
-            raise RuntimeError(f"TensorRT refused the address of {spec['name']}")
+    def _bind(self, spec: IOSpec, tensor: Tensor) -> None:
+        if not self.context.set_tensor_address(spec.name, tensor.data_ptr()):
+            raise RuntimeError(f"TensorRT refused the address of {spec.name}")
 
 
-def trt_runner(
-    bundle: str | Path, key: dict[str, str] | None = None, cuda_graphs: bool = True
-) -> RunnerFactory:
+def trt_runner(bundle: Bundle, key: dict[str, str] | None = None, cuda_graphs: bool = True) -> RunnerFactory:
     """A :data:`RunnerFactory` over the plans built for ``bundle`` on this GPU and TensorRT
     (``key``: :func:`~lantern_rt.engines.plans.engine_key`; default: this machine's).
     :class:`EngineError` when TensorRT, a GPU or matching plans are missing."""
     trt = require_tensorrt()
-    bundle = Path(bundle)
-    manifest = load_manifest(bundle)
     if key is None:
-        key = engine_key(device_info(), trt.__version__, bundle_precision(manifest))
+        key = engine_key(device_info(), trt.__version__, bundle.dtype)
     plans = find_engines(bundle, key)
-    by_file = {entry["file"]: name for name, entry in manifest["graphs"].items()}
     logger = make_logger(trt)
     runtime = trt.Runtime(logger)
 
-    def make(graph_bundle: Path, entry: dict[str, Any]) -> TrtGraph:
-        if Path(graph_bundle).resolve() != bundle.resolve():
-            raise EngineError(f"this TensorRT runner serves {bundle}, not {graph_bundle}")
-        return TrtGraph(trt, runtime, logger, plans[by_file[entry["file"]]], entry, cuda_graphs)
+    def make(graph_bundle: Bundle, entry: GraphEntry) -> TrtGraph:
+        if graph_bundle.path != bundle.path:
+            raise EngineError(f"this TensorRT runner serves {bundle.path}, not {graph_bundle.path}")
+        return TrtGraph(trt, runtime, logger, plans[entry.name], entry, cuda_graphs)
 
     return make

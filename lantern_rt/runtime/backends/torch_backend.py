@@ -8,13 +8,11 @@ from torch import Tensor
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
 from lantern_rt.runtime.drafting import (
-    CatchUp,
     Context,
-    DraftOutputs,
     DraftStep,
-    FilterInputs,
     Head,
     draft_plan,
     draft_tree,

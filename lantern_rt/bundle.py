@@ -1,0 +1,430 @@
+"""The bundle: fixed-shape ONNX graphs, ``manifest.json`` and the neighbour table, the contract
+between the exporter and every engine.
+
+The exporter (:mod:`lantern_rt.export`) and calibration write bundles through
+:func:`staged_bundle` and :func:`write_manifest`; everyone else reads one through
+:meth:`Bundle.open`, which checks the manifest against its schema, every file against its sha256
+and every graph's declared inputs and outputs against its ONNX file, once. The :class:`Bundle`
+it returns is passed down to backends, engines, calibration and the benchmark, which trust it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from lantern_rt.errors import LanternError
+from lantern_rt.fileio import replace_folder, sha256
+from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
+from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.models.neighbors import load_neighbors_file
+
+FORMAT = "lantern-rt-bundle"
+# 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
+# graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If)
+BUNDLE_VERSION = 5
+MANIFEST = "manifest.json"
+NULL_CAPTION = "null_caption.npy"
+NEIGHBORS = "neighbors.npy"
+ENGINES_DIR = "engines"  # TensorRT plans, per GPU and TensorRT version (not part of the bundle's files)
+DRAFT_GRAPH_PREFIX = "draft_tree_"
+PREFILL_GRAPH = "target_prefill"
+STEP_GRAPH_PREFIX = "target_step_"
+VQ_DECODE_GRAPH = "vq_decode"
+
+
+class BundleError(LanternError, ValueError):
+    """A bundle is missing, tampered with, malformed, or from another bundle version."""
+
+
+def draft_graph_name(index: int) -> str:
+    """The name of the drafting graph of a bundle's ``index``-th tree."""
+    return f"{DRAFT_GRAPH_PREFIX}{index}"
+
+
+def step_graph_name(tokens: int) -> str:
+    """The name of the target's step graph over ``tokens`` tokens (1: AR; N + 1: a verify step)."""
+    return f"{STEP_GRAPH_PREFIX}{tokens}"
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """One graph input or output as the manifest declares it: name, fixed shape, numpy dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One graph of the bundle: its ONNX file and its inputs and outputs, in call order."""
+
+    name: str
+    file: str
+    inputs: tuple[IOSpec, ...]
+    outputs: tuple[IOSpec, ...]
+
+    def input(self, name: str) -> IOSpec:
+        """The declared input called ``name``."""
+        return next(spec for spec in self.inputs if spec.name == name)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether this is a drafting graph (the drafter's catch-up and every tree level)."""
+        return self.name.startswith(DRAFT_GRAPH_PREFIX)
+
+
+@dataclass(frozen=True)
+class TreeEntry:
+    """A tree the bundle was exported for: its paths and the graph that drafts it (None when the
+    model has no drafter)."""
+
+    name: str
+    paths: tuple[tuple[int, ...], ...]
+    graph: str | None
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The fixed sizes every runtime needs (the manifest's ``constants``)."""
+
+    model_type: str
+    cls_token_num: int
+    block_size: int
+    grid_size: int
+    cache_capacity: int
+    vocab_size: int
+    hidden_size: int
+    step_sizes: tuple[int, ...]
+    drafter: bool
+    drafter_capacity: int
+    max_draft_width: int
+    neighbors_file: str
+    neighbors_k: int
+    null_class_id: int | None  # class-conditional models
+    null_caption_file: str | None  # text-conditional models
+
+
+class Bundle:
+    """An opened, verified bundle. Build one with :meth:`Bundle.open`."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]):
+        """``manifest`` must have passed :func:`parse_manifest`'s checks (use :meth:`open`)."""
+        self.path = path
+        self._manifest = manifest
+        self.format_version: int = manifest["bundle_version"]
+        self.dtype: str = manifest["dtype"]
+        self.opset: int = manifest["opset"]
+        self.versions: dict[str, str] = dict(manifest["versions"])
+        self.model_name: str = manifest["model_name"]
+        self.class_names: list[str] = list(manifest["class_names"])
+        self.image_size: int = manifest["image_size"]
+        self.sampling_defaults: dict[str, Any] = dict(manifest["sampling_defaults"])
+        self.files: dict[str, str] = dict(manifest["files"])
+        self.constants = _constants(manifest["constants"])
+        self.graphs: dict[str, GraphEntry] = {
+            name: GraphEntry(
+                name,
+                entry["file"],
+                tuple(_io_spec(s) for s in entry["inputs"]),
+                tuple(_io_spec(s) for s in entry["outputs"]),
+            )
+            for name, entry in manifest["graphs"].items()
+        }
+        self.trees: dict[str, TreeEntry] = {
+            name: TreeEntry(tree["name"], tuple(map(tuple, tree["paths"])), tree["graph"])
+            for name, tree in manifest["trees"].items()
+        }
+        self.gpt: GPTConfig = config_from_dict(GPTConfig, manifest["gpt"])
+        self.vq: VQConfig = config_from_dict(VQConfig, manifest["vq"])
+        self.manifest_sha256 = sha256(path / MANIFEST)
+        self._neighbors: Tensor | None = None
+
+    @classmethod
+    def open(cls, path: str | Path) -> Bundle:
+        """Open the bundle at ``path`` after checking its manifest's schema and version, every
+        file's sha256 and every graph's declared I/O against its ONNX file; :class:`BundleError`
+        says what is wrong."""
+        path = Path(path).resolve()
+        manifest = parse_manifest(_read_manifest(path), path)
+        _check_files(path, manifest)
+        try:
+            return cls(path, manifest)
+        except ConfigError as err:  # gpt/vq fields the configs refuse
+            raise BundleError(f"{path / MANIFEST}: {err}") from None
+
+    def manifest(self) -> dict[str, Any]:
+        """A copy of the manifest as JSON data (for writers that derive a new bundle from this one)."""
+        return copy.deepcopy(self._manifest)
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.constants.drafter
+
+    @property
+    def engines_dir(self) -> Path:
+        """Where TensorRT plans for this bundle live (see :mod:`lantern_rt.engines.plans`)."""
+        return self.path / ENGINES_DIR
+
+    def graph(self, name: str) -> GraphEntry:
+        """The graph called ``name``; :class:`BundleError` naming the ones it has otherwise."""
+        entry = self.graphs.get(name)
+        if entry is None:
+            raise BundleError(f"{self.path} has no graph {name!r}; it has {', '.join(self.graphs)}")
+        return entry
+
+    def file(self, entry: GraphEntry) -> Path:
+        """The ONNX file of a graph."""
+        return self.path / entry.file
+
+    def neighbors(self, k: int | None = None) -> Tensor:
+        """The latent-neighbour table [V, k] as int64 on the CPU: all its columns, or the first
+        ``k`` (:class:`BundleError` when it stores fewer). Read once."""
+        if self._neighbors is None:
+            self._neighbors = load_neighbors_file(self.path / self.constants.neighbors_file)
+        table = self._neighbors
+        if k is None:
+            return table
+        if table.shape[1] < k:
+            raise BundleError(
+                f"bundle {self.path} stores {table.shape[1]} neighbours per code, fewer than k={k}"
+            )
+        return table[:, :k]
+
+    def null_caption(self) -> np.ndarray:
+        """The unconditional caption features of a text-conditional bundle."""
+        if self.constants.null_caption_file is None:
+            raise BundleError(f"{self.path} is a class-conditional bundle: it has no null caption")
+        return np.load(self.path / self.constants.null_caption_file)
+
+    def model_info(self) -> ModelDir:
+        """Names, classes, geometry and sampling defaults, in the shape a model directory has
+        them (no weight files)."""
+        return ModelDir(
+            root=self.path,
+            raw={"name": self.model_name, "sampling_defaults": self.sampling_defaults},
+            gpt=self.gpt,
+            vq=self.vq,
+            files={},
+            image_size=self.image_size,
+            class_names=list(self.class_names),
+        )
+
+
+def _read_manifest(path: Path) -> Any:
+    file = path / MANIFEST
+    if not file.is_file():
+        raise BundleError(f"{path} is not a lantern-rt bundle: no {MANIFEST}")
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BundleError(f"{file} is not valid JSON: {err}") from None
+    except OSError as err:
+        raise BundleError(f"cannot read {file}: {err.strerror or err}") from None
+
+
+def _check_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Every listed file present and matching its sha256; every graph's I/O as its ONNX file declares."""
+    for name, digest in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise BundleError(f"{path}: {name} is missing")
+        if sha256(file) != digest:
+            raise BundleError(f"{path}: {name} does not match its sha256 in {MANIFEST} (modified?)")
+    for name, graph in manifest["graphs"].items():
+        inputs, outputs = io_specs(path / graph["file"])
+        if inputs != graph["inputs"] or outputs != graph["outputs"]:
+            raise BundleError(f"{path}: graph {name}'s inputs/outputs differ from {MANIFEST}")
+
+
+def io_specs(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """An ONNX graph's declared inputs and outputs in the manifest's form (name, shape, dtype)."""
+    import onnx  # only where a graph file is read
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as err:  # onnx raises DecodeError and others for a corrupt file
+        raise BundleError(f"{path} is not a readable ONNX graph ({type(err).__name__})") from None
+
+    def as_dict(value: Any) -> dict[str, Any]:
+        t = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        return {"name": value.name, "shape": [d.dim_value for d in t.shape.dim], "dtype": dtype}
+
+    return [as_dict(v) for v in graph.input], [as_dict(v) for v in graph.output]
+
+
+# -- the schema ---------------------------------------------------------------------------------
+
+_INT, _STR, _BOOL, _DICT, _LIST = int, str, bool, dict, list
+_TOP = {
+    "format": _STR,
+    "bundle_version": _INT,
+    "versions": _DICT,
+    "opset": _INT,
+    "dtype": _STR,
+    "model_name": _STR,
+    "gpt": _DICT,
+    "vq": _DICT,
+    "class_names": _LIST,
+    "image_size": _INT,
+    "constants": _DICT,
+    "sampling_defaults": _DICT,
+    "trees": _DICT,
+    "graphs": _DICT,
+    "files": _DICT,
+}
+_CONSTANTS = {
+    "model_type": _STR,
+    "cls_token_num": _INT,
+    "block_size": _INT,
+    "grid_size": _INT,
+    "cache_capacity": _INT,
+    "vocab_size": _INT,
+    "hidden_size": _INT,
+    "step_sizes": _LIST,
+    "drafter": _BOOL,
+    "drafter_capacity": _INT,
+    "max_draft_width": _INT,
+    "neighbors": _DICT,
+    "null_condition": _DICT,
+}
+_GRAPH = {"file": _STR, "inputs": _LIST, "outputs": _LIST}
+_IO = {"name": _STR, "shape": _LIST, "dtype": _STR}
+_TREE = {"name": _STR, "paths": _LIST}
+DTYPES = ("fp32", "fp16", "int8")
+
+
+def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[str, Any]:
+    """``manifest`` after checking it against the bundle schema (every field every reader
+    uses, with its type): :class:`BundleError` naming the first field that is wrong."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{where} is not a {FORMAT} manifest")
+    if manifest.get("bundle_version") != BUNDLE_VERSION:
+        raise BundleError(
+            f"{where} is bundle version {manifest.get('bundle_version')}; this lantern-rt reads "
+            f"version {BUNDLE_VERSION}: re-export it"
+        )
+    check = _checker(where)
+    check(manifest, _TOP, "")
+    if manifest["dtype"] not in DTYPES:
+        raise BundleError(f"{where}: dtype {manifest['dtype']!r} is none of {', '.join(DTYPES)}")
+    check(manifest["constants"], _CONSTANTS, "constants.")
+    c = manifest["constants"]
+    check(c["neighbors"], {"file": _STR, "k": _INT}, "constants.neighbors.")
+    _ints(c["step_sizes"], "constants.step_sizes", where)
+    null = c["null_condition"]
+    if not (isinstance(null.get("class_id"), int) or isinstance(null.get("file"), str)):
+        raise BundleError(f"{where}: constants.null_condition needs a class_id or a file")
+    for name, digest in manifest["files"].items():
+        if not isinstance(digest, str) or "/" in name or name.startswith("."):
+            raise BundleError(f"{where}: files.{name} is not a plain file name with a sha256")
+    for name, graph in manifest["graphs"].items():
+        check(graph, _GRAPH, f"graphs.{name}.")
+        if graph["file"] not in manifest["files"]:
+            raise BundleError(f"{where}: graph {name} names an unlisted file {graph['file']!r}")
+        for io in ("inputs", "outputs"):
+            for i, spec in enumerate(graph[io]):
+                check(spec, _IO, f"graphs.{name}.{io}[{i}].")
+                _ints(spec["shape"], f"graphs.{name}.{io}[{i}].shape", where)
+    for name, tree in manifest["trees"].items():
+        check(tree, _TREE, f"trees.{name}.")
+        if not all(isinstance(p, list) for p in tree["paths"]):
+            raise BundleError(f"{where}: trees.{name}.paths must be lists of child indices")
+        for p in tree["paths"]:
+            _ints(p, f"trees.{name}.paths", where)
+        graph = tree.get("graph")
+        if graph is not None and graph not in manifest["graphs"]:
+            raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
+        tree.setdefault("graph", None)
+    for required in (PREFILL_GRAPH, VQ_DECODE_GRAPH, *map(step_graph_name, c["step_sizes"])):
+        if required not in manifest["graphs"]:
+            raise BundleError(f"{where}: the bundle lacks its {required} graph")
+    return manifest
+
+
+def _checker(where: Path | str) -> Callable[[dict, dict, str], None]:
+    def check(obj: Any, fields: dict[str, type], prefix: str) -> None:
+        if not isinstance(obj, dict):
+            raise BundleError(f"{where}: {prefix.rstrip('.') or 'the manifest'} must be an object")
+        for key, kind in fields.items():
+            value = obj.get(key)
+            # bool is an int in Python: an int field must not hold true/false, nor the reverse
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise BundleError(f"{where}: {prefix}{key} must be a {kind.__name__}, got {value!r}"[:300])
+
+    return check
+
+
+def _ints(values: list, field: str, where: Path | str) -> None:
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise BundleError(f"{where}: {field} must hold non-negative integers")
+
+
+def _io_spec(spec: dict[str, Any]) -> IOSpec:
+    return IOSpec(spec["name"], tuple(spec["shape"]), spec["dtype"])
+
+
+def _constants(c: dict[str, Any]) -> Constants:
+    null = c["null_condition"]
+    return Constants(
+        model_type=c["model_type"],
+        cls_token_num=c["cls_token_num"],
+        block_size=c["block_size"],
+        grid_size=c["grid_size"],
+        cache_capacity=c["cache_capacity"],
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        step_sizes=tuple(c["step_sizes"]),
+        drafter=c["drafter"],
+        drafter_capacity=c["drafter_capacity"],
+        max_draft_width=c["max_draft_width"],
+        neighbors_file=c["neighbors"]["file"],
+        neighbors_k=c["neighbors"]["k"],
+        null_class_id=null.get("class_id"),
+        null_caption_file=null.get("file"),
+    )
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def staged_bundle(out: Path) -> Iterator[Path]:
+    """A temporary folder beside ``out`` to write a bundle into; renamed to ``out`` (replacing an
+    existing one) when the block succeeds, removed when it fails."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp made it private
+        replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest`` into the bundle ``folder`` with the sha256 of every other file in it,
+    after checking it against the schema (a writer's mistake fails here, not in a reader)."""
+    manifest = {**manifest, "format": FORMAT, "bundle_version": BUNDLE_VERSION}
+    manifest["files"] = {
+        p.name: sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
+    }
+    parse_manifest(copy.deepcopy(manifest), folder / MANIFEST)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))

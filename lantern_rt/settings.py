@@ -1,0 +1,134 @@
+"""What a run is asked to do, and the application defaults, in one place.
+
+The method and backend lists, :class:`MethodConfig`, and :func:`run_defaults`: the backend, method,
+tree and CFG scale a run gets for what it left unset. ``lantern generate``, ``lantern bench`` and
+``lantern calibrate`` (and the Python API) all resolve their settings here, so they agree.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lantern_rt.models.config import ConfigError
+
+if TYPE_CHECKING:  # torch-free at import: the command line reads the lists above for its --help
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.models.model_dir import ModelDir
+    from lantern_rt.runtime.acceptance import Relaxation
+
+METHODS = ("ar", "exact", "lantern", "lantern++")
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
+# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
+# on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
+# verify and drafting cost grow with its size there. GPUs, memory-bound at these sizes, should
+# favour the wide tree (not measured: no GPU yet).
+CPU_DEFAULT_TREE = "chain-5"
+GPU_DEFAULT_TREE = "naive_extend_57"
+# LlamaGen's own sampling scripts: class-conditional 4.0, text-conditional 7.5.
+CFG_SCALES = {"c2i": 4.0, "t2i": 7.5}
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """A decoding method and its parameters (ignored by ``ar``)."""
+
+    method: str = "ar"
+    tree: str = CPU_DEFAULT_TREE
+    k: int = 10
+    delta: float = 0.1
+    lam: float = 5.0
+    drafter: str | None = None  # an EAGLE-layout folder overriding the model's drafter
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+
+    def relaxation(self) -> Relaxation:
+        """The acceptance rule of this method (validates k, delta and lambda)."""
+        from lantern_rt.runtime.acceptance import Relaxation
+
+        if self.method == "lantern":
+            return Relaxation("lantern", k=self.k, delta=self.delta)
+        if self.method == "lantern++":
+            return Relaxation("lantern++", k=self.k, lam=self.lam)
+        return Relaxation("exact")
+
+    def params(self) -> dict[str, Any]:
+        """The parameters that matter for this method, for reports."""
+        if self.method == "ar":
+            return {}
+        extra = {
+            "lantern": {"k": self.k, "delta": self.delta},
+            "lantern++": {"k": self.k, "lambda": self.lam},
+        }
+        return {"tree": self.tree, **extra.get(self.method, {})}
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    """Settings resolved by :func:`run_defaults`."""
+
+    backend: str
+    method: str
+    tree: str
+    cfg_scale: float
+
+
+def default_cfg_scale(info: ModelDir) -> float:
+    """The model's ``sampling_defaults.cfg_scale``, else LlamaGen's default for its kind."""
+    scale = info.raw.get("sampling_defaults", {}).get("cfg_scale")
+    return float(scale) if scale is not None else CFG_SCALES[info.gpt.model_type]
+
+
+def default_backend(device: str, bundle: bool, drafter_override: bool) -> str:
+    """onnxruntime on a CPU (torch without onnxruntime, or for a ``--drafter`` override, which
+    bundles cannot hold); on a GPU: TensorRT for a bundle when it is installed, else torch for a
+    model directory and onnxruntime for a bundle."""
+    on_gpu = not device.startswith("cpu")
+    has_ort = importlib.util.find_spec("onnxruntime") is not None
+    if bundle:
+        if on_gpu and importlib.util.find_spec("tensorrt") is not None:
+            return "tensorrt"
+        return "onnxruntime"
+    if drafter_override or on_gpu or not has_ort:
+        return "torch"
+    return "onnxruntime"
+
+
+def runs_on_gpu(backend: str, device: str) -> bool:
+    """Whether a run on ``backend`` computes on a GPU (TensorRT always; the others by ``device``)."""
+    return backend == "tensorrt" or not device.startswith("cpu")
+
+
+def run_defaults(
+    source: ModelDir | Bundle,
+    *,
+    backend: str | None = None,
+    method: str | None = None,
+    tree: str | None = None,
+    cfg_scale: float | None = None,
+    device: str = "cpu",
+    drafter_override: bool = False,
+) -> RunDefaults:
+    """Fill in what the caller left as None for a run over a model directory or a bundle: the
+    backend from the device and what is installed (:func:`default_backend`), the method from
+    whether there is a drafter (lantern++, else ar), the tree from the bundle (its first) or
+    the backend's device (:data:`GPU_DEFAULT_TREE` on a GPU, :data:`CPU_DEFAULT_TREE` on a CPU),
+    and the CFG scale from the model (:func:`default_cfg_scale`)."""
+    from lantern_rt.bundle import Bundle
+
+    is_bundle = isinstance(source, Bundle)
+    info = source.model_info() if is_bundle else source
+    has_drafter = source.has_drafter if is_bundle else "drafter" in source.files or drafter_override
+    backend = backend or default_backend(device, is_bundle, drafter_override)
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    method = method or ("lantern++" if has_drafter else "ar")
+    if tree is None:
+        exported = list(source.trees) if is_bundle else []
+        on_gpu = runs_on_gpu(backend, device)
+        tree = exported[0] if exported else GPU_DEFAULT_TREE if on_gpu else CPU_DEFAULT_TREE
+    scale = default_cfg_scale(info) if cfg_scale is None else float(cfg_scale)
+    return RunDefaults(backend, method, tree, scale)

@@ -1,0 +1,91 @@
+"""Generation statistics: what a run measured, as a typed object and as the JSON users read.
+
+The meaning of the acceptance figures is in docs/method.md §7.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from lantern_rt.runtime.sampling import SamplingConfig
+
+
+@dataclass
+class GenerationStats:
+    """Timings and acceptance of one :func:`lantern_rt.generate.generate` call.
+
+    ``accepted`` holds the tokens each verify call committed, bonus included (1 for every AR
+    step), over all images in order; ``seconds_per_image`` the decode time of each image.
+    """
+
+    model: str
+    method: str
+    params: dict[str, Any]
+    tree: dict[str, Any] | None
+    backend: str
+    device: str
+    tokens_per_image: int
+    accepted: list[int]
+    seconds_per_image: list[float]
+    vq_decode_seconds: float
+    total_seconds: float
+    seed: int
+    sampling: SamplingConfig
+    labels: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)  # added by the caller (e.g. the output path)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.labels)
+
+    @property
+    def verify_calls(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def target_calls(self) -> int:
+        """Verify calls plus one prefill per image."""
+        return self.verify_calls + self.num_images
+
+    @property
+    def histogram(self) -> Counter[int]:
+        """Accepted length -> number of verify calls that committed that many tokens."""
+        return Counter(self.accepted)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per verify call, bonus included (tau; 1.0 for AR, 0 with no calls)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(self.seconds_per_image)
+
+    def to_json(self) -> dict[str, Any]:
+        """The statistics JSON of ``lantern generate --stats-json`` (histogram keys as strings)."""
+        histogram = self.histogram
+        return {
+            "model": self.model,
+            "method": self.method,
+            "params": self.params,
+            "tree": self.tree,
+            "backend": self.backend,
+            "device": self.device,
+            "num_images": self.num_images,
+            "tokens_per_image": self.tokens_per_image,
+            "target_calls": self.target_calls,
+            "verify_calls": self.verify_calls,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_length_histogram": {str(n): histogram[n] for n in sorted(histogram)},
+            "decode_seconds": self.decode_seconds,
+            "seconds_per_image": list(self.seconds_per_image),
+            "vq_decode_seconds": self.vq_decode_seconds,
+            "total_seconds": self.total_seconds,
+            "seed": self.seed,
+            "sampling": dataclasses.asdict(self.sampling),
+            "labels": list(self.labels),
+            **self.extra,
+        }
