@@ -165,7 +165,7 @@ class Bundle:
         try:
             return cls(path, manifest)
         except ConfigError as err:  # gpt/vq fields the configs refuse
-            raise BundleError(f"{path / MANIFEST}: {err}") from None
+            raise BundleError(f"{path}: {err}") from None
 
     def manifest(self) -> dict[str, Any]:
         """A copy of the manifest as JSON data (for writers that derive a new bundle from this one)."""
@@ -307,6 +307,7 @@ _GRAPH = {"file": _STR, "inputs": _LIST, "outputs": _LIST}
 _IO = {"name": _STR, "shape": _LIST, "dtype": _STR}
 _TREE = {"name": _STR, "paths": _LIST}
 DTYPES = ("fp32", "fp16", "int8")
+_KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
 
 def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[str, Any]:
@@ -365,7 +366,7 @@ def _checker(where: Path | str) -> Callable[[dict, dict, str], None]:
             value = obj.get(key)
             # bool is an int in Python: an int field must not hold true/false, nor the reverse
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise BundleError(f"{where}: {prefix}{key} must be a {kind.__name__}, got {value!r}"[:300])
+                raise BundleError(f"{where}: {prefix}{key} must be {_KIND_NAMES[kind]}, got {value!r}"[:300])
 
     return check
 

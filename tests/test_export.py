@@ -5,33 +5,32 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
-from lantern_rt.export import bundle as bundle_module
-from lantern_rt.export.bundle import (
+from lantern_rt.bundle import (
     BUNDLE_VERSION,
-    TOLERANCE,
+    MANIFEST,
+    Bundle,
     BundleError,
-    ExportError,
-    compare_with_torch,
-    export_bundle,
-    load_manifest,
-)
-from lantern_rt.export.checks import check_graph
-from lantern_rt.export.graphs import (
-    DrafterTree,
-    TargetPrefill,
-    TargetStep,
-    VQDecode,
+    IOSpec,
+    TreeEntry,
     draft_graph_name,
-    target_step_sizes,
 )
+from lantern_rt.export import bundle as bundle_module
+from lantern_rt.export.bundle import TOLERANCE, ExportError, compare_with_torch, export_bundle
+from lantern_rt.export.checks import check_graph
+from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetStep, VQDecode, target_step_sizes
+from lantern_rt.fileio import sha256
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import load_drafter, load_target, load_vq, open_model_dir
@@ -95,13 +94,19 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
     return {name: shared_bundle(tmp_path_factory, name) for name in BUNDLES}
 
 
+@pytest.fixture(scope="module")
+def opened(bundles) -> dict[str, Bundle]:
+    """Each of BUNDLES opened (and so verified) once."""
+    return {name: Bundle.open(path) for name, path in bundles.items()}
+
+
 @pytest.mark.parametrize("name", BUNDLES)
-def test_every_graph_passes_the_checks(bundles, name):
-    manifest = load_manifest(bundles[name])
+def test_every_graph_passes_the_checks(opened, name):
+    bundle = opened[name]
     _, _, trees, with_drafter = BUNDLES[name]
-    assert set(manifest["graphs"]) == graph_names(trees, with_drafter)
-    for graph in manifest["graphs"].values():
-        assert check_graph(bundles[name] / graph["file"]) == []
+    assert set(bundle.graphs) == graph_names(trees, with_drafter)
+    for entry in bundle.graphs.values():
+        assert check_graph(bundle.file(entry)) == []
 
 
 def test_graph_shapes_follow_the_trees():
@@ -113,7 +118,7 @@ def test_graph_shapes_follow_the_trees():
 
 
 @pytest.mark.parametrize("name", BUNDLES)
-def test_every_graph_matches_torch(bundles, name):
+def test_every_graph_matches_torch(bundles, opened, name):
     _, dtype, trees, with_drafter = BUNDLES[name]
     md = open_model_dir(bundles[name].parent / f"{name}-model")
     target, vq = load_target(md), load_vq(md)
@@ -125,7 +130,7 @@ def test_every_graph_matches_torch(bundles, name):
     if with_drafter:
         drafter = load_drafter(md)
         low_drafter = drafter if dtype == "fp32" else copy.deepcopy(drafter).half()
-        cap = load_manifest(bundles[name])["constants"]["drafter_capacity"]
+        cap = opened[name].constants.drafter_capacity
         pairs += [
             (
                 DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
@@ -140,11 +145,12 @@ def test_every_graph_matches_torch(bundles, name):
         assert all(err <= atol + rtol * scale for err, scale in errors.values()), (module.spec.name, errors)
 
 
-def test_declared_shapes_and_dtypes(bundles):
-    graphs = load_manifest(bundles["t2i-gqa-fp16"])["graphs"]
+def test_declared_shapes_and_dtypes(opened):
+    graphs = opened["t2i-gqa-fp16"].graphs
+    assert all(entry.name == g and entry.file == f"{g}.onnx" for g, entry in graphs.items())
     shapes = {
-        g: {t["name"]: (t["shape"], t["dtype"]) for t in graphs[g]["inputs"] + graphs[g]["outputs"]}
-        for g in graphs
+        g: {t.name: (list(t.shape), t.dtype) for t in entry.inputs + entry.outputs}
+        for g, entry in graphs.items()
     }
     kv = [2, 2, 2]  # n_layer, CFG rows, kv heads
     assert shapes["target_prefill"] == {
@@ -184,41 +190,67 @@ def test_declared_shapes_and_dtypes(bundles):
         "new_k": ([*drafter_kv, 2, 8], "float16"),
         "new_v": ([*drafter_kv, 2, 8], "float16"),
     }
+    raw = opened["t2i-gqa-fp16"].manifest()["graphs"]
+    for g, entry in graphs.items():  # the typed specs are the manifest's JSON
+        assert [t.to_json() for t in entry.inputs] == raw[g]["inputs"], g
+        assert [t.to_json() for t in entry.outputs] == raw[g]["outputs"], g
+    assert graphs["vq_decode"].input("codes") == IOSpec("codes", (1, 16), "int64")
 
 
-def test_manifest_describes_the_bundle(bundles):
-    path = bundles["t2i-gqa-fp16"]
-    manifest = load_manifest(path)
+def test_manifest_describes_the_bundle(bundles, opened):
+    path, bundle = bundles["t2i-gqa-fp16"], opened["t2i-gqa-fp16"]
+    manifest = bundle.manifest()
+    assert manifest == json.loads((path / MANIFEST).read_text())
+    assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
     assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 5
-    assert manifest["dtype"] == "fp16" and manifest["opset"] == 18
-    assert set(manifest["versions"]) == {"lantern_rt", "torch", "onnx"}
-    assert manifest["gpt"]["n_kv_head"] == 2 and manifest["vq"]["codebook_size"] == 64
-    assert manifest["class_names"] == ["a", "b", "c", "d", "e"] and manifest["image_size"] == 8
-    assert manifest["sampling_defaults"] == {"cfg_scale": 2.0}
-    constants = manifest["constants"]
-    assert constants["cache_capacity"] == 19 and constants["step_sizes"] == [1, 2]
-    assert constants["drafter"] and constants["drafter_capacity"] == 16 and constants["max_draft_width"] == 10
+    assert bundle.format_version == BUNDLE_VERSION
+    assert bundle.dtype == "fp16" and bundle.opset == 18
+    assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
+    assert bundle.gpt.n_kv_head == 2 and bundle.vq.codebook_size == 64
+    assert bundle.class_names == ["a", "b", "c", "d", "e"] and bundle.image_size == 8
+    assert bundle.sampling_defaults == {"cfg_scale": 2.0}
+    constants = bundle.constants
+    assert constants.cache_capacity == 19 and constants.step_sizes == (1, 2)
+    assert constants.drafter and constants.drafter_capacity == 16 and constants.max_draft_width == 10
+    assert bundle.has_drafter
     assert manifest["trees"] == {"chain-1": {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0"}}
+    paths = tuple(map(tuple, tree_to_json(load_tree("chain-1"))["paths"]))
+    assert bundle.trees == {"chain-1": TreeEntry("chain-1", paths, "draft_tree_0")}
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
-    assert set(manifest["files"]) == on_disk
-    null = np.load(path / manifest["constants"]["null_condition"]["file"])
+    assert set(bundle.files) == on_disk
+    assert constants.null_caption_file == "null_caption.npy" and constants.null_class_id is None
+    null = np.load(path / constants.null_caption_file)
     target = load_target(open_model_dir(path.parent / "t2i-gqa-fp16-model"))
     np.testing.assert_array_equal(null, target.null_condition.numpy())
-    c2i = load_manifest(bundles["c2i-fp32"])
-    assert c2i["constants"]["null_condition"] == {"class_id": 5}
-    assert not c2i["constants"]["drafter"] and c2i["trees"]["mc_sim_7b_63"]["graph"] is None
-    assert all(err < 1e-4 for g in c2i["graphs"].values() for err in g["max_abs_err"].values())
+    np.testing.assert_array_equal(bundle.null_caption(), null)
+    manifest["constants"]["vocab_size"] = 0  # a copy: the bundle keeps its own
+    assert bundle.manifest()["constants"]["vocab_size"] == bundle.constants.vocab_size == 64
+    c2i = opened["c2i-fp32"]
+    assert c2i.manifest()["constants"]["null_condition"] == {"class_id": 5}
+    assert c2i.constants.null_class_id == 5 and c2i.constants.null_caption_file is None
+    with pytest.raises(BundleError, match="is a class-conditional bundle: it has no null caption"):
+        c2i.null_caption()
+    assert not c2i.constants.drafter and not c2i.has_drafter and c2i.trees["mc_sim_7b_63"].graph is None
+    graphs = c2i.manifest()["graphs"]
+    assert all(err < 1e-4 for g in graphs.values() for err in g["max_abs_err"].values())
 
 
 @pytest.mark.parametrize("name", BUNDLES)
-def test_neighbour_table_is_the_codebook_s(bundles, name):
-    """Every other code, nearest first, stored as uint16 (k = min(1000, V - 1))."""
-    constants = load_manifest(bundles[name])["constants"]
-    assert constants["neighbors"] == {"file": "neighbors.npy", "k": 63}
+def test_neighbour_table_is_the_codebook_s(bundles, opened, name):
+    """Every other code, nearest first, stored as uint16 (k = min(1000, V - 1)); read as int64."""
+    constants = opened[name].constants
+    assert (constants.neighbors_file, constants.neighbors_k) == ("neighbors.npy", 63)
+    assert opened[name].manifest()["constants"]["neighbors"] == {"file": "neighbors.npy", "k": 63}
     table = np.load(bundles[name] / "neighbors.npy")
     assert table.dtype == np.uint16
     vq = load_vq(open_model_dir(bundles[name].parent / f"{name}-model"))
     np.testing.assert_array_equal(table, latent_neighbors(vq.quantize.codebook(), 63).numpy())
+    full, first = opened[name].neighbors(), opened[name].neighbors(10)
+    assert full.dtype == first.dtype == torch.int64 and full.shape == (64, 63) and first.shape == (64, 10)
+    np.testing.assert_array_equal(full.numpy(), table)
+    assert torch.equal(first, full[:, :10])
+    with pytest.raises(BundleError, match="stores 63 neighbours per code, fewer than k=64"):
+        opened[name].neighbors(64)
 
 
 def tampered(bundles, tmp_path) -> Path:
@@ -227,13 +259,28 @@ def tampered(bundles, tmp_path) -> Path:
     return copy_
 
 
+def edit_manifest(path: Path, edit: Callable[[dict[str, Any]], object]) -> None:
+    """Apply ``edit`` to the bundle's manifest.json in place (its sha256 is nowhere recorded)."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_an_untouched_copy_opens(bundles, tmp_path):
+    """The copy the tamper tests break is a valid bundle before they break it."""
+    bundle = Bundle.open(tampered(bundles, tmp_path))
+    assert bundle.path == (tmp_path / "copy").resolve() and set(bundle.graphs) == set(
+        bundle.manifest()["graphs"]
+    )
+
+
 def test_modified_graph_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
     data = bytearray((path / "target_step_1.onnx").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (path / "target_step_1.onnx").write_bytes(bytes(data))
     with pytest.raises(BundleError, match="target_step_1.onnx does not match its sha256"):
-        load_manifest(path)
+        Bundle.open(path)
 
 
 def test_edited_manifest_is_refused(bundles, tmp_path):
@@ -242,27 +289,88 @@ def test_edited_manifest_is_refused(bundles, tmp_path):
     manifest["graphs"]["target_step_26"]["outputs"][0]["shape"] = [2, 5, 64]
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="target_step_26's inputs/outputs differ"):
-        load_manifest(path)
+        Bundle.open(path)
     manifest["bundle_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match="bundle version 99"):
-        load_manifest(path)
+    with pytest.raises(BundleError, match=rf"^{re.escape(str(path.resolve()))} is bundle version 99"):
+        Bundle.open(path)
     (path / "manifest.json").write_text("{")
-    with pytest.raises(BundleError, match="not valid JSON"):
-        load_manifest(path)
+    with pytest.raises(BundleError, match=rf"^{re.escape(str(path.resolve() / MANIFEST))} is not valid JSON"):
+        Bundle.open(path)
     (path / "manifest.json").unlink()
     with pytest.raises(BundleError, match="no manifest.json"):
-        load_manifest(path)
+        Bundle.open(path)
 
 
 def test_missing_file_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
     (path / "vq_decode.onnx").unlink()
     with pytest.raises(BundleError, match="vq_decode.onnx is missing"):
-        load_manifest(path)
+        Bundle.open(path)
 
 
-def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, tmp_path):
+def _set(keys: tuple[str, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(manifest: dict[str, Any]) -> None:
+        obj = manifest
+        for key in keys[:-1]:
+            obj = obj[key]
+        obj[keys[-1]] = value
+
+    return edit
+
+
+# a manifest field of the wrong type or value -> what BundleError says (after the bundle's path)
+SCHEMA_ERRORS = {
+    "vocab_size-a-string": (
+        ("constants", "vocab_size"),
+        "64",
+        r"constants\.vocab_size must be an integer, got '64'",
+    ),
+    "int-a-bool": (
+        ("constants", "cls_token_num"),
+        True,
+        r"constants\.cls_token_num must be an integer, got True",
+    ),
+    "inputs-not-a-list": (
+        ("graphs", "target_prefill", "inputs"),
+        {"name": "cond"},
+        r"graphs\.target_prefill\.inputs must be a list",
+    ),
+    "tree-names-a-missing-graph": (
+        ("trees", "mc_sim_7b_63", "graph"),
+        "draft_tree_0",
+        r"tree mc_sim_7b_63 names a missing graph 'draft_tree_0'",
+    ),
+    "dtype-int4": (("dtype",), "int4", r"dtype 'int4' is none of fp32, fp16, int8"),
+    "gpt-field-a-string": (("gpt", "n_layer"), "2", r"GPTConfig\.n_layer must be int, got '2'"),
+    "vq-field-a-float": (
+        ("vq", "encoder_ch_mult"),
+        [1, 1.5],
+        r"VQConfig\.encoder_ch_mult must be list\[int\], got \[1, 1\.5\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("keys, value, message", SCHEMA_ERRORS.values(), ids=SCHEMA_ERRORS)
+def test_manifest_schema_is_checked(bundles, tmp_path, keys, value, message):
+    path = tampered(bundles, tmp_path)
+    edit_manifest(path, _set(keys, value))
+    with pytest.raises(BundleError, match=rf"^{re.escape(str(path.resolve()))}: {message}"):
+        Bundle.open(path)
+
+
+def test_graph_file_that_is_not_onnx_is_refused(bundles, tmp_path):
+    """A listed file with the right sha256 that onnx cannot parse: BundleError, not onnx's own."""
+    path = tampered(bundles, tmp_path)
+    (path / "target_step_1.onnx").write_bytes(b"not an onnx graph")
+    edit_manifest(
+        path, lambda m: m["files"].update({"target_step_1.onnx": sha256(path / "target_step_1.onnx")})
+    )
+    with pytest.raises(BundleError, match=r"target_step_1\.onnx is not a readable ONNX graph"):
+        Bundle.open(path)
+
+
+def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, opened, tmp_path):
     from click.testing import CliRunner
 
     from lantern_rt.cli import main
@@ -275,10 +383,12 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, tmp_
     rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
     assert ("target_step_1", "out", "hidden", "float16", "[2, 1, 32]") in rows
-    manifest = load_manifest(bundles["t2i-gqa-fp16"])
-    assert len(rows) == sum(len(g["inputs"]) + len(g["outputs"]) for g in manifest["graphs"].values())
+    graphs = opened["t2i-gqa-fp16"].graphs
+    assert len(rows) == sum(len(g.inputs) + len(g.outputs) for g in graphs.values())
     result = CliRunner().invoke(main, ["inspect", str(bundles["t2i-gqa-fp16"]), "--graph", "nope"])
-    assert result.exit_code == 2 and result.output.startswith("error: no graph 'nope'")
+    assert result.exit_code == 2 and result.output.startswith(
+        f"error: {bundles['t2i-gqa-fp16'].resolve()} has no graph 'nope'; it has "
+    )
     path = tampered(bundles, tmp_path)
     (path / "vq_decode.onnx").unlink()
     result = CliRunner().invoke(main, ["inspect", str(path)])

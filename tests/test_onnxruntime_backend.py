@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from lantern_rt.export.bundle import BundleError, load_manifest
+from lantern_rt.bundle import Bundle, BundleError
 from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, BundleVQDecoder
 from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, ort_runner
@@ -21,16 +21,16 @@ COND = torch.tensor([2, 5])  # class 2, null class
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return shared_bundle(tmp_path_factory, "c2i-fp32")
+def bundle(tmp_path_factory) -> Bundle:
+    return Bundle.open(shared_bundle(tmp_path_factory, "c2i-fp32"))
 
 
 @pytest.fixture(scope="module")
 def model_dir(bundle):
-    return open_model_dir(bundle.parent / "c2i-fp32-model")
+    return open_model_dir(bundle.path.parent / "c2i-fp32-model")
 
 
-def backends(bundle, model_dir) -> tuple[BundleTarget, TorchTarget]:
+def backends(bundle: Bundle, model_dir) -> tuple[BundleTarget, TorchTarget]:
     return BundleTarget(bundle, ort_runner(threads=1), "onnxruntime"), TorchTarget(load_target(model_dir))
 
 
@@ -47,7 +47,7 @@ def test_greedy_decoding_matches_torch(bundle, model_dir):
 
 def test_a_bundle_without_drafter_refuses_a_drafter(bundle):
     """c2i-fp32 has trees but no drafter: AR and tree verification work, drafting does not."""
-    assert not load_manifest(bundle)["constants"]["drafter"]
+    assert not bundle.constants.drafter and not bundle.has_drafter and bundle.trees
     with pytest.raises(
         BundleError, match="has no drafter graphs; export it from a model directory with a drafter"
     ):
@@ -107,9 +107,9 @@ def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
 
 def test_fp16_text_bundle_follows_torch(tmp_path_factory):
     """t2i with GQA in fp16: fp16 caches bound in place, logits close to the fp32 model."""
-    bundle = shared_bundle(tmp_path_factory, "t2i-gqa-fp16")
+    bundle = Bundle.open(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"))
     ours = BundleTarget(bundle, ort_runner(threads=1), "onnxruntime")
-    reference = TorchTarget(load_target(open_model_dir(bundle.parent / "t2i-gqa-fp16-model")))
+    reference = TorchTarget(load_target(open_model_dir(bundle.path.parent / "t2i-gqa-fp16-model")))
     caption = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
     cond = torch.stack([caption, reference.model.null_condition])
     assert ours.cache.k.dtype == torch.float16

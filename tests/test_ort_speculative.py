@@ -3,22 +3,22 @@ drafter exported to one fp32 bundle: drafting graphs, and LANTERN++ decoding, gr
 
 from __future__ import annotations
 
+import json
 import shutil
-from pathlib import Path
 
 import onnx
 import pytest
 import torch
 
+from lantern_rt.bundle import MANIFEST, Bundle, BundleError
 from lantern_rt.engines.conditionals import has_conditionals, without_conditionals
-from lantern_rt.export.bundle import BundleError, load_manifest
 from lantern_rt.export.checks import check_graph
+from lantern_rt.fileio import sha256
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_target, open_model_dir
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     BundleTarget,
-    bundle_neighbors,
     bundle_trees,
     torch_dtype,
 )
@@ -40,32 +40,31 @@ RELAX = Relaxation("lantern++", k=5, lam=5.0)
 
 
 @pytest.fixture(scope="module")
-def bundle(models, tmp_path_factory) -> Path:  # noqa: F811
+def bundle(models, tmp_path_factory) -> Bundle:  # noqa: F811
     target, drafter = models
     path = tmp_path_factory.mktemp("speculative") / "bundle"
-    return make_bundle(path, target, tiny_vq(), drafter, TREES, "fp32")
+    return Bundle.open(make_bundle(path, target, tiny_vq(), drafter, TREES, "fp32"))
 
 
 @pytest.fixture(scope="module")
 def model_dir(bundle) -> ModelDir:
-    return open_model_dir(bundle.with_name("bundle-model"))
+    return open_model_dir(bundle.path.with_name("bundle-model"))
 
 
-def torch_drafter(bundle: Path, md: ModelDir) -> TorchDrafter:
+def torch_drafter(bundle: Bundle, md: ModelDir) -> TorchDrafter:
     """The reference drafter with the bundle's drafter capacity."""
-    capacity = load_manifest(bundle)["constants"]["drafter_capacity"]
-    return TorchDrafter(load_drafter(md), load_target(md).output, capacity)
+    return TorchDrafter(load_drafter(md), load_target(md).output, bundle.constants.drafter_capacity)
 
 
 def test_drafter_graphs_pass_the_checks(bundle):
-    manifest = load_manifest(bundle)
-    assert set(manifest["graphs"]) == graph_names(TREES, with_drafter=True)
-    assert manifest["constants"]["drafter_capacity"] == 16
-    for name, graph in manifest["graphs"].items():
-        assert check_graph(bundle / graph["file"]) == [], name
-        assert all(err < 1e-4 for err in graph["max_abs_err"].values()), name
-    for name, tree in manifest["trees"].items():  # the top-k/top-p sort runs only when asked for
-        nodes = onnx.load(str(bundle / manifest["graphs"][tree["graph"]]["file"])).graph.node
+    assert set(bundle.graphs) == graph_names(TREES, with_drafter=True)
+    assert bundle.has_drafter and bundle.constants.drafter_capacity == 16
+    raw = bundle.manifest()["graphs"]
+    for name, entry in bundle.graphs.items():
+        assert check_graph(bundle.file(entry)) == [], name
+        assert all(err < 1e-4 for err in raw[name]["max_abs_err"].values()), name
+    for name, tree in bundle.trees.items():  # the top-k/top-p sort runs only when asked for
+        nodes = onnx.load(str(bundle.file(bundle.graph(tree.graph)))).graph.node
         assert sum(node.op_type == "If" for node in nodes) == load_tree(name).max_depth, name
     assert bundle_trees(bundle) == {name: load_tree(name) for name in TREES}
 
@@ -73,12 +72,15 @@ def test_drafter_graphs_pass_the_checks(bundle):
 def test_drafting_graphs_run_on_one_thread(bundle):
     """Their ops are too small to split; the target's graphs get the threads asked for."""
     make = ort_runner(threads=2)
-    graphs = load_manifest(bundle)["graphs"]
+    graphs = bundle.graphs
     threads = {
         name: make(bundle, entry).session.get_session_options().intra_op_num_threads
         for name, entry in graphs.items()
     }
     assert threads == {name: 1 if name.startswith("draft_tree_") else 2 for name in graphs}
+    assert {name for name, entry in graphs.items() if entry.drafting} == {
+        name for name in graphs if name.startswith("draft_tree_")
+    }
     assert sum(n == 1 for n in threads.values()) == len(TREES)
 
 
@@ -128,7 +130,7 @@ def reachable(tree, valid: torch.Tensor) -> torch.Tensor:
 def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
     """Same tokens, same accepted lengths per verify call, on both backends: greedy, and sampled
     from the same random stream (drafts, acceptance and bonus tokens all use it)."""
-    neighbors = bundle_neighbors(bundle)
+    neighbors = bundle.neighbors()
     reference = TorchTarget(load_target(model_dir))
     results = []
     for target, drafter in (
@@ -175,7 +177,7 @@ def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tm
         [
             *common,
             "--bundle",
-            str(bundle),
+            str(bundle.path),
             "-o",
             str(tmp_path / "a.png"),
             "--stats-json",
@@ -210,19 +212,25 @@ def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tm
 def test_drafting_graph_without_its_ifs_computes_the_same(bundle, tmp_path, top_k, top_p):
     """What TensorRT parses (each If replaced by its then-branch, the filter) gives the same
     draft on onnxruntime as the graph with its Ifs, with top-k/top-p off and on."""
-    manifest = load_manifest(bundle)
-    entry = manifest["graphs"][manifest["trees"]["chain-5"]["graph"]]
-    with without_conditionals(bundle / entry["file"]) as path:
+    entry = bundle.graph(bundle.trees["chain-5"].graph)
+    copy = tmp_path / "inlined"  # the bundle with this graph's Ifs inlined
+    shutil.copytree(bundle.path, copy)
+    with without_conditionals(bundle.file(entry)) as path:
         inlined = onnx.load(str(path))
-        shutil.copy(path, tmp_path / entry["file"])
-    assert not has_conditionals(inlined.graph) and check_graph(tmp_path / entry["file"]) == []
+        shutil.copy(path, copy / entry.file)
+    assert not has_conditionals(inlined.graph) and check_graph(copy / entry.file) == []
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"][entry.file] = sha256(copy / entry.file)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    inlined_bundle = Bundle.open(copy)  # the inlined graph declares the same inputs and outputs
+    assert inlined_bundle.graph(entry.name) == entry
     g = torch.Generator().manual_seed(0)
     args = []
-    for spec in entry["inputs"]:
-        shape, name = spec["shape"], spec["name"]
+    for spec in entry.inputs:
+        shape, name = spec.shape, spec.name
         settings = {"cfg_scale": 2.0, "temperature": 0.8, "top_k": top_k, "top_p": top_p}
         if name in settings:
-            args.append(torch.tensor([settings[name]], dtype=torch_dtype(spec["dtype"])))
+            args.append(torch.tensor([settings[name]], dtype=torch_dtype(spec.dtype)))
         elif name == "mask":
             args.append(torch.ones(shape, dtype=torch.bool))
         elif name in ("tokens", "positions"):
@@ -232,7 +240,7 @@ def test_drafting_graph_without_its_ifs_computes_the_same(bundle, tmp_path, top_
                 torch.rand(shape, generator=g) if name == "noise" else torch.randn(shape, generator=g)
             )
     make = ort_runner(threads=1)
-    got = [t.clone() for t in make(tmp_path, entry)(*args)]
+    got = [t.clone() for t in make(inlined_bundle, inlined_bundle.graph(entry.name))(*args)]
     want = make(bundle, entry)(*args)
     assert (want[2][0] == 0).any() == (top_k > 0)  # the root's q: the filter ran or not
     for a, b in zip(got, want, strict=True):

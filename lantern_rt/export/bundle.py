@@ -55,10 +55,6 @@ class ExportError(LanternError, ValueError):
     """A graph could not be exported, broke a rule, or disagrees with the torch model."""
 
 
-class BundleError(ValueError):
-    """A bundle is missing, tampered with, or from another bundle version."""
-
-
 def export_bundle(
     model_dir: ModelDir,
     out: Path,

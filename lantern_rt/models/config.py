@@ -136,11 +136,31 @@ def _preset_values(kind: str, presets: dict[str, dict[str, Any]], preset: str | 
     return dict(presets[preset])
 
 
+def _is_number(value: Any, kinds: tuple[type, ...]) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+# a field's annotation -> whether a JSON value fits it
+_FITS = {
+    "int": lambda v: _is_number(v, (int,)),
+    "int | None": lambda v: v is None or _is_number(v, (int,)),
+    "float": lambda v: _is_number(v, (int, float)),
+    "float | None": lambda v: v is None or _is_number(v, (int, float)),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "list[int]": lambda v: isinstance(v, list) and all(_is_number(x, (int,)) for x in v),
+}
+
+
 def _build(cls: type, values: dict[str, Any]) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"unknown {cls.__name__} fields: {', '.join(unknown)}")
+    for name, value in values.items():
+        annotation = str(fields[name].type)
+        if not _FITS[annotation](value):
+            raise ConfigError(f"{cls.__name__}.{name} must be {annotation}, got {value!r}"[:300])
     try:
         return cls(**values)
     except TypeError as exc:
