@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from lantern_rt.bundle import Bundle
 from lantern_rt.calibration.calibrate import MAX_SAMPLES_PER_GRAPH, Recorder, qdq_problems, spread_labels
 from lantern_rt.cli import main
-from lantern_rt.export.checks import check_graph
 from lantern_rt.fileio import sha256
+from lantern_rt.graph_rules import check_graph
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle

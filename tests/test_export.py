@@ -28,9 +28,9 @@ from lantern_rt.bundle import (
 )
 from lantern_rt.export import bundle as bundle_module
 from lantern_rt.export.bundle import TOLERANCE, ExportError, compare_with_torch, export_bundle
-from lantern_rt.export.checks import check_graph
 from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetStep, VQDecode, target_step_sizes
 from lantern_rt.fileio import sha256
+from lantern_rt.graph_rules import check_graph
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import load_drafter, load_target, load_vq, open_model_dir

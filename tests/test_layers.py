@@ -506,6 +506,11 @@ RULES = [
         _forbidding("runtime", "export", "engines", "calibration", "eval", "training", "generate", "cli"),
         required=f"{PKG}.bundle",
     ),
+    Rule(
+        "only-the-cli-and-generate-export",  # calibration writes through lantern_rt.bundle
+        lambda m: not _under(m, f"{PKG}.export") and m not in (f"{PKG}.cli", f"{PKG}.generate"),
+        lambda target: _under(target, f"{PKG}.export"),
+    ),
 ]
 
 

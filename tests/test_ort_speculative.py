@@ -12,8 +12,8 @@ import torch
 
 from lantern_rt.bundle import MANIFEST, Bundle, BundleError
 from lantern_rt.engines.conditionals import has_conditionals, without_conditionals
-from lantern_rt.export.checks import check_graph
 from lantern_rt.fileio import sha256
+from lantern_rt.graph_rules import check_graph
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_target, open_model_dir
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.bundle_graphs import (

@@ -29,8 +29,8 @@ from torch import Tensor
 from lantern_rt.bundle import VQ_DECODE_GRAPH, Bundle, GraphEntry, io_specs, staged_bundle, write_manifest
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
-from lantern_rt.export.checks import check_graph, node_subgraphs
 from lantern_rt.generate import Pipeline, bundle_pipeline, generate, speculation
+from lantern_rt.graph_rules import check_graph, node_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, GraphRunner, RunnerFactory, bundle_trees
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
 from lantern_rt.runtime.sampling import SamplingConfig

@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from lantern_rt.bundle import NEIGHBORS, NULL_CAPTION, draft_graph_name, staged_bundle, write_manifest
 from lantern_rt.errors import LanternError, first_line
-from lantern_rt.export.checks import MAX_OPSET, MIN_OPSET, check_graph
 from lantern_rt.export.graphs import (
     DrafterTree,
     GraphModule,
@@ -34,6 +33,7 @@ from lantern_rt.export.graphs import (
     cache_capacity,
     target_step_sizes,
 )
+from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph
 from lantern_rt.models.config import to_dict
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq

@@ -1,4 +1,5 @@
-"""Lint an exported ONNX graph against the rules TensorRT 10.3 (JetPack 6) and the runtime need.
+"""The rules every bundle graph keeps, for TensorRT 10.3 (JetPack 6) and the runtime: a lint for
+ONNX graphs, used by the exporter and by calibration on the graphs they write.
 
 :func:`check_graph` returns human-readable violations; an empty list means the graph is fine.
 """
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 from onnx import TensorProto
 
-from lantern_rt.export.graphs import GraphSpec
+if TYPE_CHECKING:
+    from lantern_rt.export.graphs import GraphSpec
 
 MIN_OPSET, MAX_OPSET = 17, 20  # TensorRT 10.3 parses opsets up to 20
 SCATTER_OPS = {"Scatter", "ScatterElements", "ScatterND"}
