@@ -34,7 +34,7 @@ from lantern_rt.graph_rules import check_graph, node_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, GraphRunner, RunnerFactory, bundle_trees
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig, default_cfg_scale
+from lantern_rt.settings import MethodConfig, default_cfg_scale, run_defaults
 from lantern_rt.stats import GenerationStats
 
 UNQUANTIZED = (VQ_DECODE_GRAPH,)  # convolutions run once per image; kept fp32
@@ -295,7 +295,7 @@ def calibrate_bundle(
         raise CalibrationError(f"the int8 bundle must go elsewhere than {bundle.path}")
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
-    method = method or MethodConfig("lantern++" if bundle.has_drafter else "ar")
+    method = method or MethodConfig(run_defaults(bundle).method)
     recorder = record_inputs(bundle, samples, method, seed, threads, progress)
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp)

@@ -19,7 +19,7 @@ from lantern_rt.errors import LanternError
 from lantern_rt.runtime.sampling import categorical
 from lantern_rt.runtime.tree import StaticTree
 
-METHODS = ("exact", "lantern", "lantern++")
+RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of settings.METHODS
 
 
 class AcceptanceError(LanternError, ValueError):
@@ -37,9 +37,9 @@ class Relaxation:
     lam: float = 1.0  # LANTERN++ lambda >= 1
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if self.method not in RELAXATIONS:
             raise AcceptanceError(
-                f"relaxation method must be one of {', '.join(METHODS)}, got {self.method!r}"
+                f"relaxation method must be one of {', '.join(RELAXATIONS)}, got {self.method!r}"
             )
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
             raise AcceptanceError(f"neighbour count k must be an integer >= 0, got {self.k!r}")
