@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import json
 import os
 import sys
@@ -38,6 +37,7 @@ from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
 from lantern_rt.settings import BACKENDS, MethodConfig
 from lantern_rt.stats import GenerationStats
+from lantern_rt.version import package_version
 
 
 def speculation(
@@ -185,7 +185,7 @@ def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Pa
                 "model": model_fingerprint(md),
                 "trees": [tree_to_json(t) for t in trees],
                 "dtype": dtype,
-                "version": importlib.metadata.version("lantern-rt"),
+                "version": package_version(),
                 "bundle_version": BUNDLE_VERSION,
             },
             sort_keys=True,

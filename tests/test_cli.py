@@ -241,3 +241,21 @@ def test_train_drafter_reads_several_codes_files(tiny_model_dir, tmp_path):
         r = train("bad", *files)
         assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output
         assert not (tmp_path / "bad" / "drafter.safetensors").exists()
+
+
+def test_package_version_without_an_installed_distribution(monkeypatch):
+    """A checkout run from PYTHONPATH (the GPU machine cannot pip install) still has a version:
+    the one in pyproject.toml, which export writes into manifests and the bundle cache keys on."""
+    import importlib.metadata
+
+    from lantern_rt import version
+
+    installed = version.package_version()
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert version.package_version() == installed  # pyproject.toml says the same as the install
+    monkeypatch.setattr(version, "PYPROJECT", version.PYPROJECT.with_name("no-such-file.toml"))
+    assert version.package_version() == "unknown"

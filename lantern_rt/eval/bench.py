@@ -55,6 +55,7 @@ from lantern_rt.training.data import (
     load_fashion_mnist,
     to_model_range,
 )
+from lantern_rt.version import package_version
 
 FORMAT_VERSION = 1
 SPEC_KEYS: dict[str, tuple[str, ...]] = {  # the keys each of settings.METHODS takes
@@ -498,7 +499,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "onnxruntime": _version("onnxruntime", "onnxruntime-gpu"),
-        "lantern_rt": _version("lantern-rt"),
+        "lantern_rt": package_version(),
     }
 
 

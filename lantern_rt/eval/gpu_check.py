@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from lantern_rt.generate import MethodConfig, generate, make_pipeline
+from lantern_rt.generate import generate, make_pipeline
 from lantern_rt.models.config import gpt_config
 from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
+from lantern_rt.settings import MethodConfig
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
 GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.metadata
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
@@ -42,6 +41,7 @@ from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.tree import StaticTree, tree_to_json
+from lantern_rt.version import package_version
 
 NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
 DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
@@ -247,7 +247,7 @@ def _manifest(
     }
     return {
         "versions": {
-            "lantern_rt": importlib.metadata.version("lantern-rt"),
+            "lantern_rt": package_version(),
             "torch": torch.__version__,
             "onnx": onnx.__version__,
         },
