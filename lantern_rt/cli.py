@@ -16,17 +16,14 @@ from lantern_rt.settings import BACKENDS, CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, ME
 
 
 def _source(model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None):
-    """What to build the pipeline from: a model directory, or the opened bundle."""
-    from lantern_rt.bundle import Bundle
-    from lantern_rt.models.model_dir import open_model_dir
+    """(model info, what to build the pipeline from: a model directory or the opened bundle)."""
+    from lantern_rt.generate import open_source
 
-    if bundle is None:
-        return open_model_dir(model_path)
-    if model_path is not None or drafter_path is not None:
-        raise UserError("--bundle runs an exported bundle: drop --model and --drafter")
-    if backend == "torch":
+    if bundle is not None and drafter_path is not None:
+        raise UserError("--bundle runs an exported bundle with its own drafter: drop --drafter")
+    if bundle is not None and backend == "torch":
         raise UserError("a bundle runs on onnxruntime or tensorrt: drop --backend torch or --bundle")
-    return Bundle.open(bundle)
+    return open_source(model_path, bundle)
 
 
 def _writable_output(path: Path | None, what: str) -> None:
@@ -224,8 +221,7 @@ def generate(
         import torch
 
         torch.set_num_threads(threads)
-    source = _source(model_path, bundle, backend, drafter_path)
-    md = source.model_info() if bundle is not None else source
+    md, source = _source(model_path, bundle, backend, drafter_path)
     run_settings = run_defaults(
         source,
         backend=backend,

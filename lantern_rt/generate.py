@@ -19,7 +19,14 @@ from tqdm import tqdm
 from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, Bundle
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
+from lantern_rt.models.model_dir import (
+    ModelDir,
+    load_drafter,
+    load_neighbors,
+    load_target,
+    load_vq,
+    open_model_dir,
+)
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
@@ -154,6 +161,18 @@ def make_pipeline(
     from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
 
     return bundle_pipeline(source, method, trt_runner(source, cuda_graphs=cuda_graphs), "tensorrt")
+
+
+def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Bundle]:
+    """(model info, what pipelines are built from): the model directory ``model`` (the built-in
+    demo when None), or the bundle at ``bundle``, opened; :class:`ConfigError` for both."""
+    if bundle is None:
+        md = open_model_dir(model)
+        return md, md
+    if model is not None:
+        raise ConfigError("--bundle runs an exported bundle: drop --model")
+    opened = Bundle.open(bundle)
+    return opened.model_info(), opened
 
 
 def cache_root() -> Path:

@@ -38,11 +38,11 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
-from lantern_rt.generate import Generation, Pipeline, generate, make_pipeline
+from lantern_rt.generate import Generation, Pipeline, generate, make_pipeline, open_source
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import ModelDir, load_vq, open_model_dir
+from lantern_rt.models.model_dir import ModelDir, load_vq
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -455,17 +455,6 @@ class BenchSettings:
     data_root: Path = FASHION_MNIST_DIR
     features: str | None = None  # --features spec: the user's extractor for FD and precision/recall
     reference: Path | None = None  # --reference .npz: the user's real images
-
-
-def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Bundle]:
-    """(model info, what pipelines are built from): a model directory or the opened bundle."""
-    if bundle is None:
-        md = open_model_dir(model)
-        return md, md
-    if model is not None:
-        raise ConfigError("--bundle runs an exported bundle: drop --model")
-    opened = Bundle.open(bundle)
-    return opened.model_info(), opened
 
 
 def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
