@@ -31,13 +31,16 @@ from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
-# graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If)
-BUNDLE_VERSION = 5
+# graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If);
+# 6: acceptance graphs (one per tree and one for AR's root-only tree)
+BUNDLE_VERSION = 6
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
 ENGINES_DIR = "engines"  # TensorRT plans, per GPU and TensorRT version (not part of the bundle's files)
 DRAFT_GRAPH_PREFIX = "draft_tree_"
+ACCEPT_GRAPH_PREFIX = "accept_tree_"
+ROOT_ACCEPT_GRAPH = "accept_root"  # AR: acceptance over the root-only tree (the sampling step)
 PREFILL_GRAPH = "target_prefill"
 STEP_GRAPH_PREFIX = "target_step_"
 VQ_DECODE_GRAPH = "vq_decode"
@@ -50,6 +53,11 @@ class BundleError(LanternError, ValueError):
 def draft_graph_name(index: int) -> str:
     """The name of the drafting graph of a bundle's ``index``-th tree."""
     return f"{DRAFT_GRAPH_PREFIX}{index}"
+
+
+def accept_graph_name(index: int) -> str:
+    """The name of the acceptance graph of a bundle's ``index``-th tree."""
+    return f"{ACCEPT_GRAPH_PREFIX}{index}"
 
 
 def step_graph_name(tokens: int) -> str:
@@ -87,15 +95,21 @@ class GraphEntry:
         """Whether this is a drafting graph (the drafter's catch-up and every tree level)."""
         return self.name.startswith(DRAFT_GRAPH_PREFIX)
 
+    @property
+    def accepting(self) -> bool:
+        """Whether this is an acceptance graph (a tree's, or AR's root-only one)."""
+        return self.name.startswith(ACCEPT_GRAPH_PREFIX) or self.name == ROOT_ACCEPT_GRAPH
+
 
 @dataclass(frozen=True)
 class TreeEntry:
-    """A tree the bundle was exported for: its paths and the graph that drafts it (None when the
-    model has no drafter)."""
+    """A tree the bundle was exported for: its paths, the graph that drafts it and the graph that
+    accepts it (both None when the model has no drafter)."""
 
     name: str
     paths: tuple[tuple[int, ...], ...]
     graph: str | None
+    accept: str | None
 
 
 @dataclass(frozen=True)
@@ -146,7 +160,7 @@ class Bundle:
             for name, entry in manifest["graphs"].items()
         }
         self.trees: dict[str, TreeEntry] = {
-            name: TreeEntry(tree["name"], tuple(map(tuple, tree["paths"])), tree["graph"])
+            name: TreeEntry(tree["name"], tuple(map(tuple, tree["paths"])), tree["graph"], tree["accept"])
             for name, tree in manifest["trees"].items()
         }
         self.gpt: GPTConfig = config_from_dict(GPTConfig, manifest["gpt"])
@@ -348,13 +362,13 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
             raise BundleError(f"{where}: trees.{name}.paths must be lists of child indices")
         for p in tree["paths"]:
             _ints(p, f"trees.{name}.paths", where)
-        graph = tree.get("graph")
-        if graph is not None and graph not in manifest["graphs"]:
-            raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
-        tree.setdefault("graph", None)
-    for required in (PREFILL_GRAPH, VQ_DECODE_GRAPH, *map(step_graph_name, c["step_sizes"])):
-        if required not in manifest["graphs"]:
-            raise BundleError(f"{where}: the bundle lacks its {required} graph")
+        for key in ("graph", "accept"):
+            graph = tree.setdefault(key, None)
+            if graph is not None and graph not in manifest["graphs"]:
+                raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
+    for graph in (PREFILL_GRAPH, VQ_DECODE_GRAPH, ROOT_ACCEPT_GRAPH, *map(step_graph_name, c["step_sizes"])):
+        if graph not in manifest["graphs"]:
+            raise BundleError(f"{where}: the bundle lacks its {graph} graph")
     return manifest
 
 

@@ -51,13 +51,17 @@ def speculation(
     drafter: DrafterBackend,
     tree: StaticTree,
     method: MethodConfig,
-    neighbors: Callable[[int], torch.Tensor],
+    neighbors: torch.Tensor | Callable[[int], torch.Tensor],
     device: torch.device | str,
 ) -> Speculation:
-    """A speculative ``method``'s drafter, tree, acceptance rule and (for the relaxed methods)
-    the first k columns of the neighbour table, read from ``neighbors(k)`` onto ``device``."""
+    """A speculative ``method``'s drafter, tree, acceptance rule and neighbour table on
+    ``device``: ``neighbors`` itself (a bundle's whole table, which its acceptance graphs take
+    whatever the method), or ``neighbors(k)`` for the relaxed methods (none for exact)."""
     relax = method.relaxation()
-    table = neighbors(relax.k).to(device) if relax.relaxed else None
+    if isinstance(neighbors, torch.Tensor):
+        table = neighbors.to(device)
+    else:
+        table = neighbors(relax.k).to(device) if relax.relaxed else None
     return Speculation(drafter, tree, relax, table)
 
 
@@ -235,7 +239,7 @@ def bundle_pipeline(bundle: Bundle, method: MethodConfig, runner: RunnerFactory,
                 f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
             )
         drafter = BundleDrafter(bundle, runner, backend)
-        spec = speculation(drafter, tree, method, bundle.neighbors, target.cache.k.device)
+        spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
     null = bundle.constants.null_class_id
     return Pipeline(

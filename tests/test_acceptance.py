@@ -1,21 +1,71 @@
-"""Tree verification: greedy equals AR, sampling is lossless, relaxation caps hold."""
+"""Tree acceptance (accept_tree, one static-shape tensor function): greedy equals AR, sampling is
+lossless, relaxation caps hold, and planted bugs make the lossless test fail."""
 
 from __future__ import annotations
 
 import math
 import zlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
 from torch import Tensor
 
 from lantern_rt.runtime import acceptance
-from lantern_rt.runtime.acceptance import AcceptanceError, Relaxation, verify_tree
+from lantern_rt.runtime.acceptance import (
+    AcceptanceError,
+    Relaxation,
+    accept_tree,
+    children_table,
+    relax_inputs,
+)
 from lantern_rt.runtime.sampling import draw_distinct, draw_noise
 from lantern_rt.runtime.tree import StaticTree, build_tree, load_tree
 
 EXACT = Relaxation("exact")
+CPU = torch.device("cpu")
+
+
+class Step(NamedTuple):
+    """One tree's acceptance, as lists."""
+
+    path: list[int]  # accepted node ids, root excluded
+    bonus: int
+    credited: list[tuple[float, float, float]]  # (S, pt, r_x) per accepted node
+    tokens: list[int]  # the committed tokens: the path's, then the bonus
+
+
+def verify(
+    tree: StaticTree,
+    tokens: Tensor,
+    valid: Tensor,
+    p: Tensor,
+    q: Tensor,
+    neighbors: Tensor | None,
+    relax: Relaxation,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Step:
+    """accept_tree on one tree, its noise drawn from ``generator`` (none when greedy)."""
+    n = tree.num_nodes + 1
+    vocab = p.shape[-1]
+    noise = torch.zeros(n + vocab) if greedy else torch.rand(n + vocab, generator=generator)
+    out = accept_tree(
+        children_table(tree, CPU),
+        tree.max_depth,
+        tokens[None],
+        valid[None],
+        p[None],
+        q[None],
+        relax_inputs(relax, neighbors, vocab, greedy, CPU),
+        noise[None, :n],
+        noise[None, n:],
+    )
+    length = int(out.length[0])
+    committed = out.tokens[0, : length + 1].tolist()
+    credit = [tuple(c) for c in out.credit[0, :length].tolist()]
+    return Step(out.kept[0, 1 : length + 1].tolist(), committed[-1], credit, committed)
 
 
 def _draft(
@@ -76,11 +126,11 @@ HAND_P = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=torch.float64)
 HAND_NBRS = torch.tensor([[3, 1, 2, 4], [0, 2, 3, 4], [1, 3, 0, 4], [0, 1, 2, 4], [2, 3, 1, 0]])
 
 
-def _hand_step(relax: Relaxation) -> acceptance.StepResult:
+def _hand_step(relax: Relaxation) -> Step:
     """Root with one drafted child, token 0, verified greedily."""
     tree = build_tree([[0]])
     p = torch.stack([HAND_P, torch.tensor([0.1, 0.4, 0.2, 0.2, 0.1], dtype=torch.float64)])
-    return verify_tree(
+    return verify(
         tree, torch.tensor([4, 0]), torch.ones(2, dtype=torch.bool), p, p, HAND_NBRS, relax, True, None
     )
 
@@ -108,15 +158,10 @@ def test_greedy_credit_by_hand(relax: Relaxation, accepted: bool, credit: float 
 
 
 def test_input_errors() -> None:
-    tree = build_tree([[0]])
-    p = torch.stack([HAND_P, HAND_P])
-    args = (tree, torch.tensor([4, 0]), torch.ones(2, dtype=torch.bool), p, p)
     with pytest.raises(AcceptanceError, match="neighbour table"):
-        verify_tree(*args, None, Relaxation("lantern", k=2, delta=0.1), True, None)
+        relax_inputs(Relaxation("lantern", k=2, delta=0.1), None, 5, True, CPU)
     with pytest.raises(AcceptanceError, match="fewer than k=9"):
-        verify_tree(*args, HAND_NBRS, Relaxation("lantern++", k=9, lam=2.0), True, None)
-    with pytest.raises(AcceptanceError, match="p and q"):
-        verify_tree(tree, args[1], args[2], p[:1], p[:1], None, EXACT, True, None)
+        relax_inputs(Relaxation("lantern++", k=9, lam=2.0), HAND_NBRS, 5, True, CPU)
 
 
 # ----------------------------------------------------------------------------- greedy == AR
@@ -163,8 +208,7 @@ def _greedy_step(tree: StaticTree, seq: list[int], relax: Relaxation, nbrs: Tens
                 tokens[kid], valid[kid] = drawn[j, rank], ok[j, rank]
                 contexts[kid] = (*contexts[node], int(drawn[j, rank]))
     p = torch.stack([_target(contexts[i]) for i in range(size)])
-    result = verify_tree(tree, tokens, valid, p, q, nbrs, relax, True, None)
-    return [*tokens[result.path].tolist(), result.bonus]
+    return verify(tree, tokens, valid, p, q, nbrs, relax, True, None).tokens
 
 
 def _random_neighbours(vocab: int, k: int, seed: int) -> Tensor:
@@ -236,17 +280,23 @@ CHI2_Z = 3.0902  # standard normal 0.999 quantile: the test's false-alarm rate i
 
 
 def _markov_sequences(tree: StaticTree, samples: int, seed: int) -> Tensor:
-    """``samples`` speculative generations of LENGTH tokens after START; LongTensor [samples, LENGTH]."""
+    """``samples`` speculative generations of LENGTH tokens after START, every step of all of
+    them one batched accept_tree call; LongTensor [samples, LENGTH]."""
     gen = torch.Generator().manual_seed(seed)
     seqs: list[list[int]] = [[] for _ in range(samples)]
     active = list(range(samples))
+    children, relax = children_table(tree, CPU), relax_inputs(EXACT, None, MARKOV_P.shape[0], False, CPU)
     while active:
         roots = torch.tensor([seqs[i][-1] if seqs[i] else START for i in active])
         tokens, valid = _draft(tree, roots, lambda t: MARKOV_Q[t], False, gen)
+        noise = torch.rand(
+            len(roots), tokens.shape[1] + MARKOV_P.shape[0], generator=gen, dtype=torch.float64
+        )
+        noise, bonus = noise.split([tokens.shape[1], MARKOV_P.shape[0]], dim=1)
         p, q = MARKOV_P[tokens], MARKOV_Q[tokens]
-        for row, i in enumerate(active):
-            result = verify_tree(tree, tokens[row], valid[row], p[row], q[row], None, EXACT, False, gen)
-            seqs[i] += [*tokens[row, result.path].tolist(), result.bonus]
+        out = accept_tree(children, tree.max_depth, tokens, valid, p, q, relax, noise, bonus)
+        for row, (i, length) in enumerate(zip(active, out.length.tolist(), strict=True)):
+            seqs[i] += out.tokens[row, : length + 1].tolist()
         active = [i for i in active if len(seqs[i]) < LENGTH]
     return torch.tensor([s[:LENGTH] for s in seqs])
 
@@ -280,7 +330,19 @@ def test_sampling_is_lossless() -> None:
 def _plant_no_renormalisation(monkeypatch) -> None:
     """Zero the rejected token in qq but forget to renormalise (in exact mode this is the same
     law as verifying as if the children had been drawn with replacement)."""
-    monkeypatch.setattr(acceptance, "_drop_drawn", lambda qq, x: qq.index_fill(0, torch.tensor([x]), 0.0))
+    monkeypatch.setattr(
+        acceptance, "_drop_drawn", lambda qq, x: acceptance._put(qq, x[:, None], qq.new_zeros(len(x), 1))
+    )
+
+
+def _plant_unnormalised_residual(monkeypatch) -> None:
+    """Test later siblings against the residual max(rt - qq, 0) without renormalising it."""
+    normalized = acceptance._normalized
+    monkeypatch.setattr(acceptance, "_normalized", lambda t: t)
+    zero = acceptance._put
+    monkeypatch.setattr(
+        acceptance, "_drop_drawn", lambda qq, x: normalized(zero(qq, x[:, None], qq.new_zeros(len(x), 1)))
+    )
 
 
 def _plant_no_subtraction(monkeypatch) -> None:
@@ -289,17 +351,43 @@ def _plant_no_subtraction(monkeypatch) -> None:
 
 
 def _plant_residual_from_p(monkeypatch) -> None:
-    """Take every residual from the node's original p instead of the running residual."""
-    pick, residual = acceptance._pick_sampled, acceptance._residual
+    """Test every sibling against the node's original p instead of the running residual."""
+    test = acceptance._test_sibling
 
-    def buggy_pick(p, q, node, *rest):
-        monkeypatch.setattr(acceptance, "_residual", lambda rt, qq_now: residual(p[node], qq_now))
-        return pick(p, q, node, *rest)
+    def buggy(walk, slot, kids, tokens, valid, q, p, *rest):
+        return test(walk._replace(r=acceptance._row(p, walk.node)), slot, kids, tokens, valid, q, p, *rest)
 
-    monkeypatch.setattr(acceptance, "_pick_sampled", buggy_pick)
+    monkeypatch.setattr(acceptance, "_test_sibling", buggy)
 
 
-@pytest.mark.parametrize("plant", [_plant_no_renormalisation, _plant_no_subtraction, _plant_residual_from_p])
+def _plant_skipped_sibling(monkeypatch) -> None:
+    """Never test a node's second drafted child (the walk stops after the first rejection)."""
+    test = acceptance._test_sibling
+
+    def buggy(walk, slot, *rest):
+        if slot == 1:
+            return walk, torch.zeros_like(walk.alive), walk.r.new_zeros(len(walk.alive), 3)
+        return test(walk, slot, *rest)
+
+    monkeypatch.setattr(acceptance, "_test_sibling", buggy)
+
+
+def _plant_wrong_bonus(monkeypatch) -> None:
+    """Emit the most likely token of the running target as the bonus instead of drawing it."""
+    monkeypatch.setattr(acceptance, "_bonus", lambda r, u, greedy: r.argmax(-1))
+
+
+PLANTS = [
+    _plant_no_renormalisation,
+    _plant_unnormalised_residual,
+    _plant_no_subtraction,
+    _plant_residual_from_p,
+    _plant_skipped_sibling,
+    _plant_wrong_bonus,
+]
+
+
+@pytest.mark.parametrize("plant", PLANTS)
 def test_lossless_check_catches_planted_bug(plant, monkeypatch) -> None:
     plant(monkeypatch)
     stat, critical = _chi_square(_markov_sequences(LOSSLESS_TREE, BUG_SAMPLES, seed=0))
@@ -326,10 +414,10 @@ def trials() -> tuple[StaticTree, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return tree, tokens, valid, p_tab[tokens], q_tab[tokens], _random_neighbours(CAP_V, CAP_K, seed=3)
 
 
-def _run(trials: tuple, trial: int, relax: Relaxation, greedy: bool = False) -> acceptance.StepResult:
+def _run(trials: tuple, trial: int, relax: Relaxation, greedy: bool = False) -> Step:
     tree, tokens, valid, p, q, nbrs = trials
     gen = torch.Generator().manual_seed(trial)  # the same uniforms for every relaxation
-    return verify_tree(tree, tokens[trial], valid[trial], p[trial], q[trial], nbrs, relax, greedy, gen)
+    return verify(tree, tokens[trial], valid[trial], p[trial], q[trial], nbrs, relax, greedy, gen)
 
 
 def test_caps_hold(trials: tuple) -> None:

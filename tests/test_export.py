@@ -24,6 +24,7 @@ from lantern_rt.bundle import (
     BundleError,
     IOSpec,
     TreeEntry,
+    accept_graph_name,
     draft_graph_name,
 )
 from lantern_rt.export import bundle as bundle_module
@@ -85,8 +86,16 @@ def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 def graph_names(trees: list[str], with_drafter: bool) -> set[str]:
     """The graphs a bundle of these trees holds."""
     loaded = [load_tree(t) for t in trees]
-    names = {"target_prefill", "vq_decode", *(f"target_step_{s}" for s in target_step_sizes(loaded))}
-    return names | {draft_graph_name(i) for i in range(len(trees)) if with_drafter}
+    names = {
+        "target_prefill",
+        "vq_decode",
+        "accept_root",
+        *(f"target_step_{s}" for s in target_step_sizes(loaded)),
+    }
+    drafting = {
+        f(i) for i in range(len(trees)) for f in (draft_graph_name, accept_graph_name) if with_drafter
+    }
+    return names | drafting
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +211,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 5
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 6
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
@@ -213,9 +222,10 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert constants.cache_capacity == 19 and constants.step_sizes == (1, 2)
     assert constants.drafter and constants.drafter_capacity == 16 and constants.max_draft_width == 10
     assert bundle.has_drafter
-    assert manifest["trees"] == {"chain-1": {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0"}}
+    chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "accept": "accept_tree_0"}
+    assert manifest["trees"] == {"chain-1": chain}
     paths = tuple(map(tuple, tree_to_json(load_tree("chain-1"))["paths"]))
-    assert bundle.trees == {"chain-1": TreeEntry("chain-1", paths, "draft_tree_0")}
+    assert bundle.trees == {"chain-1": TreeEntry("chain-1", paths, "draft_tree_0", "accept_tree_0")}
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(bundle.files) == on_disk
     assert constants.null_caption_file == "null_caption.npy" and constants.null_class_id is None
@@ -380,7 +390,11 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
     lines = result.output.splitlines()
     assert f"(format lantern-rt-bundle v{BUNDLE_VERSION})" in lines[0]
     assert "tree     chain-1: 1 nodes, drafted by draft_tree_0" in lines
-    rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
+    rows = {
+        tuple(line.split(maxsplit=4))
+        for line in lines
+        if line.startswith(("target_", "draft_", "vq_", "accept_"))
+    }
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
     assert ("target_step_1", "out", "hidden", "float16", "[2, 1, 32]") in rows
     graphs = opened["t2i-gqa-fp16"].graphs

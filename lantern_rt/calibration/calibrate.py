@@ -37,7 +37,13 @@ from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig, default_cfg_scale, run_defaults
 from lantern_rt.stats import GenerationStats
 
-UNQUANTIZED = (VQ_DECODE_GRAPH,)  # convolutions run once per image; kept fp32
+
+def kept_fp32(entry: GraphEntry) -> bool:
+    """Graphs left in fp32: the VQ decoder (convolutions that run once per image) and the
+    acceptance graphs (probability arithmetic, no weights)."""
+    return entry.name == VQ_DECODE_GRAPH or entry.accepting
+
+
 QUANTIZED_OPS = ("MatMul", "Gemm")
 MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -59,7 +65,7 @@ class Recorder:
 
     def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
         runner = self.inner(bundle, entry)
-        if entry.name in UNQUANTIZED:
+        if kept_fp32(entry):
             return runner
         self.samples.setdefault(entry.name, [])
         self.calls.setdefault(entry.name, 0)
@@ -122,7 +128,7 @@ def pipelines(bundle: Bundle, method: MethodConfig, runner: RunnerFactory) -> di
     return {
         name: dataclasses.replace(
             ar,
-            spec=speculation(drafter, tree, method, bundle.neighbors, ar.device),
+            spec=speculation(drafter, tree, method, bundle.neighbors(), ar.device),
             method=dataclasses.replace(method, tree=name),
         )
         for name, tree in bundle_trees(bundle).items()
@@ -350,7 +356,7 @@ def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, An
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
-        if name in UNQUANTIZED:
+        if kept_fp32(entry):
             graphs[name] = {**raw[name], "precision": "fp32"}
             continue
         quantize_graph(src, dst, recorder.samples[name])

@@ -21,13 +21,22 @@ import onnxruntime as ort
 import torch
 from tqdm import tqdm
 
-from lantern_rt.bundle import NEIGHBORS, NULL_CAPTION, draft_graph_name, staged_bundle, write_manifest
+from lantern_rt.bundle import (
+    NEIGHBORS,
+    NULL_CAPTION,
+    ROOT_ACCEPT_GRAPH,
+    accept_graph_name,
+    draft_graph_name,
+    staged_bundle,
+    write_manifest,
+)
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.export.graphs import (
     DrafterTree,
     GraphModule,
     TargetPrefill,
     TargetStep,
+    TreeAccept,
     VQDecode,
     cache_capacity,
     target_step_sizes,
@@ -40,7 +49,7 @@ from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
-from lantern_rt.runtime.tree import StaticTree, tree_to_json
+from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
 from lantern_rt.version import package_version
 
 NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
@@ -75,8 +84,8 @@ def export_bundle(
     trees = _check_args(out, trees, dtype, opset, overwrite)
     target, vq = load_target(model_dir), load_vq(model_dir)
     drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
-    graphs = _graphs(target, vq, drafter, trees, DTYPES[dtype])
     k = neighbors_k(model_dir)
+    graphs = _graphs(target, vq, drafter, trees, DTYPES[dtype], k)
     neighbors = load_neighbors(model_dir, k, vq)[:, :k]
     with staged_bundle(out) as tmp:
         entries = {}
@@ -118,10 +127,16 @@ def _check_args(
 
 
 def _graphs(
-    target: Transformer, vq: VQModel, drafter: Drafter | None, trees: list[StaticTree], dtype: torch.dtype
+    target: Transformer,
+    vq: VQModel,
+    drafter: Drafter | None,
+    trees: list[StaticTree],
+    dtype: torch.dtype,
+    neighbors_k: int,
 ) -> list[tuple[GraphModule, GraphModule]]:
-    """(graph to export, fp32 reference) pairs; the VQ decoder always runs in fp32 (its softmax
-    and GroupNorms are not fp16-safe, and it runs once per image)."""
+    """(graph to export, fp32 reference) pairs; the VQ decoder and the acceptance graphs always
+    run in fp32 (the decoder's softmax and GroupNorms are not fp16-safe, and it runs once per
+    image; acceptance compares probabilities)."""
     low = _cast(target, dtype)
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low), TargetPrefill(target))]
     pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in target_step_sizes(trees)]
@@ -134,6 +149,13 @@ def _graphs(
             )
             for i, tree in enumerate(trees)
         ]
+    vocab = target.config.vocab_size
+    accepts = [TreeAccept(ROOT_ONLY, vocab, 1, ROOT_ACCEPT_GRAPH)]  # AR tests nothing: no table
+    if drafter is not None:
+        accepts += [
+            TreeAccept(tree, vocab, neighbors_k, accept_graph_name(i)) for i, tree in enumerate(trees)
+        ]
+    pairs += [(accept, accept) for accept in accepts]
     decode = VQDecode(vq, target.config.grid_size)
     return [*pairs, (decode, decode)]
 
@@ -261,7 +283,11 @@ def _manifest(
         "constants": constants,
         "sampling_defaults": md.raw.get("sampling_defaults", {}),
         "trees": {
-            tree.name: {**tree_to_json(tree), "graph": draft_graph_name(i) if has_drafter else None}
+            tree.name: {
+                **tree_to_json(tree),
+                "graph": draft_graph_name(i) if has_drafter else None,
+                "accept": accept_graph_name(i) if has_drafter else None,
+            }
             for i, tree in enumerate(trees)
         },
         "graphs": graphs,

@@ -19,6 +19,7 @@ from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
+from lantern_rt.runtime.acceptance import RelaxInputs, accept_tree, children_table
 from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
@@ -30,6 +31,7 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
     noise_rows,
 )
+from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, filter_logits
 from lantern_rt.runtime.tree import StaticTree
 
 ROWS = 2  # CFG rows: conditional, unconditional
@@ -334,4 +336,86 @@ class VQDecode(nn.Module):
         return (torch.randint(self.vq.config.codebook_size, self.spec.inputs[0].shape, generator=g),)
 
 
-GraphModule = TargetPrefill | TargetStep | DrafterTree | VQDecode
+class TreeAccept(nn.Module):
+    """Acceptance of one verified tree as a graph (:func:`~lantern_rt.runtime.acceptance.accept_tree`):
+    the verify step's logits, the drafted tokens, valid and q, uniform noise, the sampling
+    settings and the relaxation -> the accepted length, the kept node ids (root first) and the
+    committed tokens (bonus included). The target distribution is mixed and filtered here, its
+    top-k/top-p filter behind an If as in drafting. ``neighbors`` is the bundle's whole table;
+    ``k`` says how many columns are credited."""
+
+    def __init__(self, tree: StaticTree, vocab: int, neighbors_k: int, name: str):
+        super().__init__()
+        self.tree, self.vocab = tree, vocab
+        self.register_buffer("child_ids", children_table(tree, torch.device("cpu")), persistent=False)
+        n, d = tree.num_nodes + 1, tree.max_depth
+        self.spec = GraphSpec(
+            name,
+            (
+                TensorSpec("logits", (ROWS, n, vocab), torch.float32),
+                TensorSpec("node_tokens", (n,), torch.int64),
+                TensorSpec("valid", (n,), torch.bool),
+                TensorSpec("q", (n, vocab), torch.float32),
+                TensorSpec("noise", (n,), torch.float32),
+                TensorSpec("bonus_noise", (vocab,), torch.float32),
+                TensorSpec("cfg_scale", (1,), torch.float32),
+                TensorSpec("temperature", (1,), torch.float32),
+                TensorSpec("top_k", (1,), torch.int64),
+                TensorSpec("top_p", (1,), torch.float32),
+                TensorSpec("neighbors", (vocab, neighbors_k), torch.int64),
+                TensorSpec("k", (1,), torch.int64),
+                TensorSpec("cap_a", (1,), torch.float32),
+                TensorSpec("cap_b", (1,), torch.float32),
+                TensorSpec("greedy", (1,), torch.bool),
+            ),
+            (
+                TensorSpec("length", (1,), torch.int64),
+                TensorSpec("kept", (d + 1,), torch.int64),
+                TensorSpec("tokens", (d + 1,), torch.int64),
+            ),
+            torch.float32,
+        )
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        logits, tokens, valid, q, noise, bonus_noise, cfg_scale, temperature, top_k, top_p = inputs[:10]
+        relax = RelaxInputs(*inputs[10:])
+        width = min(self.vocab, TOPK_LIMIT)
+        p = torch.softmax(filter_logits(cfg_mix(logits, cfg_scale), temperature, top_k, top_p, width), dim=-1)
+        out = accept_tree(
+            self.child_ids,
+            self.tree.max_depth,
+            tokens[None],
+            valid[None],
+            p[None],
+            q[None],
+            relax,
+            noise[None],
+            bonus_noise[None],
+        )
+        return out.length, out.kept[0], out.tokens[0]
+
+    reference_forward = forward
+
+    def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
+        """Logits with one clear favourite per node, drafts whose first child is its parent's
+        favourite (so the walk accepts levels) and whose later children are random, a random
+        neighbour table, LANTERN++ with lambda 3, sampling without filters: no decision sits
+        near a rounding tie."""
+        n, v, k = self.tree.num_nodes + 1, self.vocab, self.spec.inputs[10].shape[1]
+        logits = torch.randn(ROWS, n, v, generator=g)
+        favourite = torch.randint(v, (n,), generator=g)
+        logits[:, torch.arange(n), favourite] += 6.0
+        first = torch.tensor(self.tree.ranks) == 0
+        tokens = torch.where(
+            first, favourite[self.tree.parent.clamp_min(0)], torch.randint(v, (n,), generator=g)
+        )
+        valid = torch.ones(n, dtype=torch.bool)
+        q = torch.softmax(torch.randn(n, v, generator=g), dim=-1)
+        noise, bonus_noise = torch.rand(n, generator=g), torch.rand(v, generator=g)
+        neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
+        sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+        relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
+        return (logits, tokens, valid, q, noise, bonus_noise, *sampling, neighbors, *relax)
+
+
+GraphModule = TargetPrefill | TargetStep | DrafterTree | VQDecode | TreeAccept

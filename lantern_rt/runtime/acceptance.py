@@ -1,9 +1,15 @@
-"""Verification of one drafted tree: exact, LANTERN and LANTERN++ acceptance (docs/method.md §5).
+"""Verification of drafted trees: exact, LANTERN and LANTERN++ acceptance (docs/method.md §5).
 
 Sampling mode is recursive rejection sampling without replacement over each node's drafted
 children, with the target mass of a child optionally relaxed by crediting it the mass of its
 nearest latent neighbours. With no relaxation it is lossless. Greedy mode accepts a child iff it
-is the argmax of the (relaxed) target. All tensors may live on any device.
+is the argmax of the (relaxed) target.
+
+:func:`accept_tree` is a pure, static-shape tensor function: the sequential tests over siblings
+and levels are unrolled over the static tree, every decision is a ``torch.where``, and the
+uniform noise comes in as an input. It reads nothing back to the host, so the same code runs
+eagerly in torch, inside an exported ONNX graph (onnxruntime, TensorRT) and under CUDA-graph
+capture; the decode loop reads only its small outputs.
 """
 
 from __future__ import annotations
@@ -11,12 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
-from lantern_rt.runtime.sampling import categorical
 from lantern_rt.runtime.tree import StaticTree
 
 RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of settings.METHODS
@@ -53,251 +59,248 @@ class Relaxation:
         """Whether any neighbour mass can be credited at all."""
         return self.method != "exact" and self.k > 0
 
+    def cap_coefficients(self) -> tuple[float, float]:
+        """(a, b): a token whose own mass is r(x) may borrow at most a + b * r(x) from its
+        neighbours: LANTERN's delta, LANTERN++'s (lambda - 1) r(x), exact's nothing."""
+        if self.method == "lantern":
+            return self.delta, 0.0
+        if self.method == "lantern++":
+            return 0.0, self.lam - 1.0
+        return 0.0, 0.0
+
     def cap(self, r_x: float) -> float:
         """Most neighbour mass that may be credited to a token whose own mass is ``r_x``."""
-        if self.method == "lantern":
-            return self.delta
-        if self.method == "lantern++":
-            return (self.lam - 1.0) * r_x
-        return 0.0
+        a, b = self.cap_coefficients()
+        return a + b * r_x
 
 
-@dataclass
-class StepResult:
-    """Outcome of verifying one tree."""
+class RelaxInputs(NamedTuple):
+    """A relaxation as tensors, inputs of :func:`accept_tree` (see :func:`relax_inputs`)."""
 
-    path: list[int]  # accepted node ids (root excluded), root to deepest
-    bonus: int  # the token emitted after the accepted path
-    credited: list[tuple[float, float, float]]  # per accepted node: (S, pt, r_x) when it was tested
-    tokens: list[int]  # the committed tokens: the accepted path's, then the bonus
-
-
-def _admissible(masses: list[float], cap: float) -> tuple[int, float]:
-    """(used, S): the longest prefix of the neighbours' ``masses`` (nearest first) whose sum S
-    fits the cap."""
-    used, total = 0, 0.0
-    for m in masses:
-        if total + m > cap:
-            break
-        used, total = used + 1, total + m
-    return used, total
+    neighbors: Tensor  # [V, K] int64: every token's nearest latent neighbours, nearest first
+    k: Tensor  # [1] int64: how many of the K columns may be credited (0: none)
+    cap_a: Tensor  # [1]: the neighbour mass a token may borrow is at most cap_a + cap_b * r(x)
+    cap_b: Tensor  # [1]
+    greedy: Tensor  # [1] bool
 
 
-def _credit(r: Tensor, x: int, nbrs: Tensor | None, relax: Relaxation) -> tuple[int, float, float]:
-    """(used, S, r_x): x may be credited the mass S of its ``used`` nearest neighbours, the
-    longest prefix whose mass fits the cap; pt = r_x + S. Reads ``r`` only."""
-    r_x = r[x].item()
-    if nbrs is None:
-        return 0, 0.0, r_x
-    return (*_admissible(r[nbrs[x]].tolist(), relax.cap(r_x)), r_x)
+def relax_inputs(
+    relax: Relaxation, neighbors: Tensor | None, vocab: int, greedy: bool, device
+) -> RelaxInputs:
+    """``relax`` as :class:`RelaxInputs` on ``device`` (its cap as :meth:`Relaxation.cap_coefficients`).
+    ``neighbors`` [V, k_max] is passed as it is (an exported acceptance graph takes its bundle's
+    whole table); it must hold at least k columns when relaxed (:class:`AcceptanceError`
+    otherwise). Without one, a one-column table that nothing reads is passed."""
+    if relax.relaxed:
+        if neighbors is None:
+            raise AcceptanceError(f"{relax.method} needs a latent-neighbour table; pass neighbors=[V, k_max]")
+        if neighbors.dim() != 2 or neighbors.shape[1] < relax.k:
+            raise AcceptanceError(
+                f"neighbour table {tuple(neighbors.shape)} has fewer than k={relax.k} columns"
+            )
+    if neighbors is None:
+        neighbors = torch.zeros(vocab, 1, dtype=torch.long)
+    table = neighbors.to(device)
+    a, b = relax.cap_coefficients()
+    return RelaxInputs(
+        table,
+        torch.tensor([relax.k if relax.relaxed else 0], device=device),
+        torch.tensor([a], device=device),
+        torch.tensor([b], device=device),
+        torch.tensor([greedy], device=device),
+    )
 
 
-def _relaxed_target(r: Tensor, x: int, nbrs: Tensor | None, used: int, pt: float) -> Tensor:
-    """``r`` with x's ``used`` credited neighbours zeroed and x holding pt (``r`` itself when
-    nothing is credited; ``r`` is never modified)."""
-    if nbrs is None or used == 0:
-        return r
-    rt = r.clone()
-    rt[nbrs[x, :used]] = 0.0
-    rt[x] = pt
-    return rt
+class Accepted(NamedTuple):
+    """What :func:`accept_tree` returns for a batch of B trees of depth D."""
 
-
-def _normalized(t: Tensor) -> Tensor:
-    """``t`` divided by its sum (left as is when the sum is not positive)."""
-    total = t.sum()
-    return t / total if total.item() > 0 else t
-
-
-def _residual(rt: Tensor, qq: Tensor) -> Tensor:
-    """max(rt - qq, 0), or rt when that has no mass left; not normalised (see _pick_sampled)."""
-    res = (rt - qq).clamp_min(0.0)
-    return rt if res.sum().item() <= torch.finfo(res.dtype).eps else res
-
-
-def _drop_drawn(qq: Tensor, x: int) -> Tensor:
-    """The drafter distribution of the next sibling: x removed (drawn without replacement)."""
-    qq = qq.clone()
-    qq[x] = 0.0
-    return _normalized(qq)
-
-
-@dataclass(frozen=True)
-class _FirstTest:
-    """The test of a child against its parent's target before any sibling was rejected."""
-
-    q_x: float
-    used: int
-    s: float
-    r_x: float
-    u: float
+    length: Tensor  # [B] int64: accepted drafted nodes (0..D); length + 1 tokens are committed
+    kept: Tensor  # [B, D + 1] int64: the root (0), then the accepted nodes; 0 past length + 1
+    tokens: Tensor  # [B, D + 1] int64: the accepted nodes' tokens, then the bonus at index length
+    credit: Tensor | None  # [B, D, 3]: (S, pt, r(x)) of each accepted test; 0 past length (None
+    # from a graph, which does not return it)
 
 
 @lru_cache(maxsize=32)
-def _parents(tree: StaticTree, device: torch.device) -> Tensor:
-    """Parent ids of nodes 1..N on ``device``."""
-    return tree.parent[1:].to(device)
+def children_table(tree: StaticTree, device: torch.device) -> Tensor:
+    """[N + 1, W] int64: each node's children in test order, -1 past its last (W >= 1)."""
+    width = max(1, max((len(c) for c in tree.children), default=0))
+    table = torch.full((tree.num_nodes + 1, width), -1, dtype=torch.long)
+    for node, kids in enumerate(tree.children):
+        table[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+    return table.to(device)
 
 
-@lru_cache(maxsize=8)
-def _credit_columns(neighbors: Tensor | None, k: int, vocab: int, device: torch.device) -> Tensor:
-    """[V, 1 + k] on ``device``: every token, then its first ``k`` neighbours in the table
-    ``neighbors`` (none when it is None). Gathering a node's row of p by it reads r(x) and the
-    neighbours' mass at once. Cached per table: the decode loop passes the same one each step."""
-    tokens = torch.arange(vocab, device=device)[:, None]
-    return tokens if neighbors is None else torch.cat([tokens, neighbors[:, :k].to(device)], dim=1)
+def _row(t: Tensor, index: Tensor) -> Tensor:
+    """``t[b, index[b]]`` for t [B, N, V] and index [B] -> [B, V]."""
+    return t.gather(1, index[:, None, None].expand(-1, 1, t.shape[-1])).squeeze(1)
 
 
-def _first_tests(
-    tree: StaticTree,
+def _at(t: Tensor, index: Tensor) -> Tensor:
+    """``t[b, index[b]]`` for t [B, N] and index [B] -> [B]."""
+    return t.gather(1, index[:, None]).squeeze(1)
+
+
+def _normalized(t: Tensor) -> Tensor:
+    """Each row of ``t`` [B, V] divided by its sum (left as is where the sum is not positive)."""
+    total = t.sum(-1, keepdim=True)
+    return torch.where(total > 0, t / torch.where(total > 0, total, 1.0), t)
+
+
+def _residual(rt: Tensor, qq: Tensor) -> Tensor:
+    """max(rt - qq, 0), or rt where that has no mass left (rows [B, V]); not normalised."""
+    res = (rt - qq).clamp_min(0.0)
+    return torch.where(res.sum(-1, keepdim=True) <= torch.finfo(res.dtype).eps, rt, res)
+
+
+def _put(t: Tensor, index: Tensor, values: Tensor) -> Tensor:
+    """A copy of ``t`` [B, V] with ``t[b, index[b, j]] = values[b, j]`` (indices unique per row).
+    ``index_put`` exports as a ScatterND without a ``reduction`` attribute, which TensorRT 10.3
+    (JetPack 6) requires; ``scatter`` would write one."""
+    rows = torch.arange(t.shape[0], device=t.device)[:, None].expand_as(index)
+    return t.index_put((rows, index), values)
+
+
+def _drop_drawn(qq: Tensor, x: Tensor) -> Tensor:
+    """The drafter distribution of the next sibling: x [B] removed (drawn without replacement)."""
+    return _normalized(_put(qq, x[:, None], qq.new_zeros(x.shape[0], 1)))
+
+
+def _credit(r: Tensor, x: Tensor, relax: RelaxInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """(used [B, K] bool, S [B], r(x) [B]): x may borrow the mass S of its nearest neighbours
+    ``used``, the longest prefix of the first k whose mass fits the cap (docs/method.md §5.2)."""
+    r_x = _at(r, x)
+    neighbours = relax.neighbors[x]  # [B, K]
+    columns = torch.arange(neighbours.shape[1], device=r.device) < relax.k
+    mass = r.gather(1, neighbours) * columns
+    cap = relax.cap_a + relax.cap_b * r_x
+    used = (mass.cumsum(-1) <= cap[:, None]) & columns  # a prefix: the masses are >= 0
+    return used, (mass * used).sum(-1), r_x
+
+
+def _relaxed_target(r: Tensor, x: Tensor, neighbours: Tensor, used: Tensor, pt: Tensor) -> Tensor:
+    """``r`` with x's ``used`` neighbours zeroed and x holding pt (rows [B, V])."""
+    zeroed = _put(torch.zeros_like(r), neighbours, used.to(r.dtype))
+    return _put(r * (1.0 - zeroed), x[:, None], pt[:, None])
+
+
+class _Walk(NamedTuple):
+    """The state of the walk down a batch of trees."""
+
+    node: Tensor  # [B] the current node
+    alive: Tensor  # [B] still descending
+    r: Tensor  # [B, V] the running target at the node (p, then residuals after rejections)
+    qq: Tensor  # [B, V] the drafter distribution the next sibling was drawn from
+    taken: Tensor  # [B] a child of the node was accepted at this level
+
+
+def _test_sibling(
+    walk: _Walk,
+    slot: int,
+    kids: Tensor,
     tokens: Tensor,
-    p: Tensor,
+    valid: Tensor,
     q: Tensor,
-    columns: Tensor,
-    relax: Relaxation,
-    generator: torch.Generator | None,
-) -> list[_FirstTest | None]:
-    """Every node's test against its parent's untouched target: the masses it reads
-    (``columns``: see :func:`_credit_columns`) gathered for all nodes at once and read from
-    the device once, the admissible prefix then counted on the host. Index 0 (the root) is None."""
-    parents, kids = _parents(tree, p.device)[:, None], tokens[1:, None]
-    mass = p[parents, columns[kids[:, 0]]]  # [n, 1 + k]: r(x), then its neighbours' mass
-    u = torch.rand(kids.shape, generator=generator, device=p.device, dtype=p.dtype)
-    tests: list[_FirstTest | None] = [None]
-    for q_x, u_x, r_x, *neighbours in torch.cat([q[parents, kids], u, mass], dim=1).tolist():
-        tests.append(_FirstTest(q_x, *_admissible(neighbours, relax.cap(r_x)), r_x, u_x))
-    return tests
-
-
-def _pick_sampled(
     p: Tensor,
-    q: Tensor,
-    node: int,
-    children: list[tuple[int, int]],
-    nbrs: Tensor | None,
-    relax: Relaxation,
-    generator: torch.Generator | None,
-    first: list[_FirstTest | None],
-) -> tuple[int | None, tuple[float, float, float] | None, Tensor | None]:
-    """Test the (node id, token) children of ``node`` in order; returns (accepted node or None,
-    credit, final residual: None while it is still ``p[node]``, unnormalised after the last
-    child, as only the bonus draw reads it). The first child tested uses its precomputed
-    ``first`` test; after a rejection the residual target is built and later siblings are
-    tested against it."""
-    r: Tensor | None = None
-    qq: Tensor | None = None  # q[node] once a child was rejected: until then nothing reads it
-    last = children[-1][0] if children else None
-    for child, x in children:
-        test = first[child]
-        if r is None and test is not None:
-            q_x, used, s, r_x, u = test.q_x, test.used, test.s, test.r_x, test.u
-        else:
-            if r is None or qq is None:  # no first test: start from the node's own p and q
-                r, qq = p[node], q[node]
-            q_x = qq[x].item()
-            used, s, r_x = _credit(r, x, nbrs, relax)
-            u = torch.rand((), generator=generator, device=p.device).item()
-        if q_x <= 0.0:
-            continue
-        pt = r_x + s
-        if u * q_x < pt:
-            return child, (s, pt, r_x), r
-        qq = q[node] if qq is None else qq
-        r = _residual(_relaxed_target(p[node] if r is None else r, x, nbrs, used, pt), qq)
-        if child != last:  # a next sibling is tested against r and drawn from qq
-            r, qq = _normalized(r), _drop_drawn(qq, x)
-    return None, None, r
+    relax: RelaxInputs,
+    noise: Tensor,
+) -> tuple[_Walk, Tensor, Tensor]:
+    """Test each tree's child in sibling ``slot`` of its node against the running target:
+    (the walk after it, accepted [B], credit [B, 3])."""
+    child = kids[:, slot]
+    c = child.clamp_min(0)
+    x = _at(tokens, c)
+    tested = (child >= 0) & walk.alive & ~walk.taken & _at(valid, c)
+    q_x = _at(walk.qq, x)
+    used, s, r_x = _credit(walk.r, x, relax)
+    pt = r_x + s
+    rt = _relaxed_target(walk.r, x, relax.neighbors[x], used, pt)
+    greedy = relax.greedy
+    sampled_ok = _at(noise, c) * q_x < pt
+    greedy_ok = rt.argmax(-1) == x
+    tested = tested & (greedy | (q_x > 0))  # a child the drafter gave no mass is skipped
+    accepted = tested & ((greedy & greedy_ok) | (~greedy & sampled_ok))  # (ORT has no bool Where)
+    rejected = (tested & ~accepted & ~greedy)[:, None]  # greedy tests every child against p
+    r = torch.where(rejected, _normalized(_residual(rt, walk.qq)), walk.r)
+    qq = torch.where(rejected, _drop_drawn(walk.qq, x), walk.qq)
+    take = accepted[:, None]
+    walk = _Walk(
+        torch.where(accepted, c, walk.node),
+        walk.alive,
+        torch.where(take, _row(p, c), r),
+        torch.where(take, _row(q, c), qq),
+        walk.taken | accepted,
+    )
+    return walk, accepted, torch.stack([s, pt, r_x], -1)
 
 
-def _pick_greedy(
-    p: Tensor, children: list[tuple[int, int]], nbrs: Tensor | None, relax: Relaxation
-) -> tuple[int | None, tuple[float, float, float] | None]:
-    """First child whose token is the argmax of the relaxed target built from ``p``."""
-    for node, x in children:
-        used, s, r_x = _credit(p, x, nbrs, relax)
-        if int(torch.argmax(_relaxed_target(p, x, nbrs, used, r_x + s)).item()) == x:
-            return node, (s, r_x + s, r_x)
-    return None, None
+def _bonus(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
+    """The token after the accepted path [B]: argmax of r when greedy, else a draw from r
+    (unnormalised is fine) by the Gumbel-max trick over uniform noise ``u`` [B, V]. Unlike
+    inverting the CDF, the draw is decided by a gap between two scores, never by a cumulative
+    sum whose rounding differs between engines: torch and a graph on onnxruntime or TensorRT
+    draw the same token."""
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return torch.where(greedy, r.argmax(-1), (torch.log(r) + gumbel).argmax(-1))
 
 
-def _neighbour_rows(neighbors: Tensor | None, relax: Relaxation) -> Tensor | None:
-    """The first ``k`` neighbours of every token, or None when nothing can be credited."""
-    if not relax.relaxed:
-        return None
-    if neighbors is None:
-        raise AcceptanceError(f"{relax.method} needs a latent-neighbour table; pass neighbors=[V, k_max]")
-    if neighbors.dim() != 2 or neighbors.shape[1] < relax.k:
-        raise AcceptanceError(f"neighbour table {tuple(neighbors.shape)} has fewer than k={relax.k} columns")
-    return neighbors[:, : relax.k]
-
-
-def _check_shapes(tree: StaticTree, tokens: Tensor, valid: Tensor, p: Tensor, q: Tensor) -> None:
-    n = tree.num_nodes + 1
-    if tokens.shape != (n,) or valid.shape != (n,):
-        raise AcceptanceError(
-            f"tokens and valid must have shape ({n},), got {tuple(tokens.shape)}, {tuple(valid.shape)}"
-        )
-    if p.dim() != 2 or p.shape[0] != n or q.shape != p.shape:
-        raise AcceptanceError(
-            f"p and q must both have shape ({n}, V), got {tuple(p.shape)}, {tuple(q.shape)}"
-        )
-
-
-def _as_float(t: Tensor) -> Tensor:
-    """Half-precision probabilities are upcast so residual arithmetic stays accurate."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def verify_tree(
-    tree: StaticTree,
+def accept_tree(
+    children: Tensor,
+    depth: int,
     tokens: Tensor,
     valid: Tensor,
     p: Tensor,
     q: Tensor,
-    neighbors: Tensor | None,
-    relax: Relaxation,
-    greedy: bool,
-    generator: torch.Generator | None,
-) -> StepResult:
-    """Walk the tree from the root, accepting at most one child per node, then emit a bonus token.
+    relax: RelaxInputs,
+    noise: Tensor,
+    bonus_noise: Tensor,
+) -> Accepted:
+    """Walk B drafted trees from the root, accepting at most one child per node, then draw a
+    bonus token, with no data-dependent control flow (docs/method.md §5).
 
-    tokens [N+1] (tokens[0] the root), valid [N+1] (False: skip that drafted child), p [N+1, V]
-    target and q [N+1, V] drafter probabilities at each node, neighbors [V, k_max] nearest-first
-    (None for exact). ``generator`` must live on the tensors' device.
+    ``children`` [N+1, W] is :func:`children_table` and ``depth`` the tree's depth. tokens
+    [B, N+1] (tokens[:, 0] the roots), valid [B, N+1] (False: skip that drafted child), p and q
+    [B, N+1, V] the target and drafter probabilities at every node (q[:, i] is what node i's
+    children were drawn from), ``relax`` the relaxation and greedy flag, ``noise`` [B, N+1]
+    uniform in [0, 1) (noise[:, i] for node i's test; noise[:, 0] is not read) and
+    ``bonus_noise`` [B, V] uniform, for the bonus draw.
     """
-    _check_shapes(tree, tokens, valid, p, q)
-    nbrs = _neighbour_rows(neighbors, relax)
-    p, q = _as_float(p), _as_float(q)
-    token_ids, is_valid = tokens.tolist(), valid.tolist()
-    first = (
-        []
-        if greedy or tree.num_nodes == 0
-        else _first_tests(
-            tree,
-            tokens,
-            p,
-            q,
-            _credit_columns(neighbors if relax.relaxed else None, relax.k, p.shape[1], p.device),
-            relax,
-            generator,
-        )
-    )
-    path: list[int] = []
-    credited: list[tuple[float, float, float]] = []
-    node, residual = 0, None
-    while True:
-        children = [(c, token_ids[c]) for c in tree.children[node] if is_valid[c]]
-        if greedy:
-            child, credit = _pick_greedy(p[node], children, nbrs, relax)
-        else:
-            child, credit, residual = _pick_sampled(p, q, node, children, nbrs, relax, generator, first)
-        if child is None or credit is None:
-            break
-        path.append(child)
-        credited.append(credit)
-        node = child
-    if greedy:
-        bonus = int(torch.argmax(p[node]).item())
-    else:
-        bonus = int(categorical(p[node] if residual is None else residual, generator).item())
-    return StepResult(path, bonus, credited, [*(token_ids[c] for c in path), bonus])
+    p, q = p.float(), q.float()
+    batch = p.shape[0]
+    zero = torch.zeros(batch, dtype=torch.long, device=p.device)
+    walk = _Walk(zero, torch.ones(batch, dtype=torch.bool, device=p.device), p[:, 0], q[:, 0], zero > 0)
+    kept, credits = [zero], []
+    for _ in range(depth):
+        kids = children[walk.node]  # [B, W]
+        walk = walk._replace(taken=zero > 0)
+        credit = p.new_zeros(batch, 3)
+        for slot in range(children.shape[1]):
+            walk, accepted, c = _test_sibling(walk, slot, kids, tokens, valid, q, p, relax, noise)
+            credit = torch.where(accepted[:, None], c, credit)
+        walk = walk._replace(alive=walk.alive & walk.taken)
+        kept.append(torch.where(walk.alive, walk.node, 0))
+        credits.append(credit)
+    length = sum((k > 0).long() for k in kept[1:]) if depth else zero
+    kept_t = torch.stack(kept, 1)
+    bonus = _bonus(walk.r, bonus_noise, relax.greedy)
+    out = tokens.gather(1, kept_t[:, 1:])  # the accepted nodes' tokens
+    out = _put(torch.cat([out, bonus[:, None]], 1), length[:, None], bonus[:, None])
+    credit_t = torch.stack(credits, 1) if depth else p.new_zeros(batch, 0, 3)
+    return Accepted(length, kept_t, out, credit_t)
+
+
+def accept_one(
+    tree: StaticTree,
+    p: Tensor,
+    tokens: Tensor,
+    valid: Tensor,
+    q: Tensor,
+    relax: RelaxInputs,
+    noise: Tensor,
+    bonus_noise: Tensor,
+) -> Accepted:
+    """:func:`accept_tree` for one tree: p and q [N+1, V], tokens, valid and noise [N+1],
+    bonus_noise [V]."""
+    children = children_table(tree, p.device)
+    one = (t[None] for t in (tokens, valid, p, q))
+    return accept_tree(children, tree.max_depth, *one, relax, noise[None], bonus_noise[None])

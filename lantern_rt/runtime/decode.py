@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lantern_rt.runtime.acceptance import Relaxation, verify_tree
+from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
 from lantern_rt.runtime.drafting import Draft, draft
-from lantern_rt.runtime.kv_cache import take
 from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
@@ -57,23 +56,32 @@ def decode_image(
     generator: torch.Generator | None,
     spec: Speculation | None = None,
 ) -> ImageResult:
-    """Generate ``num_tokens`` image tokens for the condition rows ``cond`` (cond, uncond)."""
+    """Generate ``num_tokens`` image tokens for the condition rows ``cond`` (cond, uncond).
+
+    Each step drafts (speculative methods), verifies the tree in one target call and accepts on
+    the backend (:func:`~lantern_rt.runtime.acceptance.accept_tree`, from uniform noise drawn
+    for the step from ``generator``); the host then reads one small tensor, the accepted length
+    and tokens, and the cache keeps the accepted entries by a gather on the device.
+    """
     tree = spec.tree if spec else ROOT_ONLY
-    relax = spec.relax if spec else EXACT
-    neighbors = spec.neighbors if spec else None
     if spec:
         vocab = spec.drafter.vocab_size
         check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
     with span("prefill"):
         logits, hidden = target.prefill(cond)
     p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-    device = p.device
+    device, vocab = p.device, p.shape[-1]
+    relax = relax_inputs(
+        spec.relax if spec else EXACT, spec.neighbors if spec else None, vocab, sampling.greedy, device
+    )
     tokens = [int(sample(p, sampling, generator))]
     pending = tokens[:]
     pending_hidden = hidden[:, None]
     if spec:
         spec.drafter.cache.reset()
     depth, mask = tree.depth.to(device), tree.mask.to(device)
+    ar_valid, ar_q = torch.ones(1, dtype=torch.bool, device=device), p.new_zeros(1, vocab)  # q: unread
+    no_noise = (torch.zeros(tree.num_nodes + 1, device=device), p.new_zeros(vocab))  # greedy: unread
     accepted: list[int] = []
     while len(tokens) < num_tokens:
         root_position = target.cache.length
@@ -83,36 +91,30 @@ def decode_image(
                     spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
                 )
         else:
-            # no children: q is never read
-            drafted = Draft(
-                torch.tensor(pending[-1:], device=device),
-                torch.ones(1, dtype=torch.bool, device=device),
-                p[None],
-            )
+            drafted = Draft(torch.tensor(pending[-1:], device=device), ar_valid, ar_q)
         with span("verify"):
             logits, hidden = target.step(drafted.tokens, root_position + depth, mask)
         with span("accept"):
-            p_tree = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-            result = verify_tree(
-                tree,
-                drafted.tokens,
-                drafted.valid,
-                p_tree,
-                drafted.q,
-                neighbors,
-                relax,
-                sampling.greedy,
-                generator,
+            noise, bonus_noise = (
+                no_noise
+                if sampling.greedy
+                else torch.rand(tree.num_nodes + 1 + vocab, generator=generator, device=device).split(
+                    [tree.num_nodes + 1, vocab]
+                )
             )
-        kept = [0, *result.path]
-        new = result.tokens
+            out = target.accept(
+                tree, logits, drafted.tokens, drafted.valid, drafted.q, noise, bonus_noise, sampling, relax
+            )
+            n, *committed = torch.cat([out.length, out.tokens[0]]).tolist()  # the step's one read
+        new = committed[: n + 1]
         emitted = new[: num_tokens - len(tokens)]
         tokens.extend(emitted)
         accepted.append(len(emitted))
         if len(tokens) == num_tokens:
             break
+        kept = out.kept[0]
         with span("kv_compaction"):
-            target.cache.commit(kept)
+            target.cache.commit(kept, n + 1)
         pending = new
-        pending_hidden = take(hidden, 1, kept)
+        pending_hidden = hidden.index_select(1, kept)[:, : n + 1]
     return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)

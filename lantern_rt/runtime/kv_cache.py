@@ -56,14 +56,23 @@ class KVCache:
     def stage(self, new_k: Tensor, new_v: Tensor) -> None:
         self._staged = (new_k, new_v)
 
-    def commit(self, keep: list[int]) -> None:
-        """Append staged entries ``keep`` (indices along the new-token axis) after ``length``."""
+    def commit(self, keep: list[int] | Tensor, count: int | None = None) -> None:
+        """Append staged entries after ``length``: the first ``count`` (default: all) of ``keep``,
+        indices along the new-token axis. A tensor ``keep`` (the accepted node ids, fixed size,
+        on the cache's device) is gathered whole on the device, with no host-built index list;
+        the slots past the first ``count`` stay stale (masked) until overwritten."""
         assert self._staged is not None, "commit without a staged call"
         new_k, new_v = self._staged
-        n = len(keep)
-        if self.length + n > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {self.length} + {n} > {self.capacity}")
-        self.k[:, :, :, self.length : self.length + n] = take(new_k, 3, keep)
-        self.v[:, :, :, self.length : self.length + n] = take(new_v, 3, keep)
-        self.length += n
+        count = len(keep) if count is None else count
+        if self.length + count > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.length} + {count} > {self.capacity}")
+        if isinstance(keep, Tensor):
+            n = min(len(keep), self.capacity - self.length)
+            k, v = new_k.index_select(3, keep[:n]), new_v.index_select(3, keep[:n])
+        else:
+            n = count
+            k, v = take(new_k, 3, keep[:n]), take(new_v, 3, keep[:n])
+        self.k[:, :, :, self.length : self.length + n] = k
+        self.v[:, :, :, self.length : self.length + n] = v
+        self.length += count
         self._staged = None

@@ -6,7 +6,9 @@ from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
+from lantern_rt.runtime.acceptance import Accepted, RelaxInputs
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree
 
 # The sampling settings as tensors (cfg_scale, temperature, top_k, top_p): sampling.filter_inputs.
@@ -46,6 +48,25 @@ class TargetBackend(Protocol):
     def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Tokens [S] at ``positions`` [S] seeing each other through ``tree_mask`` [S, S] and
         the whole committed cache -> logits [2, S, V] and hidden [2, S, D]; K/V are staged."""
+        ...
+
+    def accept(
+        self,
+        tree: StaticTree,
+        logits: Tensor,
+        tokens: Tensor,
+        valid: Tensor,
+        q: Tensor,
+        noise: Tensor,
+        bonus_noise: Tensor,
+        sampling: SamplingConfig,
+        relax: RelaxInputs,
+    ) -> Accepted:
+        """Acceptance of a verified tree on this backend's device: the step's ``logits``
+        [2, N+1, V], the drafted ``tokens``/``valid`` [N+1] and ``q`` [N+1, V], uniform ``noise``
+        [N+1] for the tests and ``bonus_noise`` [V] for the bonus draw -> :class:`~lantern_rt.runtime.acceptance.Accepted` for a batch of one (its
+        ``credit`` may be None). :func:`~lantern_rt.runtime.acceptance.accept_tree` in every
+        backend; returned tensors may be the backend's own buffers."""
         ...
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lantern_rt.bundle import (
     PREFILL_GRAPH,
+    ROOT_ACCEPT_GRAPH,
     STEP_GRAPH_PREFIX,
     VQ_DECODE_GRAPH,
     Bundle,
@@ -23,9 +24,11 @@ from lantern_rt.bundle import (
     IOSpec,
     step_graph_name,
 )
+from lantern_rt.runtime.acceptance import Accepted, RelaxInputs
 from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.kv_cache import KVCache
-from lantern_rt.runtime.tree import StaticTree, build_tree
+from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
+from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
 
 class GraphRunner(Protocol):
@@ -51,12 +54,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 CACHE_INPUTS = ("past_k_", "past_v_")
 SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # sampling.filter_inputs, cached
+RELAX_INPUTS = ("neighbors", "k", "cap_a", "cap_b", "greedy")  # acceptance.RelaxInputs, per image
 
 
 def bound_by_pointer(spec: IOSpec) -> bool:
-    """Whether an input is bound where the caller keeps it rather than copied: the caches (too
-    large to copy) and the sampling settings (the same tensors every call)."""
-    return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS
+    """Whether an input is bound where the caller keeps it rather than copied: the caches and
+    the neighbour table (too large to copy), the sampling settings and the relaxation (the same
+    tensors every call)."""
+    return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS + RELAX_INPUTS
 
 
 def check_inputs(inputs: tuple[IOSpec, ...], args: tuple[Tensor, ...]) -> None:
@@ -93,6 +98,9 @@ class BundleTarget:
         self._steps = {s: runner(bundle, entry) for s, entry in entries.items()}
         first = next(iter(entries))
         self.cache = cache_for(entries[first], self._steps[first].device)
+        accepts = {ROOT_ONLY.paths: ROOT_ACCEPT_GRAPH}
+        accepts |= {tree.paths: tree.accept for tree in bundle.trees.values() if tree.accept is not None}
+        self._accepts = {paths: runner(bundle, bundle.graph(name)) for paths, name in accepts.items()}
 
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
         self.cache.reset()
@@ -112,6 +120,27 @@ class BundleTarget:
         logits, hidden, k, v = graph(tokens, positions, mask, *self.cache.layers_k, *self.cache.layers_v)
         self.cache.stage(k, v)
         return logits, hidden
+
+    def accept(
+        self,
+        tree: StaticTree,
+        logits: Tensor,
+        tokens: Tensor,
+        valid: Tensor,
+        q: Tensor,
+        noise: Tensor,
+        bonus_noise: Tensor,
+        sampling: SamplingConfig,
+        relax: RelaxInputs,
+    ) -> Accepted:
+        graph = self._accepts.get(tree.paths)
+        if graph is None:
+            raise BundleError(
+                f"the bundle has no acceptance graph for tree {tree.name}; export it with that tree"
+            )
+        filters = filter_inputs(sampling, graph.device)
+        length, kept, committed = graph(logits, tokens, valid, q, noise, bonus_noise, *filters, *relax)
+        return Accepted(length, kept[None], committed[None], None)
 
 
 class BundleDrafter:

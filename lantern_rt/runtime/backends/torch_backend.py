@@ -8,6 +8,7 @@ from torch import Tensor
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.acceptance import Accepted, RelaxInputs, accept_one
 from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
 from lantern_rt.runtime.drafting import (
@@ -18,6 +19,7 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
 )
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution
 from lantern_rt.runtime.tree import StaticTree
 
 
@@ -71,6 +73,22 @@ class TorchTarget:
         logits, hidden, k, v = self._step(tokens, positions, self.cache.mask(tree_mask))
         self.cache.stage(k, v)
         return logits, hidden
+
+    @torch.inference_mode()
+    def accept(
+        self,
+        tree: StaticTree,
+        logits: Tensor,
+        tokens: Tensor,
+        valid: Tensor,
+        q: Tensor,
+        noise: Tensor,
+        bonus_noise: Tensor,
+        sampling: SamplingConfig,
+        relax: RelaxInputs,
+    ) -> Accepted:
+        p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
+        return accept_one(tree, p, tokens, valid, q, relax, noise, bonus_noise)
 
     def _forward(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(2, -1, -1)
