@@ -17,8 +17,8 @@ from lantern_rt.runtime.acceptance import (
     AcceptanceError,
     Relaxation,
     accept_tree,
-    children_table,
     relax_inputs,
+    tree_plan,
 )
 from lantern_rt.runtime.sampling import draw_distinct, draw_noise
 from lantern_rt.runtime.tree import StaticTree, build_tree, load_tree
@@ -52,8 +52,7 @@ def verify(
     vocab = p.shape[-1]
     noise = torch.zeros(n + vocab) if greedy else torch.rand(n + vocab, generator=generator)
     out = accept_tree(
-        children_table(tree, CPU),
-        tree.max_depth,
+        tree_plan(tree, CPU),
         tokens[None],
         valid[None],
         p[None],
@@ -285,7 +284,8 @@ def _markov_sequences(tree: StaticTree, samples: int, seed: int) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
     seqs: list[list[int]] = [[] for _ in range(samples)]
     active = list(range(samples))
-    children, relax = children_table(tree, CPU), relax_inputs(EXACT, None, MARKOV_P.shape[0], False, CPU)
+    plan = tree_plan(tree, CPU)
+    relax = relax_inputs(EXACT, None, MARKOV_P.shape[0], False, CPU)
     while active:
         roots = torch.tensor([seqs[i][-1] if seqs[i] else START for i in active])
         tokens, valid = _draft(tree, roots, lambda t: MARKOV_Q[t], False, gen)
@@ -294,7 +294,7 @@ def _markov_sequences(tree: StaticTree, samples: int, seed: int) -> Tensor:
         )
         noise, bonus = noise.split([tokens.shape[1], MARKOV_P.shape[0]], dim=1)
         p, q = MARKOV_P[tokens], MARKOV_Q[tokens]
-        out = accept_tree(children, tree.max_depth, tokens, valid, p, q, relax, noise, bonus)
+        out = accept_tree(plan, tokens, valid, p, q, relax, noise, bonus)
         for row, (i, length) in enumerate(zip(active, out.length.tolist(), strict=True)):
             seqs[i] += out.tokens[row, : length + 1].tolist()
         active = [i for i in active if len(seqs[i]) < LENGTH]
@@ -327,22 +327,21 @@ def test_sampling_is_lossless() -> None:
     assert stat < critical
 
 
+def _drop_unnormalised(qq: Tensor, x: Tensor) -> Tensor:
+    return qq.scatter(-1, x[..., None], 0.0)
+
+
 def _plant_no_renormalisation(monkeypatch) -> None:
     """Zero the rejected token in qq but forget to renormalise (in exact mode this is the same
     law as verifying as if the children had been drawn with replacement)."""
-    monkeypatch.setattr(
-        acceptance, "_drop_drawn", lambda qq, x: acceptance._put(qq, x[:, None], qq.new_zeros(len(x), 1))
-    )
+    monkeypatch.setattr(acceptance, "_drop_drawn", _drop_unnormalised)
 
 
 def _plant_unnormalised_residual(monkeypatch) -> None:
     """Test later siblings against the residual max(rt - qq, 0) without renormalising it."""
     normalized = acceptance._normalized
     monkeypatch.setattr(acceptance, "_normalized", lambda t: t)
-    zero = acceptance._put
-    monkeypatch.setattr(
-        acceptance, "_drop_drawn", lambda qq, x: normalized(zero(qq, x[:, None], qq.new_zeros(len(x), 1)))
-    )
+    monkeypatch.setattr(acceptance, "_drop_drawn", lambda qq, x: normalized(_drop_unnormalised(qq, x)))
 
 
 def _plant_no_subtraction(monkeypatch) -> None:
@@ -352,24 +351,22 @@ def _plant_no_subtraction(monkeypatch) -> None:
 
 def _plant_residual_from_p(monkeypatch) -> None:
     """Test every sibling against the node's original p instead of the running residual."""
-    test = acceptance._test_sibling
+    slot_test = acceptance._slot
 
-    def buggy(walk, slot, kids, tokens, valid, q, p, *rest):
-        return test(walk._replace(r=acceptance._row(p, walk.node)), slot, kids, tokens, valid, q, p, *rest)
+    def buggy(state, slot, last, plan, tokens, valid, relax, noise):
+        p = state.r if slot == 0 else buggy.p
+        buggy.p = p
+        return slot_test(state._replace(r=p), slot, last, plan, tokens, valid, relax, noise)
 
-    monkeypatch.setattr(acceptance, "_test_sibling", buggy)
+    monkeypatch.setattr(acceptance, "_slot", buggy)
 
 
 def _plant_skipped_sibling(monkeypatch) -> None:
     """Never test a node's second drafted child (the walk stops after the first rejection)."""
-    test = acceptance._test_sibling
-
-    def buggy(walk, slot, *rest):
-        if slot == 1:
-            return walk, torch.zeros_like(walk.alive), walk.r.new_zeros(len(walk.alive), 3)
-        return test(walk, slot, *rest)
-
-    monkeypatch.setattr(acceptance, "_test_sibling", buggy)
+    slot_test = acceptance._slot
+    monkeypatch.setattr(
+        acceptance, "_slot", lambda state, slot, *rest: state if slot == 1 else slot_test(state, slot, *rest)
+    )
 
 
 def _plant_wrong_bonus(monkeypatch) -> None:

@@ -19,7 +19,7 @@ from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
-from lantern_rt.runtime.acceptance import RelaxInputs, accept_tree, children_table
+from lantern_rt.runtime.acceptance import RelaxInputs, accept_tree, tree_plan
 from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
@@ -347,7 +347,7 @@ class TreeAccept(nn.Module):
     def __init__(self, tree: StaticTree, vocab: int, neighbors_k: int, name: str):
         super().__init__()
         self.tree, self.vocab = tree, vocab
-        self.register_buffer("child_ids", children_table(tree, torch.device("cpu")), persistent=False)
+        self.plan = tree_plan(tree, torch.device("cpu"))
         n, d = tree.num_nodes + 1, tree.max_depth
         self.spec = GraphSpec(
             name,
@@ -382,8 +382,7 @@ class TreeAccept(nn.Module):
         width = min(self.vocab, TOPK_LIMIT)
         p = torch.softmax(filter_logits(cfg_mix(logits, cfg_scale), temperature, top_k, top_p, width), dim=-1)
         out = accept_tree(
-            self.child_ids,
-            self.tree.max_depth,
+            self.plan,
             tokens[None],
             valid[None],
             p[None],

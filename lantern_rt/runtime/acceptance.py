@@ -121,16 +121,6 @@ class Accepted(NamedTuple):
     # from a graph, which does not return it)
 
 
-@lru_cache(maxsize=32)
-def children_table(tree: StaticTree, device: torch.device) -> Tensor:
-    """[N + 1, W] int64: each node's children in test order, -1 past its last (W >= 1)."""
-    width = max(1, max((len(c) for c in tree.children), default=0))
-    table = torch.full((tree.num_nodes + 1, width), -1, dtype=torch.long)
-    for node, kids in enumerate(tree.children):
-        table[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-    return table.to(device)
-
-
 def _row(t: Tensor, index: Tensor) -> Tensor:
     """``t[b, index[b]]`` for t [B, N, V] and index [B] -> [B, V]."""
     return t.gather(1, index[:, None, None].expand(-1, 1, t.shape[-1])).squeeze(1)
@@ -162,8 +152,11 @@ def _put(t: Tensor, index: Tensor, values: Tensor) -> Tensor:
 
 
 def _drop_drawn(qq: Tensor, x: Tensor) -> Tensor:
-    """The drafter distribution of the next sibling: x [B] removed (drawn without replacement)."""
-    return _normalized(_put(qq, x[:, None], qq.new_zeros(x.shape[0], 1)))
+    """The drafter distribution of the next sibling: x removed (drawn without replacement), for
+    rows ``qq`` [..., V] and tokens ``x`` [...]."""
+    flat = qq.reshape(-1, qq.shape[-1])
+    dropped = _put(flat, x.reshape(-1, 1), flat.new_zeros(flat.shape[0], 1))
+    return _normalized(dropped).view(qq.shape)
 
 
 def _credit(r: Tensor, x: Tensor, relax: RelaxInputs) -> tuple[Tensor, Tensor, Tensor]:
@@ -184,54 +177,95 @@ def _relaxed_target(r: Tensor, x: Tensor, neighbours: Tensor, used: Tensor, pt: 
     return _put(r * (1.0 - zeroed), x[:, None], pt[:, None])
 
 
-class _Walk(NamedTuple):
-    """The state of the walk down a batch of trees."""
+class _Tests(NamedTuple):
+    """Tests of children [M] (credit [M, 3], relaxed targets [M, V])."""
 
-    node: Tensor  # [B] the current node
-    alive: Tensor  # [B] still descending
-    r: Tensor  # [B, V] the running target at the node (p, then residuals after rejections)
-    qq: Tensor  # [B, V] the drafter distribution the next sibling was drawn from
-    taken: Tensor  # [B] a child of the node was accepted at this level
+    tested: Tensor  # the child was tested: valid, and (sampling) the drafter gave it mass
+    accepted: Tensor
+    rt: Tensor  # the relaxed target its test built (a residual starts from it)
+    credit: Tensor  # (S, pt, r(x))
 
 
-def _test_sibling(
-    walk: _Walk,
-    slot: int,
-    kids: Tensor,
-    tokens: Tensor,
-    valid: Tensor,
-    q: Tensor,
-    p: Tensor,
-    relax: RelaxInputs,
-    noise: Tensor,
-) -> tuple[_Walk, Tensor, Tensor]:
-    """Test each tree's child in sibling ``slot`` of its node against the running target:
-    (the walk after it, accepted [B], credit [B, 3])."""
-    child = kids[:, slot]
-    c = child.clamp_min(0)
-    x = _at(tokens, c)
-    tested = (child >= 0) & walk.alive & ~walk.taken & _at(valid, c)
-    q_x = _at(walk.qq, x)
-    used, s, r_x = _credit(walk.r, x, relax)
+def _test(r: Tensor, qq: Tensor, x: Tensor, valid: Tensor, u: Tensor, relax: RelaxInputs) -> _Tests:
+    """Tests of tokens ``x`` [M] against running targets ``r`` and drafter distributions ``qq``
+    [M, V] (docs/method.md §5.1-5.4): greedy accepts x when it is the argmax of the relaxed
+    target, sampling when u * q(x) < pt."""
+    used, s, r_x = _credit(r, x, relax)
     pt = r_x + s
-    rt = _relaxed_target(walk.r, x, relax.neighbors[x], used, pt)
+    rt = _relaxed_target(r, x, relax.neighbors[x], used, pt)
+    q_x = _at(qq, x)
     greedy = relax.greedy
-    sampled_ok = _at(noise, c) * q_x < pt
-    greedy_ok = rt.argmax(-1) == x
-    tested = tested & (greedy | (q_x > 0))  # a child the drafter gave no mass is skipped
-    accepted = tested & ((greedy & greedy_ok) | (~greedy & sampled_ok))  # (ORT has no bool Where)
-    rejected = (tested & ~accepted & ~greedy)[:, None]  # greedy tests every child against p
-    r = torch.where(rejected, _normalized(_residual(rt, walk.qq)), walk.r)
-    qq = torch.where(rejected, _drop_drawn(walk.qq, x), walk.qq)
-    take = accepted[:, None]
-    walk = _Walk(
-        torch.where(accepted, c, walk.node),
-        walk.alive,
-        torch.where(take, _row(p, c), r),
-        torch.where(take, _row(q, c), qq),
-        walk.taken | accepted,
+    tested = valid & (greedy | (q_x > 0))  # sampling skips a child the drafter gave no mass
+    ok = (greedy & (rt.argmax(-1) == x)) | (~greedy & (u * q_x < pt))  # (ORT has no bool Where)
+    return _Tests(tested, tested & ok, rt, torch.stack([s, pt, r_x], -1))
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """A tree's static tables for :func:`accept_tree`, over its P inner nodes (those with
+    children), in node order."""
+
+    inner: Tensor  # [P] the inner nodes
+    children: Tensor  # [P, W] each inner node's children in test order, -1 past its last
+    row: Tensor  # [N+1] each node's row among the inner nodes, -1 for a leaf
+    depth: int
+
+
+@lru_cache(maxsize=32)
+def tree_plan(tree: StaticTree, device: torch.device) -> TreePlan:
+    """The :class:`TreePlan` of ``tree`` on ``device`` (the root-only tree has one inner row
+    with no children, so that every tree has P >= 1)."""
+    inner = [v for v, kids in enumerate(tree.children) if kids] or [0]
+    width = max(1, max((len(c) for c in tree.children), default=0))
+    children = torch.full((len(inner), width), -1, dtype=torch.long)
+    row = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long)
+    for i, v in enumerate(inner):
+        kids = tree.children[v]
+        children[i, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+        row[v] = i
+    return TreePlan(torch.tensor(inner).to(device), children.to(device), row.to(device), tree.max_depth)
+
+
+class _Parents(NamedTuple):
+    """Every inner node's sibling tests so far, for B trees: [B, P, ...]."""
+
+    r: Tensor  # [B, P, V] the running target (p, then the residual after each rejection)
+    qq: Tensor  # [B, P, V] the drafter distribution the next sibling was drawn from
+    chosen: Tensor  # [B, P] the first accepted child, -1 while none
+    credit: Tensor  # [B, P, 3] its test's (S, pt, r(x))
+
+
+def _slot(
+    state: _Parents, slot: int, last: bool, plan: TreePlan, tokens, valid, relax: RelaxInputs, noise
+) -> _Parents:
+    """Test, at every inner node of every tree at once, the child in sibling ``slot`` against the
+    node's running target, unless a sibling before it was accepted. A rejection turns the running
+    target into the normalised residual max(rt - qq, 0) and drops the child from qq for the next
+    sibling (docs/method.md §5.1); after the ``last`` slot qq is not needed any more."""
+    batch, rows, vocab = state.r.shape
+    child = plan.children[:, slot]  # [P], static
+    c = child.clamp_min(0)
+    x = tokens[:, c]  # [B, P]
+    t = _test(
+        state.r.reshape(-1, vocab),
+        state.qq.reshape(-1, vocab),
+        x.reshape(-1),
+        valid[:, c].reshape(-1),
+        noise[:, c].reshape(-1),
+        relax,
     )
-    return walk, accepted, torch.stack([s, pt, r_x], -1)
+    open_ = (child >= 0) & (state.chosen < 0)  # [B, P]
+    accepted = open_ & t.accepted.view(batch, rows)
+    rejected = (open_ & t.tested.view(batch, rows) & ~t.accepted.view(batch, rows) & ~relax.greedy)[..., None]
+    rt = t.rt.view(batch, rows, vocab)
+    r = torch.where(rejected, _normalized(_residual(rt, state.qq)), state.r)
+    qq = state.qq if last else torch.where(rejected, _drop_drawn(state.qq, x), state.qq)
+    return _Parents(
+        r,
+        qq,
+        torch.where(accepted, child, state.chosen),
+        torch.where(accepted[..., None], t.credit.view(batch, rows, 3), state.credit),
+    )
 
 
 def _bonus(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
@@ -245,8 +279,7 @@ def _bonus(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
 
 
 def accept_tree(
-    children: Tensor,
-    depth: int,
+    plan: TreePlan,
     tokens: Tensor,
     valid: Tensor,
     p: Tensor,
@@ -255,37 +288,48 @@ def accept_tree(
     noise: Tensor,
     bonus_noise: Tensor,
 ) -> Accepted:
-    """Walk B drafted trees from the root, accepting at most one child per node, then draw a
-    bonus token, with no data-dependent control flow (docs/method.md §5).
+    """Accept the longest path of B drafted trees, at most one child per node, then draw a bonus
+    token, with no data-dependent control flow (docs/method.md §5).
 
-    ``children`` [N+1, W] is :func:`children_table` and ``depth`` the tree's depth. tokens
-    [B, N+1] (tokens[:, 0] the roots), valid [B, N+1] (False: skip that drafted child), p and q
-    [B, N+1, V] the target and drafter probabilities at every node (q[:, i] is what node i's
-    children were drawn from), ``relax`` the relaxation and greedy flag, ``noise`` [B, N+1]
-    uniform in [0, 1) (noise[:, i] for node i's test; noise[:, 0] is not read) and
-    ``bonus_noise`` [B, V] uniform, for the bonus draw.
+    The sibling tests run slot by slot at every inner node at once (W steps); the walk from the
+    root then only follows each node's first accepted child (D gathers). ``plan`` is
+    :func:`tree_plan`; tokens [B, N+1] (tokens[:, 0] the roots), valid [B, N+1] (False: skip
+    that drafted child), p and q [B, N+1, V] the target and drafter probabilities at every node
+    (q[:, i] is what node i's children were drawn from), ``relax`` the relaxation and greedy
+    flag, ``noise`` [B, N+1] uniform in [0, 1) (noise[:, i] for node i's test; noise[:, 0] is
+    not read) and ``bonus_noise`` [B, V] uniform, for the bonus draw.
     """
     p, q = p.float(), q.float()
-    batch = p.shape[0]
-    zero = torch.zeros(batch, dtype=torch.long, device=p.device)
-    walk = _Walk(zero, torch.ones(batch, dtype=torch.bool, device=p.device), p[:, 0], q[:, 0], zero > 0)
-    kept, credits = [zero], []
-    for _ in range(depth):
-        kids = children[walk.node]  # [B, W]
-        walk = walk._replace(taken=zero > 0)
-        credit = p.new_zeros(batch, 3)
-        for slot in range(children.shape[1]):
-            walk, accepted, c = _test_sibling(walk, slot, kids, tokens, valid, q, p, relax, noise)
-            credit = torch.where(accepted[:, None], c, credit)
-        walk = walk._replace(alive=walk.alive & walk.taken)
-        kept.append(torch.where(walk.alive, walk.node, 0))
-        credits.append(credit)
-    length = sum((k > 0).long() for k in kept[1:]) if depth else zero
+    batch, rows = p.shape[0], plan.children.shape[0]
+    state = _Parents(
+        p[:, plan.inner],
+        q[:, plan.inner],
+        torch.full((batch, rows), -1, dtype=torch.long, device=p.device),
+        p.new_zeros(batch, rows, 3),
+    )
+    width = plan.children.shape[1]
+    for slot in range(width if plan.depth else 0):
+        state = _slot(state, slot, slot == width - 1, plan, tokens, valid, relax, noise)
+    node = torch.zeros(batch, dtype=torch.long, device=p.device)
+    alive = node == 0
+    kept, credits = [node], []
+    for _ in range(plan.depth):
+        row = plan.row[node]  # [B]
+        inner = row >= 0
+        r = row.clamp_min(0)
+        nxt = torch.where(inner, _at(state.chosen, r), -1)
+        credits.append(torch.where((alive & (nxt >= 0))[:, None], _row(state.credit, r), 0.0))
+        alive = alive & (nxt >= 0)
+        node = torch.where(alive, nxt, node)
+        kept.append(torch.where(alive, node, 0))
+    length = sum((k > 0).long() for k in kept[1:]) if plan.depth else node
     kept_t = torch.stack(kept, 1)
-    bonus = _bonus(walk.r, bonus_noise, relax.greedy)
+    row = plan.row[node]
+    final = torch.where((row >= 0)[:, None], _row(state.r, row.clamp_min(0)), _row(p, node))
+    bonus = _bonus(final, bonus_noise, relax.greedy)
     out = tokens.gather(1, kept_t[:, 1:])  # the accepted nodes' tokens
     out = _put(torch.cat([out, bonus[:, None]], 1), length[:, None], bonus[:, None])
-    credit_t = torch.stack(credits, 1) if depth else p.new_zeros(batch, 0, 3)
+    credit_t = torch.stack(credits, 1) if plan.depth else p.new_zeros(batch, 0, 3)
     return Accepted(length, kept_t, out, credit_t)
 
 
@@ -301,6 +345,5 @@ def accept_one(
 ) -> Accepted:
     """:func:`accept_tree` for one tree: p and q [N+1, V], tokens, valid and noise [N+1],
     bonus_noise [V]."""
-    children = children_table(tree, p.device)
     one = (t[None] for t in (tokens, valid, p, q))
-    return accept_tree(children, tree.max_depth, *one, relax, noise[None], bonus_noise[None])
+    return accept_tree(tree_plan(tree, p.device), *one, relax, noise[None], bonus_noise[None])
