@@ -32,17 +32,16 @@ from lantern_rt.models.neighbors import load_neighbors_file
 FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
 # graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If);
-# 6: acceptance graphs (one per tree and one for AR's root-only tree)
+# 6: the target's step graphs accept on the device (a verify graph per tree, one AR step graph)
 BUNDLE_VERSION = 6
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
 ENGINES_DIR = "engines"  # TensorRT plans, per GPU and TensorRT version (not part of the bundle's files)
 DRAFT_GRAPH_PREFIX = "draft_tree_"
-ACCEPT_GRAPH_PREFIX = "accept_tree_"
-ROOT_ACCEPT_GRAPH = "accept_root"  # AR: acceptance over the root-only tree (the sampling step)
+VERIFY_GRAPH_PREFIX = "target_verify_"
+AR_STEP_GRAPH = "target_ar_step"  # AR: one token verified as the root-only tree (its sampling step)
 PREFILL_GRAPH = "target_prefill"
-STEP_GRAPH_PREFIX = "target_step_"
 VQ_DECODE_GRAPH = "vq_decode"
 
 
@@ -55,14 +54,9 @@ def draft_graph_name(index: int) -> str:
     return f"{DRAFT_GRAPH_PREFIX}{index}"
 
 
-def accept_graph_name(index: int) -> str:
-    """The name of the acceptance graph of a bundle's ``index``-th tree."""
-    return f"{ACCEPT_GRAPH_PREFIX}{index}"
-
-
-def step_graph_name(tokens: int) -> str:
-    """The name of the target's step graph over ``tokens`` tokens (1: AR; N + 1: a verify step)."""
-    return f"{STEP_GRAPH_PREFIX}{tokens}"
+def verify_graph_name(index: int) -> str:
+    """The name of the verify graph (target step and acceptance) of a bundle's ``index``-th tree."""
+    return f"{VERIFY_GRAPH_PREFIX}{index}"
 
 
 @dataclass(frozen=True)
@@ -95,21 +89,16 @@ class GraphEntry:
         """Whether this is a drafting graph (the drafter's catch-up and every tree level)."""
         return self.name.startswith(DRAFT_GRAPH_PREFIX)
 
-    @property
-    def accepting(self) -> bool:
-        """Whether this is an acceptance graph (a tree's, or AR's root-only one)."""
-        return self.name.startswith(ACCEPT_GRAPH_PREFIX) or self.name == ROOT_ACCEPT_GRAPH
-
 
 @dataclass(frozen=True)
 class TreeEntry:
     """A tree the bundle was exported for: its paths, the graph that drafts it and the graph that
-    accepts it (both None when the model has no drafter)."""
+    verifies and accepts it (both None when the model has no drafter)."""
 
     name: str
     paths: tuple[tuple[int, ...], ...]
     graph: str | None
-    accept: str | None
+    verify: str | None
 
 
 @dataclass(frozen=True)
@@ -123,7 +112,6 @@ class Constants:
     cache_capacity: int
     vocab_size: int
     hidden_size: int
-    step_sizes: tuple[int, ...]
     drafter: bool
     drafter_capacity: int
     max_draft_width: int
@@ -160,7 +148,7 @@ class Bundle:
             for name, entry in manifest["graphs"].items()
         }
         self.trees: dict[str, TreeEntry] = {
-            name: TreeEntry(tree["name"], tuple(map(tuple, tree["paths"])), tree["graph"], tree["accept"])
+            name: TreeEntry(tree["name"], tuple(map(tuple, tree["paths"])), tree["graph"], tree["verify"])
             for name, tree in manifest["trees"].items()
         }
         self.gpt: GPTConfig = config_from_dict(GPTConfig, manifest["gpt"])
@@ -310,7 +298,6 @@ _CONSTANTS = {
     "cache_capacity": _INT,
     "vocab_size": _INT,
     "hidden_size": _INT,
-    "step_sizes": _LIST,
     "drafter": _BOOL,
     "drafter_capacity": _INT,
     "max_draft_width": _INT,
@@ -341,7 +328,6 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
     check(manifest["constants"], _CONSTANTS, "constants.")
     c = manifest["constants"]
     check(c["neighbors"], {"file": _STR, "k": _INT}, "constants.neighbors.")
-    _ints(c["step_sizes"], "constants.step_sizes", where)
     null = c["null_condition"]
     if not (isinstance(null.get("class_id"), int) or isinstance(null.get("file"), str)):
         raise BundleError(f"{where}: constants.null_condition needs a class_id or a file")
@@ -362,11 +348,11 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
             raise BundleError(f"{where}: trees.{name}.paths must be lists of child indices")
         for p in tree["paths"]:
             _ints(p, f"trees.{name}.paths", where)
-        for key in ("graph", "accept"):
+        for key in ("graph", "verify"):
             graph = tree.setdefault(key, None)
             if graph is not None and graph not in manifest["graphs"]:
                 raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
-    for graph in (PREFILL_GRAPH, VQ_DECODE_GRAPH, ROOT_ACCEPT_GRAPH, *map(step_graph_name, c["step_sizes"])):
+    for graph in (PREFILL_GRAPH, AR_STEP_GRAPH, VQ_DECODE_GRAPH):
         if graph not in manifest["graphs"]:
             raise BundleError(f"{where}: the bundle lacks its {graph} graph")
     return manifest
@@ -404,7 +390,6 @@ def _constants(c: dict[str, Any]) -> Constants:
         cache_capacity=c["cache_capacity"],
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
-        step_sizes=tuple(c["step_sizes"]),
         drafter=c["drafter"],
         drafter_capacity=c["drafter_capacity"],
         max_draft_width=c["max_draft_width"],

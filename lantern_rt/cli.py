@@ -145,7 +145,7 @@ def main() -> None:
 @click.option(
     "--profile",
     is_flag=True,
-    help="NVTX ranges around prefill, draft, verify, accept, KV compaction and VQ decode, and "
+    help="NVTX ranges around prefill, draft, verify (with acceptance), KV compaction and VQ decode, and "
     "cudaProfilerStart/Stop around the images after the first (see README: nsys).",
 )
 @click.option(

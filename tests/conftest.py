@@ -87,3 +87,32 @@ def write_model_dir(root: Path, gpt: Transformer, vq: VQModel, gpt_file: str = "
 @pytest.fixture
 def tiny_model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny", tiny_gpt(), tiny_vq())
+
+
+def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: bool = True):
+    """One greedy, exact verify call of ``tokens`` [N+1] over ``tree`` (default: the root-only
+    tree, an AR step) after the committed cache, then (``commit``) the accepted path committed;
+    the backend's :class:`~lantern_rt.runtime.acceptance.Verified`."""
+    from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
+    from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
+    from lantern_rt.runtime.tree import ROOT_ONLY
+
+    tree = tree or ROOT_ONLY
+    device, n = target.cache.k.device, tree.num_nodes + 1
+    filters = filter_inputs(SamplingConfig(cfg_scale=2.0, temperature=0.0), device)
+    relax = relax_inputs(Relaxation("exact"), None, vocab, True, device)
+    out = target.verify(
+        tree,
+        tokens.to(device),
+        target.cache.length + tree.depth.to(device),
+        tree.mask.to(device),
+        torch.ones(n, dtype=torch.bool, device=device),
+        torch.zeros(n, vocab, device=device),
+        torch.zeros(n, device=device),
+        torch.zeros(vocab, device=device),
+        filters,
+        relax,
+    )
+    if commit:
+        target.cache.commit(int(out.length) + 1)
+    return out

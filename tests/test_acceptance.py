@@ -371,7 +371,7 @@ def _plant_skipped_sibling(monkeypatch) -> None:
 
 def _plant_wrong_bonus(monkeypatch) -> None:
     """Emit the most likely token of the running target as the bonus instead of drawing it."""
-    monkeypatch.setattr(acceptance, "_bonus", lambda r, u, greedy: r.argmax(-1))
+    monkeypatch.setattr(acceptance, "draw", lambda r, u, greedy: r.argmax(-1))
 
 
 PLANTS = [
@@ -459,16 +459,22 @@ def test_inputs_not_modified(trials: tuple) -> None:
     assert torch.equal(p[0], before[0]) and torch.equal(q[0], before[1])
 
 
-def test_categorical_draws_follow_the_law_and_never_a_zero() -> None:
-    """Inverse-CDF draws: chi-square against an unnormalised law with zero cells, batched rows."""
-    from lantern_rt.runtime.sampling import categorical
+def test_gumbel_max_draws_follow_the_law_and_never_a_zero() -> None:
+    """acceptance.draw (the bonus and first-token draw): chi-square against an unnormalised law
+    with zero cells over batched rows; greedy is the argmax whatever the noise."""
+    from lantern_rt.runtime.acceptance import draw
 
     weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 3.0])  # sums to 10
-    draws = categorical(weights.expand(20000, -1), torch.Generator().manual_seed(0))
+    u = torch.rand(20000, 8, generator=torch.Generator().manual_seed(0))
+    draws = draw(weights.expand(20000, -1), u, torch.tensor([False]))
     observed = torch.bincount(draws, minlength=8).double()
     assert observed[weights == 0].sum() == 0
     expected = weights.double() / weights.sum() * draws.numel()
     allowed = expected > 0
     stat = ((observed - expected)[allowed] ** 2 / expected[allowed]).sum().item()
     assert stat < 20.5  # chi-square, 4 degrees of freedom, p = 0.9996
-    assert categorical(torch.tensor([0.0, 0.0, 1e-30]), None).item() == 2  # the only support
+    assert (
+        draw(torch.tensor([0.0, 0.0, 1e-30]), torch.tensor([1e-9, 0.5, 0.99]), torch.tensor([False])).item()
+        == 2
+    )
+    assert draw(weights, u[0], torch.tensor([True])).item() == 1  # the first largest

@@ -61,8 +61,8 @@ def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
     graphs = quantized_graphs(out)
     assert set(graphs) == {
         "target_prefill",
-        "target_step_1",
-        "target_step_4",
+        "target_ar_step",
+        "target_verify_0",
         "draft_tree_0",
     }
     for path in graphs.values():
@@ -113,7 +113,7 @@ def test_int8_tokens_agree_with_fp32(calibrated):
         assert graph["top1_agreement"] >= MIN_TOP1_AGREEMENT, name
     steps = [g["top1_agreement"] for name, g in report["graphs"].items() if name != "target_prefill"]
     assert np.mean(steps) >= MIN_STEP_TOP1_AGREEMENT
-    assert "| lantern++ chain-3 greedy |" in table and "| target_step_4 |" in table
+    assert "| lantern++ chain-3 greedy |" in table and "| target_verify_0 |" in table
 
 
 def test_calibration_used_recorded_inputs(calibrated):
@@ -123,7 +123,7 @@ def test_calibration_used_recorded_inputs(calibrated):
         assert 0 < graph["samples"] <= min(MAX_SAMPLES_PER_GRAPH, graph["calls"]), name
         assert calls[name] == graph["calls"]
     assert report["graphs"]["target_prefill"]["calls"] == 2 * SAMPLES  # one per image, both pipelines
-    assert report["graphs"]["target_step_1"]["calls"] == SAMPLES * 15  # ar: the 15 tokens after prefill
+    assert report["graphs"]["target_ar_step"]["calls"] == SAMPLES * 15  # ar: the 15 tokens after prefill
 
 
 def test_recorder_keeps_a_bounded_uniform_sample_of_copies(fp32):

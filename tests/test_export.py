@@ -24,12 +24,12 @@ from lantern_rt.bundle import (
     BundleError,
     IOSpec,
     TreeEntry,
-    accept_graph_name,
     draft_graph_name,
+    verify_graph_name,
 )
 from lantern_rt.export import bundle as bundle_module
 from lantern_rt.export.bundle import TOLERANCE, ExportError, compare_with_torch, export_bundle
-from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetStep, VQDecode, target_step_sizes
+from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetVerify, VQDecode
 from lantern_rt.fileio import sha256
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.models.checkpoint import save_safetensors
@@ -85,15 +85,9 @@ def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 def graph_names(trees: list[str], with_drafter: bool) -> set[str]:
     """The graphs a bundle of these trees holds."""
-    loaded = [load_tree(t) for t in trees]
-    names = {
-        "target_prefill",
-        "vq_decode",
-        "accept_root",
-        *(f"target_step_{s}" for s in target_step_sizes(loaded)),
-    }
+    names = {"target_prefill", "target_ar_step", "vq_decode"}
     drafting = {
-        f(i) for i in range(len(trees)) for f in (draft_graph_name, accept_graph_name) if with_drafter
+        f(i) for i in range(len(trees)) for f in (draft_graph_name, verify_graph_name) if with_drafter
     }
     return names | drafting
 
@@ -119,10 +113,12 @@ def test_every_graph_passes_the_checks(opened, name):
 
 
 def test_graph_shapes_follow_the_trees():
-    """Verify graphs of N + 1 tokens; a drafting graph per tree whose catch-up takes max_depth + 1
-    rows and whose noise has a row per node that draws (every node above the last level)."""
+    """Verify graphs of N + 1 tokens that keep max_depth + 1; a drafting graph per tree whose
+    catch-up takes max_depth + 1 rows and whose noise has a row per node that draws (every node
+    above the last level)."""
     trees = [load_tree("naive_extend_57"), load_tree("chain-5")]  # levels 5/13/16/14/9; 1/1/1/1/1
-    assert target_step_sizes(trees) == [1, 6, 58]
+    specs = [TargetVerify(tiny_gpt(0), t, 3, "v").spec for t in trees]
+    assert [(sp.inputs[0].shape, sp.outputs[1].shape) for sp in specs] == [((58,), (6,)), ((6,), (6,))]
     assert [(catch_up_rows(t), noise_rows(t)) for t in trees] == [(6, 1 + 5 + 13 + 16 + 14), (6, 5)]
 
 
@@ -135,8 +131,21 @@ def test_every_graph_matches_torch(bundles, opened, name):
     decode = VQDecode(vq, target.config.grid_size)
     pairs = [(TargetPrefill(low), TargetPrefill(target)), (decode, decode)]
     loaded = [load_tree(t) for t in trees]
-    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in target_step_sizes(loaded)]
+    pairs.append(
+        (
+            TargetVerify(low, ROOT_ONLY, 1, "target_ar_step"),
+            TargetVerify(target, ROOT_ONLY, 1, "target_ar_step"),
+        )
+    )
     if with_drafter:
+        k = opened[name].constants.neighbors_k
+        pairs += [
+            (
+                TargetVerify(low, tree, k, verify_graph_name(i)),
+                TargetVerify(target, tree, k, verify_graph_name(i)),
+            )
+            for i, tree in enumerate(loaded)
+        ]
         drafter = load_drafter(md)
         low_drafter = drafter if dtype == "fp32" else copy.deepcopy(drafter).half()
         cap = opened[name].constants.drafter_capacity
@@ -169,16 +178,41 @@ def test_declared_shapes_and_dtypes(opened):
         "new_k": ([*kv, 3, 8], "float16"),
         "new_v": ([*kv, 3, 8], "float16"),
     }
-    assert shapes["target_step_1"] == {
-        "tokens": ([1], "int64"),
+    settings = {
+        "cfg_scale": ([1], "float32"),
+        "temperature": ([1], "float32"),
+        "top_k": ([1], "int64"),
+        "top_p": ([1], "float32"),
+    }
+    relax = {
+        "k": ([1], "int64"),
+        "cap_a": ([1], "float32"),
+        "cap_b": ([1], "float32"),
+        "greedy": ([1], "bool"),
+    }
+    assert shapes["target_ar_step"] == {
+        "node_tokens": ([1], "int64"),
         "positions": ([1], "int64"),
         "mask": ([1, 1, 1, 19 + 1], "bool"),
+        "valid": ([1], "bool"),
+        "q": ([1, 64], "float32"),
+        "noise": ([1], "float32"),
+        "bonus_noise": ([64], "float32"),
+        **settings,
+        "neighbors": ([64, 1], "int64"),
+        **relax,
         **{f"past_{kv_}_{i}": ([2, 2, 19, 8], "float16") for kv_ in "kv" for i in range(2)},
-        "logits": ([2, 1, 64], "float32"),
+        "length": ([1], "int64"),
+        "kept": ([1], "int64"),
+        "tokens": ([1], "int64"),
         "hidden": ([2, 1, 32], "float16"),
         "new_k": ([*kv, 1, 8], "float16"),
         "new_v": ([*kv, 1, 8], "float16"),
+        "logits": ([2, 1, 64], "float32"),
     }
+    verify = shapes["target_verify_0"]  # chain-1: two nodes, both kept at most
+    assert verify["mask"] == ([1, 1, 2, 19 + 2], "bool") and verify["neighbors"][0][0] == 64
+    assert verify["kept"] == ([2], "int64") and verify["new_k"] == ([*kv, 2, 8], "float16")
     assert shapes["vq_decode"] == {"codes": ([1, 16], "int64"), "images": ([1, 1, 8, 8], "float32")}
     drafter_kv = [1, 2, 2]  # one drafter layer, CFG rows, kv heads
     assert shapes["draft_tree_0"] == {  # chain-1: two catch-up rows, one drawing node
@@ -219,13 +253,13 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert bundle.class_names == ["a", "b", "c", "d", "e"] and bundle.image_size == 8
     assert bundle.sampling_defaults == {"cfg_scale": 2.0}
     constants = bundle.constants
-    assert constants.cache_capacity == 19 and constants.step_sizes == (1, 2)
+    assert constants.cache_capacity == 19
     assert constants.drafter and constants.drafter_capacity == 16 and constants.max_draft_width == 10
     assert bundle.has_drafter
-    chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "accept": "accept_tree_0"}
+    chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "verify": "target_verify_0"}
     assert manifest["trees"] == {"chain-1": chain}
     paths = tuple(map(tuple, tree_to_json(load_tree("chain-1"))["paths"]))
-    assert bundle.trees == {"chain-1": TreeEntry("chain-1", paths, "draft_tree_0", "accept_tree_0")}
+    assert bundle.trees == {"chain-1": TreeEntry("chain-1", paths, "draft_tree_0", "target_verify_0")}
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(bundle.files) == on_disk
     assert constants.null_caption_file == "null_caption.npy" and constants.null_class_id is None
@@ -286,19 +320,19 @@ def test_an_untouched_copy_opens(bundles, tmp_path):
 
 def test_modified_graph_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
-    data = bytearray((path / "target_step_1.onnx").read_bytes())
+    data = bytearray((path / "target_ar_step.onnx").read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (path / "target_step_1.onnx").write_bytes(bytes(data))
-    with pytest.raises(BundleError, match="target_step_1.onnx does not match its sha256"):
+    (path / "target_ar_step.onnx").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="target_ar_step.onnx does not match its sha256"):
         Bundle.open(path)
 
 
 def test_edited_manifest_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["graphs"]["target_step_26"]["outputs"][0]["shape"] = [2, 5, 64]
+    manifest["graphs"]["target_ar_step"]["outputs"][6]["shape"] = [2, 5, 64]
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match="target_step_26's inputs/outputs differ"):
+    with pytest.raises(BundleError, match="target_ar_step's inputs/outputs differ"):
         Bundle.open(path)
     manifest["bundle_version"] = 99
     (path / "manifest.json").write_text(json.dumps(manifest))
@@ -372,11 +406,11 @@ def test_manifest_schema_is_checked(bundles, tmp_path, keys, value, message):
 def test_graph_file_that_is_not_onnx_is_refused(bundles, tmp_path):
     """A listed file with the right sha256 that onnx cannot parse: BundleError, not onnx's own."""
     path = tampered(bundles, tmp_path)
-    (path / "target_step_1.onnx").write_bytes(b"not an onnx graph")
+    (path / "target_ar_step.onnx").write_bytes(b"not an onnx graph")
     edit_manifest(
-        path, lambda m: m["files"].update({"target_step_1.onnx": sha256(path / "target_step_1.onnx")})
+        path, lambda m: m["files"].update({"target_ar_step.onnx": sha256(path / "target_ar_step.onnx")})
     )
-    with pytest.raises(BundleError, match=r"target_step_1\.onnx is not a readable ONNX graph"):
+    with pytest.raises(BundleError, match=r"target_ar_step\.onnx is not a readable ONNX graph"):
         Bundle.open(path)
 
 
@@ -390,13 +424,9 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
     lines = result.output.splitlines()
     assert f"(format lantern-rt-bundle v{BUNDLE_VERSION})" in lines[0]
     assert "tree     chain-1: 1 nodes, drafted by draft_tree_0" in lines
-    rows = {
-        tuple(line.split(maxsplit=4))
-        for line in lines
-        if line.startswith(("target_", "draft_", "vq_", "accept_"))
-    }
+    rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
-    assert ("target_step_1", "out", "hidden", "float16", "[2, 1, 32]") in rows
+    assert ("target_ar_step", "out", "hidden", "float16", "[2, 1, 32]") in rows
     graphs = opened["t2i-gqa-fp16"].graphs
     assert len(rows) == sum(len(g.inputs) + len(g.outputs) for g in graphs.values())
     result = CliRunner().invoke(main, ["inspect", str(bundles["t2i-gqa-fp16"]), "--graph", "nope"])

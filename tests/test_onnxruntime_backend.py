@@ -14,6 +14,7 @@ from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
+from tests.conftest import verify_step
 from tests.test_export import shared_bundle
 
 GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
@@ -54,33 +55,28 @@ def test_a_bundle_without_drafter_refuses_a_drafter(bundle):
         BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
 
 
-def test_tree_verify_step_matches_torch(bundle, model_dir):
-    """Prefill, three committed tokens, then one verify call over the 26-node tree."""
+def test_ar_steps_match_torch(bundle, model_dir):
+    """Prefill, then three AR steps (verify graphs over the root-only tree): every output and
+    the committed caches."""
     ours, reference = backends(bundle, model_dir)
-    tree = load_tree("mc_sim_7b_63")
-    tokens = torch.randint(0, 64, (tree.num_nodes + 1,), generator=torch.Generator().manual_seed(0))
-    one = torch.ones(1, 1, dtype=torch.bool)
-    results = []
     for target in (ours, reference):
         target.prefill(COND)
-        for t in (7, 11, 13):
-            target.step(torch.tensor([t]), torch.tensor([target.cache.length]), one)
-            target.cache.commit([0])
-        results.append(target.step(tokens, target.cache.length + tree.depth, tree.mask))
-        target.cache.commit([0, 1, 5])
-    for got, want in zip(*results, strict=True):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for t in (7, 11, 13):
+        got, want = (verify_step(target, torch.tensor([t]), 64) for target in (ours, reference))
+        for name, g, w in zip(got._fields, got, want, strict=True):
+            assert g.shape == w.shape, name
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=name)
+    assert ours.cache.length == reference.cache.length == 4
     torch.testing.assert_close(ours.cache.k, reference.cache.k, atol=1e-5, rtol=1e-5)
 
 
-def test_a_step_size_that_was_not_exported_is_refused(bundle):
+def test_a_tree_without_a_verify_graph_is_refused(bundle):
+    """c2i-fp32 lists a tree but has no drafter: no verify graph was exported for it."""
     target = BundleTarget(bundle, ort_runner(threads=1), "onnxruntime")
     target.prefill(COND)
-    with pytest.raises(BundleError, match=r"no target_step_5 graph \(it has steps of \[1, 26\] tokens\)"):
-        target.step(
-            torch.zeros(5, dtype=torch.long), torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril()
-        )
+    tree = load_tree("mc_sim_7b_63")
+    with pytest.raises(BundleError, match="the bundle has no verify graph for tree mc_sim_7b_63; export it"):
+        verify_step(target, torch.zeros(tree.num_nodes + 1, dtype=torch.long), 64, tree)
 
 
 def test_vq_decoder_matches_torch(bundle, model_dir):
@@ -113,16 +109,9 @@ def test_fp16_text_bundle_follows_torch(tmp_path_factory):
     caption = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
     cond = torch.stack([caption, reference.model.null_condition])
     assert ours.cache.k.dtype == torch.float16
-    one = torch.ones(1, 1, dtype=torch.bool)
     for got, want in zip(ours.prefill(cond), reference.prefill(cond), strict=True):
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
     for t in (7, 11, 13):
-        position = torch.tensor([reference.cache.length])
-        for got, want in zip(
-            ours.step(torch.tensor([t]), position, one),
-            reference.step(torch.tensor([t]), position, one),
-            strict=True,
-        ):
-            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
-        ours.cache.commit([0])
-        reference.cache.commit([0])
+        got, want = (verify_step(target, torch.tensor([t]), 64) for target in (ours, reference))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.to(w.dtype), w, atol=2e-2, rtol=1e-2)

@@ -12,7 +12,7 @@ from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.training.drafter import DrafterTraining, train_drafter
-from tests.conftest import tiny_gpt
+from tests.conftest import tiny_gpt, verify_step
 
 GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
 TREES = ["naive_extend_57", "mc_sim_7b_63", "chain-3"]
@@ -100,10 +100,8 @@ def test_compacted_cache_equals_ar_cache(models):
     assert max(out.accepted) > 2
     reference = TorchTarget(target)
     reference.prefill(torch.tensor([2, target.config.num_classes]))
-    one = torch.ones(1, 1, dtype=torch.bool)
     for tok in out.tokens[: backend.cache.length - target.config.cls_token_num]:
-        reference.step(tok.view(1), torch.tensor([reference.cache.length]), one)
-        reference.cache.commit([0])
+        verify_step(reference, tok.view(1), target.config.vocab_size)
     n = backend.cache.length
     assert reference.cache.length == n
     torch.testing.assert_close(
@@ -149,7 +147,7 @@ def test_relaxed_decoding_accepts_more(models):
             neighbors,
         )
         acc = []
-        for seed in range(8):
+        for seed in range(32):  # 16-token images: 8 seeds gave equal means (1.71) by chance
             acc += decode(target, seed % target.config.num_classes, spec, sampling, seed)[1].accepted
         mean[name] = sum(acc) / len(acc)
     assert mean["lantern++"] > mean["exact"], mean

@@ -10,7 +10,7 @@ from lantern_rt.models.config import GPTConfig, gpt_config
 from lantern_rt.models.model_dir import load_target, open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
-from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, write_model_dir
+from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, verify_step, write_model_dir
 from tests.llamagen_reference import reference_logits
 
 VARIANTS = {
@@ -68,11 +68,8 @@ def test_kv_cache_decoding_matches_full_forward(variant):
     target = TorchTarget(model)
     logits, _ = target.prefill(rows)
     stepped = [logits]
-    one = torch.ones(1, 1, dtype=torch.bool)
     for t in tokens:
-        logits, _ = target.step(t.view(1), torch.tensor([target.cache.length]), one)
-        target.cache.commit([0])
-        stepped.append(logits[:, 0])
+        stepped.append(verify_step(target, t.view(1), cfg.vocab_size).logits[:, 0])
     torch.testing.assert_close(torch.stack(stepped, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
@@ -82,11 +79,13 @@ def test_cache_ignores_stale_entries():
     target = TorchTarget(model)
     rows = torch.tensor([1, 5])
     target.prefill(rows)
-    before, _ = target.step(torch.tensor([7]), torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
+    vocab = model.config.vocab_size
+    before = verify_step(target, torch.tensor([7]), vocab, commit=False)
     target.cache.k[:, :, :, 5:] = 123.0
     target.cache.v[:, :, :, 5:] = -77.0
-    after, _ = target.step(torch.tensor([7]), torch.tensor([1]), torch.ones(1, 1, dtype=torch.bool))
-    torch.testing.assert_close(before, after)
+    after = verify_step(target, torch.tensor([7]), vocab, commit=False)
+    for got, want in zip(after, before, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 LLAMAGEN_C2I_KEYS = {

@@ -32,7 +32,7 @@ from lantern_rt.engines.plans import (
     write_engines_json,
 )
 from lantern_rt.fileio import sha256
-from lantern_rt.runtime.backends.bundle_graphs import bound_by_pointer
+from lantern_rt.runtime.backends.bundle_graphs import RELAX_INPUTS, SAMPLING_INPUTS, bound_by_pointer
 from lantern_rt.runtime.backends.tensorrt_backend import io_problems, trt_runner
 from tests.test_export import shared_bundle
 
@@ -209,10 +209,10 @@ def test_engines_round_trip_and_manifest_ignores_them(bundle):
 def test_a_modified_plan_is_refused(bundle):
     key = engine_key(ORIN, "10.3.0.30", "fp32")
     folder = fake_plans(bundle, key)
-    (folder / "target_step_1.plan").write_bytes(b"another plan")
-    with pytest.raises(EngineError, match="target_step_1.plan is missing or does not match its sha256"):
+    (folder / "target_ar_step.plan").write_bytes(b"another plan")
+    with pytest.raises(EngineError, match="target_ar_step.plan is missing or does not match its sha256"):
         find_engines(bundle, key)
-    (folder / "target_step_1.plan").unlink()
+    (folder / "target_ar_step.plan").unlink()
     with pytest.raises(EngineError, match="missing"):
         find_engines(bundle, key)
     (folder / "engines.json").write_text("{}")
@@ -361,13 +361,13 @@ def test_tensorrt_parses_drafting_graphs_without_their_ifs(tmp_path_factory, tmp
 
 
 def test_a_failed_build_leaves_nothing_and_lists_every_parser_error(bundle, fake_gpu, monkeypatch):
-    reject = {"target_step_1.onnx": ["ScatterND: reduction unsupported", "Gather: int64 index"]}
+    reject = {"target_ar_step.onnx": ["ScatterND: reduction unsupported", "Gather: int64 index"]}
     monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT(reject))
     before = files_of(bundle.path)
     with pytest.raises(EngineError) as err:
         plans.build_engines(bundle)
     message = str(err.value)
-    assert "rejected target_step_1.onnx (2 errors)" in message
+    assert "rejected target_ar_step.onnx (2 errors)" in message
     assert "(1) node 0: ScatterND: reduction unsupported; (2) node 1: Gather: int64 index" in message
     assert files_of(bundle.path) == before and not bundle.engines_dir.exists()
 
@@ -425,8 +425,8 @@ def test_importing_the_backend_imports_no_tensorrt():
 
 def test_runner_helpers():
     entry = GraphEntry(
-        "target_step_1",
-        "target_step_1.onnx",
+        "target_ar_step",
+        "target_ar_step.onnx",
         inputs=(IOSpec("tokens", (1,), "int64"), IOSpec("past_k_0", (2,), "float16")),
         outputs=(IOSpec("logits", (2, 4), "float32"),),
     )
@@ -452,24 +452,34 @@ def test_trt_graphs_match_onnxruntime(bundle):
     )
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+    from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 
     plans.build_engines(bundle, workspace_mb=256)
-    entry = bundle.graph("target_step_1")
+    entry = bundle.graph("target_ar_step")
     trt_graph = trt_runner(bundle)(bundle, entry)
     ort_graph = ort_runner(threads=1, providers=["CPUExecutionProvider"])(bundle, entry)
-    g = torch.Generator().manual_seed(0)
-    cache = [torch.randn(s.shape, generator=g) for s in entry.inputs if bound_by_pointer(s)]
-    cuda_cache = [c.cuda() for c in cache]
+    g, cpu, vocab = torch.Generator().manual_seed(0), torch.device("cpu"), bundle.constants.vocab_size
+    fixed = {s.name: torch.randn(s.shape, generator=g) for s in entry.inputs if s.name.startswith("past_")}
+    fixed |= dict(zip(SAMPLING_INPUTS, filter_inputs(SamplingConfig(2.0), cpu), strict=True))
+    fixed |= dict(zip(RELAX_INPUTS, relax_inputs(Relaxation("exact"), None, vocab, False, cpu), strict=True))
+    cuda_fixed = {name: t.cuda() for name, t in fixed.items()}  # bound once, where they lie
     for step in range(3):  # plain run and capture, then replays with new small inputs
-        capacity = entry.inputs[2].shape[-1]
-        small = [
-            torch.tensor([step + 1]),
-            torch.tensor([step]),
-            torch.arange(capacity)[None, None, None] <= step,
-        ]
-        want = ort_graph(*small, *cache)
-        got = trt_graph(*[t.cuda() for t in small], *cuda_cache)
+        capacity = entry.input("mask").shape[-1]
+        small = {
+            "node_tokens": torch.tensor([step + 1]),
+            "positions": torch.tensor([step]),
+            "mask": torch.arange(capacity)[None, None, None] <= step,
+            "valid": torch.ones(1, dtype=torch.bool),
+            "q": torch.zeros(1, vocab),
+            "noise": torch.zeros(1),
+            "bonus_noise": torch.rand(vocab, generator=g),
+        }
+        want = ort_graph(*({**fixed, **small}[s.name] for s in entry.inputs))
+        got = trt_graph(
+            *({**cuda_fixed, **{k: t.cuda() for k, t in small.items()}}[s.name] for s in entry.inputs)
+        )
         for w, o in zip(want, got, strict=True):
             torch.testing.assert_close(o.cpu(), w, atol=1e-3, rtol=1e-3)
     assert trt_graph.cuda_graph_error is None and trt_graph._graph is not None

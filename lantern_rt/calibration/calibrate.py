@@ -39,9 +39,9 @@ from lantern_rt.stats import GenerationStats
 
 
 def kept_fp32(entry: GraphEntry) -> bool:
-    """Graphs left in fp32: the VQ decoder (convolutions that run once per image) and the
-    acceptance graphs (probability arithmetic, no weights)."""
-    return entry.name == VQ_DECODE_GRAPH or entry.accepting
+    """Graphs left in fp32: the VQ decoder (convolutions that run once per image). A verify
+    graph's acceptance has no weights: only its target step's MatMuls are quantized."""
+    return entry.name == VQ_DECODE_GRAPH
 
 
 QUANTIZED_OPS = ("MatMul", "Gemm")

@@ -22,12 +22,12 @@ import torch
 from tqdm import tqdm
 
 from lantern_rt.bundle import (
+    AR_STEP_GRAPH,
     NEIGHBORS,
     NULL_CAPTION,
-    ROOT_ACCEPT_GRAPH,
-    accept_graph_name,
     draft_graph_name,
     staged_bundle,
+    verify_graph_name,
     write_manifest,
 )
 from lantern_rt.errors import LanternError, first_line
@@ -35,11 +35,9 @@ from lantern_rt.export.graphs import (
     DrafterTree,
     GraphModule,
     TargetPrefill,
-    TargetStep,
-    TreeAccept,
+    TargetVerify,
     VQDecode,
     cache_capacity,
-    target_step_sizes,
 )
 from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph
 from lantern_rt.models.config import to_dict
@@ -134,28 +132,27 @@ def _graphs(
     dtype: torch.dtype,
     neighbors_k: int,
 ) -> list[tuple[GraphModule, GraphModule]]:
-    """(graph to export, fp32 reference) pairs; the VQ decoder and the acceptance graphs always
-    run in fp32 (the decoder's softmax and GroupNorms are not fp16-safe, and it runs once per
-    image; acceptance compares probabilities)."""
+    """(graph to export, fp32 reference) pairs; the VQ decoder always runs in fp32 (its softmax
+    and GroupNorms are not fp16-safe, and it runs once per image). AR's step verifies the
+    root-only tree and credits no neighbours: its table is one column nothing reads."""
     low = _cast(target, dtype)
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low), TargetPrefill(target))]
-    pairs += [(TargetStep(low, s), TargetStep(target, s)) for s in target_step_sizes(trees)]
+    pairs.append(
+        (TargetVerify(low, ROOT_ONLY, 1, AR_STEP_GRAPH), TargetVerify(target, ROOT_ONLY, 1, AR_STEP_GRAPH))
+    )
     if drafter is not None:
         low_drafter, cap = _cast(drafter, dtype), drafter_capacity(target.config.block_size)
-        pairs += [
-            (
-                DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
-                DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i)),
-            )
-            for i, tree in enumerate(trees)
-        ]
-    vocab = target.config.vocab_size
-    accepts = [TreeAccept(ROOT_ONLY, vocab, 1, ROOT_ACCEPT_GRAPH)]  # AR tests nothing: no table
-    if drafter is not None:
-        accepts += [
-            TreeAccept(tree, vocab, neighbors_k, accept_graph_name(i)) for i, tree in enumerate(trees)
-        ]
-    pairs += [(accept, accept) for accept in accepts]
+        for i, tree in enumerate(trees):
+            pairs += [
+                (
+                    TargetVerify(low, tree, neighbors_k, verify_graph_name(i)),
+                    TargetVerify(target, tree, neighbors_k, verify_graph_name(i)),
+                ),
+                (
+                    DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
+                    DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i)),
+                ),
+            ]
     decode = VQDecode(vq, target.config.grid_size)
     return [*pairs, (decode, decode)]
 
@@ -260,7 +257,6 @@ def _manifest(
         "cache_capacity": cache_capacity(target),
         "vocab_size": c.vocab_size,
         "hidden_size": c.dim,
-        "step_sizes": target_step_sizes(trees),
         "drafter": has_drafter,
         "drafter_capacity": drafter_capacity(c.block_size),
         "max_draft_width": MAX_DRAFT_WIDTH,
@@ -286,7 +282,7 @@ def _manifest(
             tree.name: {
                 **tree_to_json(tree),
                 "graph": draft_graph_name(i) if has_drafter else None,
-                "accept": accept_graph_name(i) if has_drafter else None,
+                "verify": verify_graph_name(i) if has_drafter else None,
             }
             for i, tree in enumerate(trees)
         },

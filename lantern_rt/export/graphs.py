@@ -8,18 +8,17 @@ target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.bundle import PREFILL_GRAPH, VQ_DECODE_GRAPH, step_graph_name
+from lantern_rt.bundle import PREFILL_GRAPH, VQ_DECODE_GRAPH
 from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
-from lantern_rt.runtime.acceptance import RelaxInputs, accept_tree, tree_plan
+from lantern_rt.runtime.acceptance import RelaxInputs, tree_plan, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
@@ -31,7 +30,6 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
     noise_rows,
 )
-from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, filter_logits
 from lantern_rt.runtime.tree import StaticTree
 
 ROWS = 2  # CFG rows: conditional, unconditional
@@ -74,11 +72,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def cache_capacity(model: Transformer) -> int:
     """Slots in the runtime's KV cache: the condition prefix plus every image token."""
     return model.config.cls_token_num + model.config.block_size
-
-
-def target_step_sizes(trees: Iterable[StaticTree]) -> list[int]:
-    """Token counts of the target step graphs: 1 (plain AR decoding) and each tree's N + 1 (verify)."""
-    return sorted({1, *(tree.num_nodes + 1 for tree in trees)})
 
 
 KVDims = tuple[int, int, int]  # layers, kv heads, head dim
@@ -176,55 +169,115 @@ class TargetPrefill(nn.Module):
         return (torch.stack([caption, self.model.null_condition.float().cpu()]),)
 
 
-class TargetStep(nn.Module):
-    """``S`` tokens at their positions under a mask over the cache -> logits, hidden, new K/V."""
+class TargetVerify(nn.Module):
+    """A target step over a tree's N + 1 nodes followed by its acceptance
+    (:func:`~lantern_rt.runtime.acceptance.verify_tree`): the drafted nodes at their positions
+    under a mask over the cache, their valid flags and q, uniform noise, the sampling settings
+    and the relaxation -> the accepted length, kept node ids, committed tokens (bonus included),
+    the kept nodes' hidden states and K/V, and the logits at every node. The target
+    distribution is mixed and filtered in the graph, its top-k/top-p filter behind an If as in
+    drafting. ``neighbors`` is the bundle's whole table; ``k`` says how many columns are
+    credited. AR's step is this graph over the root-only tree."""
 
-    def __init__(self, model: Transformer, s: int):
+    def __init__(self, model: Transformer, tree: StaticTree, neighbors_k: int, name: str):
         super().__init__()
-        self.model, self.blocks = model, Blocks.of_target(model)
+        self.model, self.blocks, self.tree = model, Blocks.of_target(model), tree
+        self.plan = tree_plan(tree, torch.device("cpu"))
         c = model.config
         dtype = model.output.weight.dtype
         cap, kv = cache_capacity(model), _target_kv(model)
+        s, kept, v = tree.num_nodes + 1, tree.max_depth + 1, c.vocab_size
         self.spec = GraphSpec(
-            step_graph_name(s),
+            name,
             (
-                TensorSpec("tokens", (s,), torch.int64),
+                TensorSpec("node_tokens", (s,), torch.int64),
                 TensorSpec("positions", (s,), torch.int64),
                 TensorSpec("mask", (1, 1, s, cap + s), torch.bool),
+                TensorSpec("valid", (s,), torch.bool),
+                TensorSpec("q", (s, v), torch.float32),
+                TensorSpec("noise", (s,), torch.float32),
+                TensorSpec("bonus_noise", (v,), torch.float32),
+                TensorSpec("cfg_scale", (1,), torch.float32),
+                TensorSpec("temperature", (1,), torch.float32),
+                TensorSpec("top_k", (1,), torch.int64),
+                TensorSpec("top_p", (1,), torch.float32),
+                TensorSpec("neighbors", (v, neighbors_k), torch.int64),
+                TensorSpec("k", (1,), torch.int64),
+                TensorSpec("cap_a", (1,), torch.float32),
+                TensorSpec("cap_b", (1,), torch.float32),
+                TensorSpec("greedy", (1,), torch.bool),
                 *_past_specs(kv, cap, dtype),
             ),
             (
-                TensorSpec("logits", (ROWS, s, c.vocab_size), torch.float32),
-                TensorSpec("hidden", (ROWS, s, c.dim), dtype),
-                _kv_spec("new_k", kv, s, dtype),
-                _kv_spec("new_v", kv, s, dtype),
+                TensorSpec("length", (1,), torch.int64),
+                TensorSpec("kept", (kept,), torch.int64),
+                TensorSpec("tokens", (kept,), torch.int64),
+                TensorSpec("hidden", (ROWS, kept, c.dim), dtype),
+                _kv_spec("new_k", kv, kept, dtype),
+                _kv_spec("new_v", kv, kept, dtype),
+                TensorSpec("logits", (ROWS, s, v), torch.float32),
             ),
             dtype,
         )
 
-    def forward(self, tokens: Tensor, positions: Tensor, mask: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        tokens, positions, mask = inputs[:3]
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
-        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(past)))
+        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(inputs[16:])))
         hidden = rms_norm(h, self.model.norm)
-        return self.model.output(hidden).float(), hidden, k, v
+        return self._accept(self.model.output(hidden).float(), hidden, k, v, inputs)
 
-    def reference_forward(
-        self, tokens: Tensor, positions: Tensor, mask: Tensor, *past: Tensor
-    ) -> tuple[Tensor, ...]:
+    def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         """The same outputs from the model's own ``step``."""
+        tokens, positions, mask = inputs[:3]
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
-        past_k, past_v = _split_past(past)
-        return self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
+        past_k, past_v = _split_past(inputs[16:])
+        logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
+        return self._accept(logits, hidden, k, v, inputs)
+
+    def _accept(self, logits: Tensor, hidden: Tensor, k: Tensor, v: Tensor, inputs) -> tuple[Tensor, ...]:
+        tokens, _, _, valid, q, noise, bonus_noise = inputs[:7]
+        sampling, relax = inputs[7:11], RelaxInputs(*inputs[11:16])
+        return tuple(
+            verify_tree(
+                self.plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, sampling, relax
+            )
+        )
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random tokens after a random committed length at sorted depths the RoPE table holds;
-        a random tree-like mask (each token sees itself and some earlier ones); random, partly
-        stale caches."""
-        c = self.model.config
-        s = self.spec.inputs[0].shape[0]
-        length, depths, mask = _random_tree_mask(g, s, cache_capacity(self.model), c.cls_token_num)
-        tokens = torch.randint(c.vocab_size, (s,), generator=g)
-        return (tokens, length + depths, mask, *_random_cache(g, self.spec.inputs[3:]))
+        """Random nodes after a random committed length at sorted depths the RoPE table holds;
+        the tree's own mask; random, partly stale caches. The noise settles every decision far
+        from a rounding tie, so that the integer outputs are compared too: u = 0 accepts every
+        first child (the path of first children is kept) and the bonus noise singles out one
+        token (a Gumbel score of 16.6 against -4.5). LANTERN++ with lambda 3 and CFG 3, sampling
+        without filters."""
+        c, tree = self.model.config, self.tree
+        s, v = tree.num_nodes + 1, c.vocab_size
+        length, _, _ = _random_tree_mask(g, s, cache_capacity(self.model), c.cls_token_num)
+        mask = self.spec.inputs[2].shape
+        past = (torch.arange(mask[3] - s) < length).expand(s, -1)
+        tree_mask = torch.cat([past, tree.mask], dim=1)[None, None]
+        tokens = torch.randint(v, (s,), generator=g)
+        q = torch.softmax(torch.randn(s, v, generator=g), dim=-1)
+        bonus_noise = torch.zeros(v)
+        bonus_noise[int(torch.randint(v, (), generator=g))] = 1.0 - 2.0**-24
+        k = self.spec.inputs[11].shape[1]
+        neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
+        sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+        relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
+        return (
+            tokens,
+            length + tree.depth,
+            tree_mask,
+            torch.ones(s, dtype=torch.bool),
+            q,
+            torch.zeros(s),
+            bonus_noise,
+            *sampling,
+            neighbors,
+            *relax,
+            *_random_cache(g, self.spec.inputs[16:]),
+        )
 
 
 class DrafterTree(nn.Module):
@@ -336,85 +389,4 @@ class VQDecode(nn.Module):
         return (torch.randint(self.vq.config.codebook_size, self.spec.inputs[0].shape, generator=g),)
 
 
-class TreeAccept(nn.Module):
-    """Acceptance of one verified tree as a graph (:func:`~lantern_rt.runtime.acceptance.accept_tree`):
-    the verify step's logits, the drafted tokens, valid and q, uniform noise, the sampling
-    settings and the relaxation -> the accepted length, the kept node ids (root first) and the
-    committed tokens (bonus included). The target distribution is mixed and filtered here, its
-    top-k/top-p filter behind an If as in drafting. ``neighbors`` is the bundle's whole table;
-    ``k`` says how many columns are credited."""
-
-    def __init__(self, tree: StaticTree, vocab: int, neighbors_k: int, name: str):
-        super().__init__()
-        self.tree, self.vocab = tree, vocab
-        self.plan = tree_plan(tree, torch.device("cpu"))
-        n, d = tree.num_nodes + 1, tree.max_depth
-        self.spec = GraphSpec(
-            name,
-            (
-                TensorSpec("logits", (ROWS, n, vocab), torch.float32),
-                TensorSpec("node_tokens", (n,), torch.int64),
-                TensorSpec("valid", (n,), torch.bool),
-                TensorSpec("q", (n, vocab), torch.float32),
-                TensorSpec("noise", (n,), torch.float32),
-                TensorSpec("bonus_noise", (vocab,), torch.float32),
-                TensorSpec("cfg_scale", (1,), torch.float32),
-                TensorSpec("temperature", (1,), torch.float32),
-                TensorSpec("top_k", (1,), torch.int64),
-                TensorSpec("top_p", (1,), torch.float32),
-                TensorSpec("neighbors", (vocab, neighbors_k), torch.int64),
-                TensorSpec("k", (1,), torch.int64),
-                TensorSpec("cap_a", (1,), torch.float32),
-                TensorSpec("cap_b", (1,), torch.float32),
-                TensorSpec("greedy", (1,), torch.bool),
-            ),
-            (
-                TensorSpec("length", (1,), torch.int64),
-                TensorSpec("kept", (d + 1,), torch.int64),
-                TensorSpec("tokens", (d + 1,), torch.int64),
-            ),
-            torch.float32,
-        )
-
-    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        logits, tokens, valid, q, noise, bonus_noise, cfg_scale, temperature, top_k, top_p = inputs[:10]
-        relax = RelaxInputs(*inputs[10:])
-        width = min(self.vocab, TOPK_LIMIT)
-        p = torch.softmax(filter_logits(cfg_mix(logits, cfg_scale), temperature, top_k, top_p, width), dim=-1)
-        out = accept_tree(
-            self.plan,
-            tokens[None],
-            valid[None],
-            p[None],
-            q[None],
-            relax,
-            noise[None],
-            bonus_noise[None],
-        )
-        return out.length, out.kept[0], out.tokens[0]
-
-    reference_forward = forward
-
-    def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Logits with one clear favourite per node, drafts whose first child is its parent's
-        favourite (so the walk accepts levels) and whose later children are random, a random
-        neighbour table, LANTERN++ with lambda 3, sampling without filters: no decision sits
-        near a rounding tie."""
-        n, v, k = self.tree.num_nodes + 1, self.vocab, self.spec.inputs[10].shape[1]
-        logits = torch.randn(ROWS, n, v, generator=g)
-        favourite = torch.randint(v, (n,), generator=g)
-        logits[:, torch.arange(n), favourite] += 6.0
-        first = torch.tensor(self.tree.ranks) == 0
-        tokens = torch.where(
-            first, favourite[self.tree.parent.clamp_min(0)], torch.randint(v, (n,), generator=g)
-        )
-        valid = torch.ones(n, dtype=torch.bool)
-        q = torch.softmax(torch.randn(n, v, generator=g), dim=-1)
-        noise, bonus_noise = torch.rand(n, generator=g), torch.rand(v, generator=g)
-        neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
-        sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
-        return (logits, tokens, valid, q, noise, bonus_noise, *sampling, neighbors, *relax)
-
-
-GraphModule = TargetPrefill | TargetStep | DrafterTree | VQDecode | TreeAccept
+GraphModule = TargetPrefill | TargetVerify | DrafterTree | VQDecode

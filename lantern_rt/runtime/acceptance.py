@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
+from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, filter_logits
 from lantern_rt.runtime.tree import StaticTree
 
 RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of settings.METHODS
@@ -84,10 +85,12 @@ class RelaxInputs(NamedTuple):
     greedy: Tensor  # [1] bool
 
 
+@lru_cache(maxsize=8)
 def relax_inputs(
-    relax: Relaxation, neighbors: Tensor | None, vocab: int, greedy: bool, device
+    relax: Relaxation, neighbors: Tensor | None, vocab: int, greedy: bool, device: torch.device
 ) -> RelaxInputs:
-    """``relax`` as :class:`RelaxInputs` on ``device`` (its cap as :meth:`Relaxation.cap_coefficients`).
+    """``relax`` as :class:`RelaxInputs` on ``device`` (its cap as :meth:`Relaxation.cap_coefficients`),
+    the same tensors for the same arguments (a CUDA graph reads them where they lie).
     ``neighbors`` [V, k_max] is passed as it is (an exported acceptance graph takes its bundle's
     whole table); it must hold at least k columns when relaxed (:class:`AcceptanceError`
     otherwise). Without one, a one-column table that nothing reads is passed."""
@@ -268,9 +271,10 @@ def _slot(
     )
 
 
-def _bonus(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
-    """The token after the accepted path [B]: argmax of r when greedy, else a draw from r
-    (unnormalised is fine) by the Gumbel-max trick over uniform noise ``u`` [B, V]. Unlike
+def draw(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
+    """One token per row of r [..., V]: argmax when ``greedy``, else a draw from r (unnormalised
+    is fine) by the Gumbel-max trick over uniform noise ``u`` [..., V]. The bonus token of every
+    step and the first token after the prefill are drawn so (docs/method.md §2). Unlike
     inverting the CDF, the draw is decided by a gap between two scores, never by a cumulative
     sum whose rounding differs between engines: torch and a graph on onnxruntime or TensorRT
     draw the same token."""
@@ -326,24 +330,65 @@ def accept_tree(
     kept_t = torch.stack(kept, 1)
     row = plan.row[node]
     final = torch.where((row >= 0)[:, None], _row(state.r, row.clamp_min(0)), _row(p, node))
-    bonus = _bonus(final, bonus_noise, relax.greedy)
+    bonus = draw(final, bonus_noise, relax.greedy)
     out = tokens.gather(1, kept_t[:, 1:])  # the accepted nodes' tokens
     out = _put(torch.cat([out, bonus[:, None]], 1), length[:, None], bonus[:, None])
     credit_t = torch.stack(credits, 1) if plan.depth else p.new_zeros(batch, 0, 3)
     return Accepted(length, kept_t, out, credit_t)
 
 
-def accept_one(
-    tree: StaticTree,
-    p: Tensor,
+def target_probabilities(logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+    """The target distribution acceptance compares against: the two CFG rows of ``logits``
+    [2, ..., V] mixed, then temperature, top-k and top-p (``sampling`` as
+    :func:`~lantern_rt.runtime.sampling.filter_inputs` gives them), then a softmax."""
+    cfg_scale, temperature, top_k, top_p = sampling
+    width = min(logits.shape[-1], TOPK_LIMIT)
+    return torch.softmax(filter_logits(cfg_mix(logits, cfg_scale), temperature, top_k, top_p, width), dim=-1)
+
+
+class Verified(NamedTuple):
+    """A verified and accepted tree of depth D, with what the next step needs, gathered by the
+    kept node ids (root first) so that the first ``length + 1`` entries are the committed ones."""
+
+    length: Tensor  # [1] int64: accepted drafted nodes
+    kept: Tensor  # [D + 1] int64: the root, then the accepted nodes (0 past length + 1)
+    tokens: Tensor  # [D + 1] int64: the accepted nodes' tokens, then the bonus at index length
+    hidden: Tensor  # [2, D + 1, dim]: the target's hidden states at the kept nodes
+    new_k: Tensor  # [n_layer, 2, Hkv, D + 1, head_dim]: their K, to commit to the cache
+    new_v: Tensor
+    logits: Tensor  # [2, N + 1, V] fp32: the target's logits at every node
+
+
+def verify_tree(
+    plan: TreePlan,
+    logits: Tensor,
+    hidden: Tensor,
+    new_k: Tensor,
+    new_v: Tensor,
     tokens: Tensor,
     valid: Tensor,
     q: Tensor,
-    relax: RelaxInputs,
     noise: Tensor,
     bonus_noise: Tensor,
-) -> Accepted:
-    """:func:`accept_tree` for one tree: p and q [N+1, V], tokens, valid and noise [N+1],
-    bonus_noise [V]."""
+    sampling: tuple[Tensor, Tensor, Tensor, Tensor],
+    relax: RelaxInputs,
+) -> Verified:
+    """Acceptance of one tree from the target's outputs over it (``logits`` [2, N+1, V],
+    ``hidden`` [2, N+1, dim], ``new_k``/``new_v`` [n_layer, 2, Hkv, N+1, head_dim]): the target
+    distribution (:func:`target_probabilities`), :func:`accept_tree` over the drafted
+    ``tokens``/``valid`` [N+1] and ``q`` [N+1, V] with ``noise`` [N+1] and ``bonus_noise`` [V],
+    and the kept nodes' hidden states and K/V gathered on the device. Every verify graph of a
+    bundle is the target's step followed by this function; the torch backend runs it eagerly."""
+    p = target_probabilities(logits, sampling)
     one = (t[None] for t in (tokens, valid, p, q))
-    return accept_tree(tree_plan(tree, p.device), *one, relax, noise[None], bonus_noise[None])
+    out = accept_tree(plan, *one, relax, noise[None], bonus_noise[None])
+    kept = out.kept[0]
+    return Verified(
+        out.length,
+        kept,
+        out.tokens[0],
+        hidden.index_select(1, kept),
+        new_k.index_select(3, kept),
+        new_v.index_select(3, kept),
+        logits,
+    )

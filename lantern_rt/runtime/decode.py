@@ -1,4 +1,4 @@
-"""The one decode loop: prefill, then (draft, verify the tree, accept, compact) until done.
+"""The one decode loop: prefill, then (draft, verify and accept the tree, compact) until done.
 
 Plain autoregressive decoding is the same loop without a drafter: the tree holds only the
 root, each target call scores one token and the "bonus" token is an ordinary sample.
@@ -8,22 +8,16 @@ The steps are described in docs/method.md (§4 drafting, §5 acceptance, §6 KV 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
+from lantern_rt.runtime.acceptance import Relaxation, draw, relax_inputs, target_probabilities
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
 from lantern_rt.runtime.drafting import Draft, draft
 from lantern_rt.runtime.profiling import span
-from lantern_rt.runtime.sampling import (
-    TOPK_LIMIT,
-    SamplingConfig,
-    cfg_mix,
-    check_sort_width,
-    distribution,
-    sample,
-)
+from lantern_rt.runtime.sampling import TOPK_LIMIT, SamplingConfig, check_sort_width, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 
@@ -58,30 +52,30 @@ def decode_image(
 ) -> ImageResult:
     """Generate ``num_tokens`` image tokens for the condition rows ``cond`` (cond, uncond).
 
-    Each step drafts (speculative methods), verifies the tree in one target call and accepts on
-    the backend (:func:`~lantern_rt.runtime.acceptance.accept_tree`, from uniform noise drawn
-    for the step from ``generator``); the host then reads one small tensor, the accepted length
-    and tokens, and the cache keeps the accepted entries by a gather on the device.
+    Each step drafts (speculative methods), then verifies and accepts the tree in one target
+    call (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from uniform noise drawn for the
+    step from ``generator``); the host reads one small tensor, the accepted length and tokens,
+    and commits the kept K/V, which the verify call gathered on the device (docs/method.md §5-6).
     """
     tree = spec.tree if spec else ROOT_ONLY
-    if spec:
-        vocab = spec.drafter.vocab_size
-        check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
     with span("prefill"):
         logits, hidden = target.prefill(cond)
-    p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-    device, vocab = p.device, p.shape[-1]
+    device, vocab = logits.device, logits.shape[-1]
+    check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
+    filters = filter_inputs(sampling, device)
     relax = relax_inputs(
         spec.relax if spec else EXACT, spec.neighbors if spec else None, vocab, sampling.greedy, device
     )
-    tokens = [int(sample(p, sampling, generator))]
+    first = draw(
+        target_probabilities(logits, filters), _uniform(vocab, sampling, generator, device), relax.greedy
+    )
+    tokens = first.tolist()[:1]
     pending = tokens[:]
     pending_hidden = hidden[:, None]
     if spec:
         spec.drafter.cache.reset()
-    depth, mask = tree.depth.to(device), tree.mask.to(device)
-    ar_valid, ar_q = torch.ones(1, dtype=torch.bool, device=device), p.new_zeros(1, vocab)  # q: unread
-    no_noise = (torch.zeros(tree.num_nodes + 1, device=device), p.new_zeros(vocab))  # greedy: unread
+    depth, mask, noises = tree.depth.to(device), tree.mask.to(device), tree.num_nodes + 1
+    ar_valid, ar_q = torch.ones(1, dtype=torch.bool, device=device), torch.zeros(1, vocab, device=device)
     accepted: list[int] = []
     while len(tokens) < num_tokens:
         root_position = target.cache.length
@@ -91,30 +85,45 @@ def decode_image(
                     spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
                 )
         else:
-            drafted = Draft(torch.tensor(pending[-1:], device=device), ar_valid, ar_q)
+            drafted = Draft(torch.tensor(pending[-1:], device=device), ar_valid, ar_q)  # q: unread
+        noise, bonus_noise = _uniform(noises + vocab, sampling, generator, device).split([noises, vocab])
         with span("verify"):
-            logits, hidden = target.step(drafted.tokens, root_position + depth, mask)
-        with span("accept"):
-            noise, bonus_noise = (
-                no_noise
-                if sampling.greedy
-                else torch.rand(tree.num_nodes + 1 + vocab, generator=generator, device=device).split(
-                    [tree.num_nodes + 1, vocab]
-                )
+            out = target.verify(
+                tree,
+                drafted.tokens,
+                root_position + depth,
+                mask,
+                drafted.valid,
+                drafted.q,
+                noise,
+                bonus_noise,
+                filters,
+                relax,
             )
-            out = target.accept(
-                tree, logits, drafted.tokens, drafted.valid, drafted.q, noise, bonus_noise, sampling, relax
-            )
-            n, *committed = torch.cat([out.length, out.tokens[0]]).tolist()  # the step's one read
+            n, *committed = torch.cat([out.length, out.tokens]).tolist()  # the step's one read
         new = committed[: n + 1]
         emitted = new[: num_tokens - len(tokens)]
         tokens.extend(emitted)
         accepted.append(len(emitted))
         if len(tokens) == num_tokens:
             break
-        kept = out.kept[0]
         with span("kv_compaction"):
-            target.cache.commit(kept, n + 1)
+            target.cache.commit(n + 1)
         pending = new
-        pending_hidden = hidden.index_select(1, kept)[:, : n + 1]
+        pending_hidden = out.hidden[:, : n + 1]
     return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)
+
+
+def _uniform(
+    count: int, sampling: SamplingConfig, generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    """``count`` uniform values from ``generator`` for a step's tests and draws; in greedy mode
+    zeros, which nothing reads (greedy decisions are argmaxes) and which cost no draw."""
+    if sampling.greedy:
+        return _zeros(count, device)
+    return torch.rand(count, generator=generator, device=device)
+
+
+@lru_cache(maxsize=16)
+def _zeros(count: int, device: torch.device) -> Tensor:
+    return torch.zeros(count, device=device)

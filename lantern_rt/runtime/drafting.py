@@ -249,5 +249,5 @@ def draft(
     tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, filter_inputs(sampling, device))
     drafter.cache.stage(new_k, new_v)
     r, m = catch_up_rows(tree), len(pending_tokens)
-    drafter.cache.commit(list(range(r - m, r)))
+    drafter.cache.commit(m, start=r - m)
     return Draft(tokens, valid, q)

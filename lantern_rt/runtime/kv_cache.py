@@ -6,20 +6,12 @@ import torch
 from torch import Tensor
 
 
-def take(t: Tensor, dim: int, keep: list[int]) -> Tensor:
-    """``t``'s entries ``keep`` along ``dim``: a view when they are one contiguous run (a chain's
-    accepted path always is), else a gather."""
-    first, n = keep[0], len(keep)
-    if keep[-1] - first == n - 1 and keep == list(range(first, first + n)):
-        return t.narrow(dim, first, n)
-    return t.index_select(dim, torch.tensor(keep, device=t.device))
-
-
 class KVCache:
     """Fixed-size K/V storage [n_layer, rows, heads, capacity, head_dim] plus a committed length.
 
     Entries past ``length`` are stale and masked. ``stage`` keeps the K/V a call just produced;
-    ``commit`` copies the chosen ones (the accepted path) to the slots right after ``length``.
+    ``commit`` copies a run of them (the accepted path, gathered first) to the slots right after
+    ``length``.
     ``layers_k``/``layers_v`` are per-layer views of the storage (graphs take one input per layer).
     """
 
@@ -56,23 +48,15 @@ class KVCache:
     def stage(self, new_k: Tensor, new_v: Tensor) -> None:
         self._staged = (new_k, new_v)
 
-    def commit(self, keep: list[int] | Tensor, count: int | None = None) -> None:
-        """Append staged entries after ``length``: the first ``count`` (default: all) of ``keep``,
-        indices along the new-token axis. A tensor ``keep`` (the accepted node ids, fixed size,
-        on the cache's device) is gathered whole on the device, with no host-built index list;
-        the slots past the first ``count`` stay stale (masked) until overwritten."""
+    def commit(self, count: int, start: int = 0) -> None:
+        """Append ``count`` staged entries after ``length``: those from ``start`` on along the
+        new-token axis (callers stage the kept entries first: a verify graph gathers them by the
+        accepted node ids on the device), copied as one contiguous run."""
         assert self._staged is not None, "commit without a staged call"
-        new_k, new_v = self._staged
-        count = len(keep) if count is None else count
         if self.length + count > self.capacity:
             raise RuntimeError(f"KV cache overflow: {self.length} + {count} > {self.capacity}")
-        if isinstance(keep, Tensor):
-            n = min(len(keep), self.capacity - self.length)
-            k, v = new_k.index_select(3, keep[:n]), new_v.index_select(3, keep[:n])
-        else:
-            n = count
-            k, v = take(new_k, 3, keep[:n]), take(new_v, 3, keep[:n])
-        self.k[:, :, :, self.length : self.length + n] = k
-        self.v[:, :, :, self.length : self.length + n] = v
+        new_k, new_v = self._staged
+        self.k[:, :, :, self.length : self.length + count] = new_k.narrow(3, start, count)
+        self.v[:, :, :, self.length : self.length + count] = new_v.narrow(3, start, count)
         self.length += count
         self._staged = None

@@ -127,43 +127,6 @@ def filter_inputs(cfg: SamplingConfig, device: torch.device) -> tuple[Tensor, Te
     )
 
 
-def processed_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
-    """Temperature, top-k and top-p applied to mixed logits [..., V]; removed entries are -inf."""
-    logits = logits.float()
-    if cfg.greedy or (cfg.top_k == 0 and cfg.top_p >= 1.0):
-        return logits if cfg.temperature in (0.0, 1.0) else logits / cfg.temperature
-    _, temperature, top_k, top_p = filter_inputs(cfg, logits.device)
-    return filter_logits(logits, temperature, top_k, top_p, logits.shape[-1])
-
-
-def distribution(logits: Tensor, cfg: SamplingConfig) -> Tensor:
-    """Probabilities [..., V] after CFG-free processing (pass mixed logits).
-
-    In greedy mode this is the plain softmax: greedy decisions use argmax, and the relaxed
-    greedy test compares probability mass, so it needs real probabilities.
-    """
-    return torch.softmax(processed_logits(logits, cfg), dim=-1)
-
-
-def categorical(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row of ``probs`` [..., V] (unnormalised is fine) by inverting the CDF: a
-    few cheap ops, where ``torch.multinomial`` costs tens of microseconds per call on a CPU.
-
-    u is uniform on (0, 1], so the first index whose cumulative mass reaches u * total always
-    has positive probability.
-    """
-    cum = torch.cumsum(probs, dim=-1)
-    u = 1.0 - torch.rand((*probs.shape[:-1], 1), generator=generator, device=probs.device, dtype=cum.dtype)
-    return torch.searchsorted(cum, u * cum[..., -1:]).clamp_max(probs.shape[-1] - 1).squeeze(-1)
-
-
-def sample(probs: Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> Tensor:
-    """One token per row of ``probs`` [..., V]: argmax when greedy, else a categorical draw."""
-    if cfg.greedy:
-        return probs.argmax(dim=-1)
-    return categorical(probs, generator)
-
-
 def draw_noise(
     rows: int, vocab: int, greedy: bool, generator: torch.Generator | None, device: torch.device
 ) -> Tensor:

@@ -6,9 +6,8 @@ from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
-from lantern_rt.runtime.acceptance import Accepted, RelaxInputs
+from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.kv_cache import KVCache
-from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree
 
 # The sampling settings as tensors (cfg_scale, temperature, top_k, top_p): sampling.filter_inputs.
@@ -32,8 +31,7 @@ DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 class TargetBackend(Protocol):
     """Runs the target's prefill and step graphs over two CFG rows and owns its KV cache.
 
-    ``cache.commit`` keeps the accepted entries of the last ``step``. Returned tensors may be
-    the backend's own buffers: valid until its next call.
+    Returned tensors may be the backend's own buffers: valid until its next call.
     """
 
     name: str
@@ -45,28 +43,25 @@ class TargetBackend(Protocol):
         [2, D] at the last prefix slot; the prefix K/V are committed to the cache."""
         ...
 
-    def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """Tokens [S] at ``positions`` [S] seeing each other through ``tree_mask`` [S, S] and
-        the whole committed cache -> logits [2, S, V] and hidden [2, S, D]; K/V are staged."""
-        ...
-
-    def accept(
+    def verify(
         self,
         tree: StaticTree,
-        logits: Tensor,
         tokens: Tensor,
+        positions: Tensor,
+        tree_mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
         bonus_noise: Tensor,
-        sampling: SamplingConfig,
+        sampling: FilterInputs,
         relax: RelaxInputs,
-    ) -> Accepted:
-        """Acceptance of a verified tree on this backend's device: the step's ``logits``
-        [2, N+1, V], the drafted ``tokens``/``valid`` [N+1] and ``q`` [N+1, V], uniform ``noise``
-        [N+1] for the tests and ``bonus_noise`` [V] for the bonus draw -> :class:`~lantern_rt.runtime.acceptance.Accepted` for a batch of one (its
-        ``credit`` may be None). :func:`~lantern_rt.runtime.acceptance.accept_tree` in every
-        backend; returned tensors may be the backend's own buffers."""
+    ) -> Verified:
+        """One target step over ``tree``'s drafted ``tokens`` [N+1] (the root first; the
+        root-only tree for AR) at ``positions`` [N+1], seeing each other through ``tree_mask``
+        [N+1, N+1] and the whole committed cache, then their acceptance on this backend's device
+        (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from ``valid`` [N+1], the drafter's
+        ``q`` [N+1, V], uniform ``noise`` [N+1] and ``bonus_noise`` [V]). The kept nodes' K/V
+        are staged in kept order: ``cache.commit(length + 1)`` keeps the accepted path."""
         ...
 
 

@@ -14,20 +14,17 @@ import torch
 from torch import Tensor
 
 from lantern_rt.bundle import (
+    AR_STEP_GRAPH,
     PREFILL_GRAPH,
-    ROOT_ACCEPT_GRAPH,
-    STEP_GRAPH_PREFIX,
     VQ_DECODE_GRAPH,
     Bundle,
     BundleError,
     GraphEntry,
     IOSpec,
-    step_graph_name,
 )
-from lantern_rt.runtime.acceptance import Accepted, RelaxInputs
+from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.kv_cache import KVCache
-from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
 
@@ -88,59 +85,51 @@ def cache_for(entry: GraphEntry, device: torch.device) -> KVCache:
 
 
 class BundleTarget:
-    """``TargetBackend`` over a bundle's ``target_prefill`` and ``target_step_{S}`` graphs."""
+    """``TargetBackend`` over a bundle's ``target_prefill`` graph and its verify graphs: one per
+    tree with a drafter (``target_verify_{i}``) and AR's ``target_ar_step``."""
 
     def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str):
         self.name = name
         self.cls_token_num = bundle.constants.cls_token_num
         self._prefill = runner(bundle, bundle.graph(PREFILL_GRAPH))
-        entries = {s: bundle.graph(step_graph_name(s)) for s in bundle.constants.step_sizes}
-        self._steps = {s: runner(bundle, entry) for s, entry in entries.items()}
-        first = next(iter(entries))
-        self.cache = cache_for(entries[first], self._steps[first].device)
-        accepts = {ROOT_ONLY.paths: ROOT_ACCEPT_GRAPH}
-        accepts |= {tree.paths: tree.accept for tree in bundle.trees.values() if tree.accept is not None}
-        self._accepts = {paths: runner(bundle, bundle.graph(name)) for paths, name in accepts.items()}
+        names = {ROOT_ONLY.paths: AR_STEP_GRAPH}
+        names |= {tree.paths: tree.verify for tree in bundle.trees.values() if tree.verify is not None}
+        self._verify = {paths: runner(bundle, bundle.graph(name)) for paths, name in names.items()}
+        ar = bundle.graph(AR_STEP_GRAPH)
+        self.cache = cache_for(ar, self._verify[ROOT_ONLY.paths].device)
 
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
         self.cache.reset()
         logits, hidden, k, v = self._prefill(cond)
         self.cache.stage(k, v)
-        self.cache.commit(list(range(self.cls_token_num)))
+        self.cache.commit(self.cls_token_num)
         return logits, hidden
 
-    def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-        graph = self._steps.get(len(tokens))
-        if graph is None:
-            raise BundleError(
-                f"the bundle has no {STEP_GRAPH_PREFIX}{len(tokens)} graph (it has steps of "
-                f"{sorted(self._steps)} tokens); export it with that tree"
-            )
-        mask = self.cache.mask(tree_mask.to(self.cache.k.device))
-        logits, hidden, k, v = graph(tokens, positions, mask, *self.cache.layers_k, *self.cache.layers_v)
-        self.cache.stage(k, v)
-        return logits, hidden
-
-    def accept(
+    def verify(
         self,
         tree: StaticTree,
-        logits: Tensor,
         tokens: Tensor,
+        positions: Tensor,
+        tree_mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
         bonus_noise: Tensor,
-        sampling: SamplingConfig,
+        sampling: FilterInputs,
         relax: RelaxInputs,
-    ) -> Accepted:
-        graph = self._accepts.get(tree.paths)
+    ) -> Verified:
+        graph = self._verify.get(tree.paths)
         if graph is None:
             raise BundleError(
-                f"the bundle has no acceptance graph for tree {tree.name}; export it with that tree"
+                f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        filters = filter_inputs(sampling, graph.device)
-        length, kept, committed = graph(logits, tokens, valid, q, noise, bonus_noise, *filters, *relax)
-        return Accepted(length, kept[None], committed[None], None)
+        mask = self.cache.mask(tree_mask)
+        past = (*self.cache.layers_k, *self.cache.layers_v)
+        out = Verified(
+            *graph(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax, *past)
+        )
+        self.cache.stage(out.new_k, out.new_v)
+        return out
 
 
 class BundleDrafter:

@@ -8,7 +8,7 @@ from torch import Tensor
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.acceptance import Accepted, RelaxInputs, accept_one
+from lantern_rt.runtime.acceptance import RelaxInputs, Verified, tree_plan, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
 from lantern_rt.runtime.drafting import (
@@ -19,22 +19,25 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
 )
 from lantern_rt.runtime.kv_cache import KVCache
-from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, distribution
 from lantern_rt.runtime.tree import StaticTree
 
 
-def _replayed(fn: StepFn, cuda_graphs: bool, device: torch.device) -> StepFn:
-    """``fn`` itself, or ``fn`` captured in CUDA graphs (which need a CUDA device)."""
-    if not cuda_graphs:
-        return fn
-    if device.type != "cuda":
+def _check_cuda_graphs(cuda_graphs: bool, device: torch.device) -> None:
+    """:class:`ConfigError` when CUDA graphs are asked for a model off a CUDA device."""
+    if cuda_graphs and device.type != "cuda":
         raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device}")
-    return CudaGraphed(fn)
+
+
+def _replayed(fn: StepFn, cuda_graphs: bool, pinned: int = 0) -> StepFn:
+    """``fn`` itself, or ``fn`` captured in CUDA graphs (its last ``pinned`` arguments read where
+    they lie, see :class:`CudaGraphed`)."""
+    return CudaGraphed(fn, pinned) if cuda_graphs else fn
 
 
 class TorchTarget:
-    """``TargetBackend`` over a torch ``Transformer`` (any device and dtype); with
-    ``cuda_graphs`` each step size is captured once and replayed."""
+    """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's own
+    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly; with
+    ``cuda_graphs`` the whole verify step of each tree is captured once and replayed."""
 
     name = "torch"
 
@@ -52,7 +55,9 @@ class TorchTarget:
             weight.dtype,
             weight.device,
         )
-        self._step = _replayed(self._forward, cuda_graphs, weight.device)
+        _check_cuda_graphs(cuda_graphs, weight.device)
+        self._cuda_graphs = cuda_graphs
+        self._verifies: dict[StaticTree, StepFn] = {}
 
     @torch.inference_mode()
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,34 +70,42 @@ class TorchTarget:
             h, positions, self.cache.mask(causal), self.cache.k, self.cache.v
         )
         self.cache.stage(k, v)
-        self.cache.commit(list(range(t)))
+        self.cache.commit(t)
         return logits[:, -1], hidden[:, -1]
 
     @torch.inference_mode()
-    def step(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-        logits, hidden, k, v = self._step(tokens, positions, self.cache.mask(tree_mask))
-        self.cache.stage(k, v)
-        return logits, hidden
-
-    @torch.inference_mode()
-    def accept(
+    def verify(
         self,
         tree: StaticTree,
-        logits: Tensor,
         tokens: Tensor,
+        positions: Tensor,
+        tree_mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
         bonus_noise: Tensor,
-        sampling: SamplingConfig,
+        sampling: FilterInputs,
         relax: RelaxInputs,
-    ) -> Accepted:
-        p = distribution(cfg_mix(logits, sampling.cfg_scale), sampling)
-        return accept_one(tree, p, tokens, valid, q, relax, noise, bonus_noise)
+    ) -> Verified:
+        run = self._verifies.get(tree)
+        if run is None:
+            plan = tree_plan(tree, self.cache.k.device)
 
-    def _forward(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
-        h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(2, -1, -1)
-        return self.model.step(h, positions, mask, self.cache.k, self.cache.v)
+            def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
+                tokens, positions, mask, valid, q, noise, bonus_noise = args[:7]
+                h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(2, -1, -1)
+                logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
+                settings, relax = args[7:11], RelaxInputs(*args[11:])
+                return verify_tree(
+                    plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, settings, relax
+                )
+
+            pinned = len(sampling) + len(relax)  # the same tensors every step: read where they lie
+            run = self._verifies[tree] = _replayed(run_tree, self._cuda_graphs, pinned)
+        mask = self.cache.mask(tree_mask)
+        out = Verified(*run(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax))
+        self.cache.stage(out.new_k, out.new_v)
+        return out
 
 
 def drafter_step(drafter: Drafter) -> DraftStep:
@@ -131,6 +144,7 @@ class TorchDrafter:
             c.num_hidden_layers, 2, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
         )
         self._step, self._head = drafter_step(drafter), lm_head(head)
+        _check_cuda_graphs(cuda_graphs, weight.device)
         self._cuda_graphs = cuda_graphs
         self._drafts: dict[StaticTree, StepFn] = {}
 
@@ -145,5 +159,5 @@ class TorchDrafter:
                 rows, noise, sampling = CatchUp(*args[:4]), args[4], args[5:]
                 return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
 
-            run = self._drafts[tree] = _replayed(run_tree, self._cuda_graphs, self.cache.k.device)
+            run = self._drafts[tree] = _replayed(run_tree, self._cuda_graphs, len(sampling))
         return run(*rows, noise, *sampling)
