@@ -17,6 +17,7 @@ from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import ROOT_ONLY
 from tests.conftest import tiny_gpt
 
 STAGES = {"image", "prefill", "verify", "kv_compaction", "vq_decode"}  # acceptance is in verify
@@ -115,4 +116,4 @@ def test_cuda_graph_replay_gives_eager_tokens():
     replayed_target = TorchTarget(model, cuda_graphs=True)
     replayed = decode_image(replayed_target, cond, n, greedy, None)
     assert torch.equal(eager.tokens, replayed.tokens)
-    assert len(replayed_target._step.graphs) == 1  # one capture (S = 1), replayed n - 2 times
+    assert len(replayed_target._verifies[ROOT_ONLY].graphs) == 1  # one capture, replayed n - 2 times

@@ -4,9 +4,10 @@
    on the CPU (and TensorRT where installed and its plans can be built): AR and LANTERN++,
    seconds per image, mean accepted length, speedup over AR on the same path, and greedy token
    agreement between paths.
-2. The per-step cost of a tree verify against a one-token step for LlamaGen-B and -XL shaped
-   targets with random weights (fp16, CUDA graphs): the ratio that decides the speedup at real
-   sizes.
+2. Per-step costs for LlamaGen-B and -XL shaped targets with random weights (fp16, CUDA
+   graphs): an AR step, a tree verify (acceptance included, one call) and a whole speculative
+   step as the decode loop runs it (draft, verify, commit, host work): the ratios that decide
+   the speedup at real sizes.
 Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
 the tests on a CPU).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +25,19 @@ import torch
 
 from lantern_rt.generate import generate, make_pipeline
 from lantern_rt.models.config import gpt_config
+from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.backends.torch_backend import TorchTarget
-from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.tree import load_tree
+from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import Speculation, decode_image
+from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
+from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
 GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+RELAX = Relaxation("lantern++", k=10, lam=5.0)
 
 
 def paths(device: str) -> list[tuple[str, str, bool]]:
@@ -51,10 +57,10 @@ def run_path(
     generate(pipe, labels[:1], SAMPLING, seed=99, progress=False)
     timed = generate(pipe, labels, SAMPLING, seed=0, progress=False)
     greedy = generate(pipe, labels[:2], GREEDY, seed=0, progress=False)
-    seconds = sorted(timed.stats["seconds_per_image"])
+    seconds = sorted(timed.stats.seconds_per_image)
     return {
         "s_per_image": seconds[len(seconds) // 2],
-        "tau": timed.stats["mean_accepted_length"],
+        "tau": timed.stats.mean_accepted_length,
         "greedy_tokens": greedy.tokens,
     }
 
@@ -82,34 +88,71 @@ def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]
 
 
 def step_costs(preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
-    """Milliseconds of one target step of 1 token and of a tree verify, random weights."""
+    """Milliseconds, random weights, sampled LANTERN++ settings, a half-full cache: an AR step
+    (one token verified and drawn), a tree verify (target step and acceptance, one call), and a
+    whole speculative step as the decode loop runs it (draft, verify with acceptance, commit,
+    its host work and one read), from images decoded with a random one-layer drafter."""
     config = gpt_config(preset, vocab_size=16384, block_size=256, num_classes=1000)
     model = Transformer(config).to(device, dtype).eval()
     graphs = device.startswith("cuda")
     verify = load_tree(tree)
+    vocab = config.vocab_size
+    neighbors = torch.randint(vocab, (vocab, 10), device=device)
+    relax = relax_inputs(RELAX, neighbors, vocab, False, torch.device(device))
+    filters = filter_inputs(SAMPLING, torch.device(device))
     out = {"preset": preset, "tree": tree, "dtype": str(dtype).removeprefix("torch.")}
-    for s, mask in (
-        (1, torch.ones(1, 1, dtype=torch.bool)),
-        (verify.num_nodes + 1, verify.mask),
-    ):
+    for name, t in (("ar_step", ROOT_ONLY), ("verify", verify)):
         target = TorchTarget(model, cuda_graphs=graphs)
         target.prefill(torch.tensor([1, config.num_classes], device=device))
-        target.cache.length = 128  # a half-full cache
-        tokens = torch.zeros(s, dtype=torch.long, device=device)
-        positions = torch.arange(128, 128 + s, device=device)
-        mask = mask.to(device)
-        for _ in range(3):
-            target.step(tokens, positions, mask)
-        if graphs:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            target.step(tokens, positions, mask)
-        if graphs:
-            torch.cuda.synchronize()
-        out[f"ms_step_{s}"] = (time.perf_counter() - t0) / repeats * 1e3
-    out["verify_over_step"] = out[f"ms_step_{verify.num_nodes + 1}"] / out["ms_step_1"]
+        s = t.num_nodes + 1
+        args = (
+            torch.zeros(s, dtype=torch.long, device=device),
+            128 + t.depth.to(device),  # after a half-full cache
+            t.mask.to(device),
+            torch.ones(s, dtype=torch.bool, device=device),
+            torch.softmax(torch.randn(s, vocab, device=device), -1),
+            torch.rand(s, device=device),
+            torch.rand(vocab, device=device),
+            filters,
+            relax,
+        )
+        target.cache.length = 128
+        out[f"ms_{name}"] = _timed(partial(target.verify, t, *args), repeats, graphs)
+    drafter = Drafter(DrafterConfig.for_target(config), config).to(device, dtype).eval()
+    spec = Speculation(
+        TorchDrafter(drafter, model.output, config.block_size, graphs), verify, RELAX, neighbors
+    )
+    target = TorchTarget(model, cuda_graphs=graphs)
+    cond = torch.tensor([1, config.num_classes], device=device)
+    tokens = 8 if repeats < 10 else 128
+    decode_image(
+        target, cond, tokens, SAMPLING, torch.Generator(device=device).manual_seed(1), spec
+    )  # capture
+    steps = [0]
+
+    def image() -> None:
+        g = torch.Generator(device=device).manual_seed(0)
+        steps[0] += len(decode_image(target, cond, tokens, SAMPLING, g, spec).accepted)
+
+    seconds = _timed(image, 3, graphs) * 3 / 1e3
+    out["ms_whole_step"] = seconds / steps[0] * 1e3
+    out["verify_over_ar_step"] = out["ms_verify"] / out["ms_ar_step"]
+    out["whole_step_over_verify"] = out["ms_whole_step"] / out["ms_verify"]
     return out
+
+
+def _timed(fn: Any, repeats: int, cuda: bool) -> float:
+    """Milliseconds per call of ``fn`` after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats * 1e3
 
 
 def report(result: dict[str, Any]) -> str:
@@ -123,13 +166,15 @@ def report(result: dict[str, Any]) -> str:
             f"| {r['path']} | {r['method']} | {r['s_per_image']:.4f} | {r['tau']:.2f} | "
             f"{r['speedup_vs_ar']:.2f}x | {r['greedy_agreement_vs_first_path']:.3f} |"
         )
-    lines += ["", "## Tree verify vs one-token step (random weights)", ""]
-    lines += ["| preset | dtype | tree | ms step 1 | ms verify | ratio |", "|---|---|---|---|---|---|"]
+    lines += ["", "## Step costs, acceptance included (random weights, sampled LANTERN++)", ""]
+    lines += [
+        "| preset | dtype | tree | ms AR step | ms verify | verify / AR | ms whole step | whole / verify |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["step_costs"]:
-        verify = next(v for k, v in r.items() if k.startswith("ms_step_") and k != "ms_step_1")
         lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['tree']} | {r['ms_step_1']:.3f} | {verify:.3f} | "
-            f"{r['verify_over_step']:.2f} |"
+            f"| {r['preset']} | {r['dtype']} | {r['tree']} | {r['ms_ar_step']:.3f} | {r['ms_verify']:.3f} | "
+            f"{r['verify_over_ar_step']:.2f} | {r['ms_whole_step']:.3f} | {r['whole_step_over_verify']:.2f} |"
         )
     return "\n".join(lines)
 
