@@ -105,7 +105,7 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
         tree,
         tokens.to(device),
         target.cache.length + tree.depth.to(device),
-        tree.mask.to(device),
+        target.cache.mask(tree.mask.to(device)),
         torch.ones(n, dtype=torch.bool, device=device),
         torch.zeros(n, vocab, device=device),
         torch.zeros(n, device=device),
@@ -114,5 +114,5 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
         relax,
     )
     if commit:
-        target.cache.commit(int(out.length) + 1)
+        target.cache.write(out.new_k, out.new_v, out.length + 1)
     return out

@@ -9,6 +9,7 @@ import shutil
 import onnx
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lantern_rt.bundle import MANIFEST, Bundle, BundleError
 from lantern_rt.engines.conditionals import has_conditionals, without_conditionals
@@ -93,15 +94,25 @@ def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
     ours = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
     reference = torch_drafter(bundle, model_dir)
     g = torch.Generator().manual_seed(0)
-    tokens, hidden = torch.randint(0, 64, (6,), generator=g).tolist(), torch.randn(2, 6, 32, generator=g)
+    tokens, hidden = torch.randint(0, 64, (6,), generator=g), torch.randn(2, 6, 32, generator=g)
     drafts = []
     for drafter in (ours, reference):
         drafter.cache.reset()
         generator = torch.Generator().manual_seed(1)
         for pending, root in ((slice(0, 3), 3), (slice(3, 6), 6)):
-            got = draft(drafter, tree, tokens[pending], hidden[:, pending], root, sampling, generator)
+            pad = 6 - (pending.stop - pending.start)  # left-aligned pending pairs, 6 catch-up rows
+            got = draft(
+                drafter,
+                tree,
+                F.pad(tokens[pending], (0, pad)),
+                F.pad(hidden[:, pending], (0, 0, 0, pad)),
+                torch.tensor([3]),
+                torch.tensor([root]),
+                sampling,
+                generator,
+            )
             drafts.append(Draft(got.tokens.clone(), got.valid.clone(), got.q.clone()))  # buffers are reused
-    assert ours.cache.length == reference.cache.length == 6
+    assert int(ours.cache.length) == int(reference.cache.length) == 6
     torch.testing.assert_close(ours.cache.k, reference.cache.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.cache.v, reference.cache.v, atol=1e-5, rtol=1e-5)
     for got, want in zip(drafts[:2], drafts[2:], strict=True):
@@ -157,7 +168,17 @@ def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
 def test_a_tree_that_was_not_exported_is_refused(bundle):
     drafter = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
     with pytest.raises(BundleError, match="no drafting graph for tree chain-3"):
-        draft(drafter, load_tree("chain-3"), [1], torch.zeros(2, 1, 32), 1, GREEDY, None)
+        one = torch.tensor([1])
+        draft(
+            drafter,
+            load_tree("chain-3"),
+            torch.zeros(4, dtype=torch.long),
+            torch.zeros(2, 4, 32),
+            one,
+            one,
+            GREEDY,
+            None,
+        )
 
 
 def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tmp_path):

@@ -60,7 +60,7 @@ def test_profile_opens_a_range_per_stage_and_changes_no_token(tiny_model_dir, tm
     assert set(names) == STAGES and {d for _, d in fake_nvtx} == {profiling.DOMAIN}
     assert names.count("image") == 2 and names.count("prefill") == 2 and names.count("vq_decode") == 1
     assert names.count("verify") == 2 * 15  # 16 tokens: prefill + 15 steps
-    assert names.count("kv_compaction") == 2 * 14  # the last step of an image commits nothing
+    assert names.count("kv_compaction") == 2 * 15  # every step commits on the device
 
 
 def test_profile_without_nvtx_or_gpu_records_nothing(monkeypatch):

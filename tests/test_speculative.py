@@ -100,10 +100,10 @@ def test_compacted_cache_equals_ar_cache(models):
     assert max(out.accepted) > 2
     reference = TorchTarget(target)
     reference.prefill(torch.tensor([2, target.config.num_classes]))
-    for tok in out.tokens[: backend.cache.length - target.config.cls_token_num]:
+    for tok in out.tokens[:-1]:  # every token but the last has its K/V cached
         verify_step(reference, tok.view(1), target.config.vocab_size)
-    n = backend.cache.length
-    assert reference.cache.length == n
+    n = target.config.cls_token_num + len(out.tokens) - 1
+    assert int(reference.cache.length) == n <= int(backend.cache.length)  # the last step may overshoot
     torch.testing.assert_close(
         backend.cache.k[:, :, :, :n], reference.cache.k[:, :, :, :n], atol=1e-5, rtol=1e-5
     )
@@ -118,7 +118,7 @@ def test_drafter_cache_equals_teacher_forced_drafter(models):
     spec = spec_for(target, drafter, "mc_sim_7b_63", Relaxation("exact"))
     _, out = decode(target, 1, spec)
     cache = spec.drafter.cache
-    n = cache.length
+    n = int(cache.length)
     cond = torch.tensor([1, target.config.num_classes])
     with torch.no_grad():
         hidden = target.hidden_states(out.tokens[None].expand(2, -1), cond)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lantern_rt.runtime.acceptance import Relaxation, draw, relax_inputs, target_probabilities
@@ -69,30 +70,34 @@ def decode_image(
     first = draw(
         target_probabilities(logits, filters), _uniform(vocab, sampling, generator, device), relax.greedy
     )
-    tokens = first.tolist()[:1]
-    pending = tokens[:]
-    pending_hidden = hidden[:, None]
+    # What the next step catches up on: the tokens committed since the drafter's last call
+    # (left-aligned, m of them; the last is the root) and the target's hidden states before each.
+    rows = tree.max_depth + 1
+    pending = F.pad(first.reshape(1), (0, rows - 1))
+    pending_hidden = F.pad(hidden[:, None], (0, 0, 0, rows - 1))
+    m = torch.ones(1, dtype=torch.long, device=device)
     if spec:
         spec.drafter.cache.reset()
     depth, mask, noises = tree.depth.to(device), tree.mask.to(device), tree.num_nodes + 1
     ar_valid, ar_q = torch.ones(1, dtype=torch.bool, device=device), torch.zeros(1, vocab, device=device)
+    tokens = [int(first)]
     accepted: list[int] = []
     while len(tokens) < num_tokens:
         root_position = target.cache.length
         if spec:
             with span("draft"):
                 drafted = draft(
-                    spec.drafter, tree, pending, pending_hidden, root_position, sampling, generator
+                    spec.drafter, tree, pending, pending_hidden, m, root_position, sampling, generator
                 )
         else:
-            drafted = Draft(torch.tensor(pending[-1:], device=device), ar_valid, ar_q)  # q: unread
+            drafted = Draft(pending.gather(0, m - 1), ar_valid, ar_q)  # q: unread
         noise, bonus_noise = _uniform(noises + vocab, sampling, generator, device).split([noises, vocab])
         with span("verify"):
             out = target.verify(
                 tree,
                 drafted.tokens,
                 root_position + depth,
-                mask,
+                target.cache.mask(mask),
                 drafted.valid,
                 drafted.q,
                 noise,
@@ -100,17 +105,14 @@ def decode_image(
                 filters,
                 relax,
             )
-            n, *committed = torch.cat([out.length, out.tokens]).tolist()  # the step's one read
-        new = committed[: n + 1]
-        emitted = new[: num_tokens - len(tokens)]
+        with span("kv_compaction"):
+            m = out.length + 1
+            target.cache.write(out.new_k, out.new_v, m)
+        pending, pending_hidden = out.tokens, out.hidden
+        n, *committed = torch.cat([out.length, out.tokens]).tolist()  # the step's one read
+        emitted = committed[: min(n + 1, num_tokens - len(tokens))]
         tokens.extend(emitted)
         accepted.append(len(emitted))
-        if len(tokens) == num_tokens:
-            break
-        with span("kv_compaction"):
-            target.cache.commit(n + 1)
-        pending = new
-        pending_hidden = out.hidden[:, : n + 1]
     return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)
 
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lantern_rt.runtime.backends.base import CatchUp, DrafterBackend, DraftOutputs, FilterInputs
@@ -149,30 +148,29 @@ def noise_rows(tree: StaticTree) -> int:
     return tree.levels[-1][0]
 
 
-@lru_cache(maxsize=64)
-def catch_up_mask(rows: int, m: int, device: torch.device) -> Tensor:
-    """[rows, rows]: the last ``m`` rows causal among themselves, padding rows see only themselves."""
-    mask = torch.eye(rows, dtype=torch.bool, device=device)
-    mask[rows - m :, rows - m :] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
-    return mask
-
-
-@lru_cache(maxsize=16)
-def _offsets(rows: int, device: torch.device) -> Tensor:
-    return torch.arange(1 - rows, 1, device=device)
+def catch_up_mask(rows: int, m: Tensor | int, device: torch.device) -> Tensor:
+    """[rows, rows]: the last ``m`` rows causal among themselves, padding rows see only themselves
+    (``m`` may be a one-element tensor on ``device``: no host read)."""
+    r = torch.arange(rows, device=device)
+    real = r >= rows - m
+    return (r[:, None] == r[None, :]) | (real[:, None] & real[None, :] & (r[None, :] <= r[:, None]))
 
 
 def catch_up_inputs(
-    tree: StaticTree, tokens: list[int], hidden: Tensor, root_position: int, cache: KVCache
+    tree: StaticTree, tokens: Tensor, hidden: Tensor, m: Tensor, root_position: Tensor, cache: KVCache
 ) -> CatchUp:
-    """The pending pairs (``tokens``, m of them, and hidden [2, m, D]; the root, last, at
-    ``root_position``) right-aligned in the catch-up rows over ``cache``."""
-    m, rows = len(tokens), catch_up_rows(tree)
-    pad, device = rows - m, hidden.device
+    """The pending pairs, the first ``m`` of ``tokens`` [R] and ``hidden`` [2, R, D] (the root,
+    the m-th, at ``root_position``), right-aligned in the catch-up rows (R = catch_up_rows(tree))
+    over ``cache``, by gathers on the device."""
+    rows, device = catch_up_rows(tree), hidden.device
+    r = torch.arange(rows, device=device)
+    source = r - (rows - m)  # the pending pair each row holds; < 0 for a padding row
+    real = source >= 0
+    index = source.clamp_min(0)
     return CatchUp(
-        torch.tensor([0] * pad + tokens, device=device),
-        F.pad(hidden, (0, 0, pad, 0)),
-        (_offsets(rows, device) + root_position).clamp_min(0),
+        torch.where(real, tokens[index], 0),
+        torch.where(real[None, :, None], hidden[:, index], 0.0),
+        (r + 1 - rows + root_position).clamp_min(0),
         cache.mask(catch_up_mask(rows, m, device)),
     )
 
@@ -234,20 +232,22 @@ def draft_tree(
 def draft(
     drafter: DrafterBackend,
     tree: StaticTree,
-    pending_tokens: list[int],
+    pending_tokens: Tensor,
     pending_hidden: Tensor,
-    root_position: int,
+    m: Tensor,
+    root_position: Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
 ) -> Draft:
-    """Draft ``tree`` below the root (the last of the m ``pending_tokens``, committed since the
-    last call, at target position ``root_position``; ``pending_hidden`` [2, m, D] are the target
-    hidden states before each of them) and commit the pending pairs to the drafter's cache."""
+    """Draft ``tree`` below the root (the last of the ``m`` pending tokens, the first m of
+    ``pending_tokens`` [R], committed since the last call, at target position ``root_position``;
+    ``pending_hidden`` [2, R, D] holds the target hidden states before each of them) and commit
+    the pending pairs to the drafter's cache, all on the device."""
     device = pending_hidden.device
-    rows = catch_up_inputs(tree, pending_tokens, pending_hidden, root_position, drafter.cache)
+    rows = catch_up_inputs(tree, pending_tokens, pending_hidden, m, root_position, drafter.cache)
     noise = draw_noise(noise_rows(tree), drafter.vocab_size, sampling.greedy, generator, device)
     tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, filter_inputs(sampling, device))
-    drafter.cache.stage(new_k, new_v)
-    r, m = catch_up_rows(tree), len(pending_tokens)
-    drafter.cache.commit(m, start=r - m)
+    r = catch_up_rows(tree)
+    first = (torch.arange(r, device=device) + (r - m)).clamp_max(r - 1)  # the real rows first
+    drafter.cache.write(new_k.index_select(3, first), new_v.index_select(3, first), m)
     return Draft(tokens, valid, q)

@@ -9,10 +9,10 @@ from torch import Tensor
 class KVCache:
     """Fixed-size K/V storage [n_layer, rows, heads, capacity, head_dim] plus a committed length.
 
-    Entries past ``length`` are stale and masked. ``stage`` keeps the K/V a call just produced;
-    ``commit`` copies a run of them (the accepted path, gathered first) to the slots right after
-    ``length``.
-    ``layers_k``/``layers_v`` are per-layer views of the storage (graphs take one input per layer).
+    The length is a one-element tensor on the cache's device, so that a whole decode step (its
+    positions, masks and commits) runs there with no host read (docs/method.md §6). Entries past
+    ``length`` are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
+    (graphs take one input per layer).
     """
 
     def __init__(
@@ -30,33 +30,27 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
         self.capacity = capacity
-        slots = torch.arange(capacity, device=device)
-        self._visible = slots[None, :] < torch.arange(capacity + 1, device=device)[:, None]  # [length, slot]
-        self.length = 0
-        self._staged: tuple[Tensor, Tensor] | None = None
+        self._slots = torch.arange(capacity, device=device)
+        self.length = torch.zeros(1, dtype=torch.long, device=device)
 
     def reset(self) -> None:
-        self.length = 0
-        self._staged = None
+        self.length.zero_()
 
     def mask(self, new_mask: Tensor) -> Tensor:
         """Attention mask [1, 1, S, capacity + S] for S new tokens whose mutual visibility is
         ``new_mask`` [S, S]: every committed entry is visible, stale entries are not."""
         s = new_mask.shape[0]
-        return torch.cat([self._visible[self.length].expand(s, -1), new_mask], dim=1)[None, None]
+        visible = (self._slots < self.length).expand(s, -1)
+        return torch.cat([visible, new_mask], dim=1)[None, None]
 
-    def stage(self, new_k: Tensor, new_v: Tensor) -> None:
-        self._staged = (new_k, new_v)
-
-    def commit(self, count: int, start: int = 0) -> None:
-        """Append ``count`` staged entries after ``length``: those from ``start`` on along the
-        new-token axis (callers stage the kept entries first: a verify graph gathers them by the
-        accepted node ids on the device), copied as one contiguous run."""
-        assert self._staged is not None, "commit without a staged call"
-        if self.length + count > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {self.length} + {count} > {self.capacity}")
-        new_k, new_v = self._staged
-        self.k[:, :, :, self.length : self.length + count] = new_k.narrow(3, start, count)
-        self.v[:, :, :, self.length : self.length + count] = new_v.narrow(3, start, count)
+    def write(self, new_k: Tensor, new_v: Tensor, count: Tensor | int) -> None:
+        """Append the first ``count`` of the S new entries (``new_k``/``new_v`` [n_layer, rows,
+        heads, S, head_dim], the kept ones first) after ``length``, on the device: all S are
+        copied to slots ``length``.. (clamped to the last slot), so the ones past ``count`` land
+        in stale slots. The last slot never holds a committed entry (capacities have one to
+        spare: a decode commits at most capacity - 1), so clamped copies only overwrite stale data.
+        """
+        slots = (self.length + self._slots[: new_k.shape[3]]).clamp_max(self.capacity - 1)
+        self.k.index_copy_(3, slots, new_k)
+        self.v.index_copy_(3, slots, new_v)
         self.length += count
-        self._staged = None

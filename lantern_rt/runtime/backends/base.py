@@ -48,7 +48,7 @@ class TargetBackend(Protocol):
         tree: StaticTree,
         tokens: Tensor,
         positions: Tensor,
-        tree_mask: Tensor,
+        mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
@@ -57,11 +57,12 @@ class TargetBackend(Protocol):
         relax: RelaxInputs,
     ) -> Verified:
         """One target step over ``tree``'s drafted ``tokens`` [N+1] (the root first; the
-        root-only tree for AR) at ``positions`` [N+1], seeing each other through ``tree_mask``
-        [N+1, N+1] and the whole committed cache, then their acceptance on this backend's device
+        root-only tree for AR) at ``positions`` [N+1] under ``mask`` [1, 1, N+1, capacity + N+1]
+        (``cache.mask`` of the tree's mask), then their acceptance on this backend's device
         (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from ``valid`` [N+1], the drafter's
         ``q`` [N+1, V], uniform ``noise`` [N+1] and ``bonus_noise`` [V]). The kept nodes' K/V
-        are staged in kept order: ``cache.commit(length + 1)`` keeps the accepted path."""
+        come first in ``new_k``/``new_v``: ``cache.write(new_k, new_v, length + 1)`` commits
+        the accepted path. Nothing is read back to the host."""
         ...
 
 

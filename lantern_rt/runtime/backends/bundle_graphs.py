@@ -101,8 +101,7 @@ class BundleTarget:
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
         self.cache.reset()
         logits, hidden, k, v = self._prefill(cond)
-        self.cache.stage(k, v)
-        self.cache.commit(self.cls_token_num)
+        self.cache.write(k, v, self.cls_token_num)
         return logits, hidden
 
     def verify(
@@ -110,7 +109,7 @@ class BundleTarget:
         tree: StaticTree,
         tokens: Tensor,
         positions: Tensor,
-        tree_mask: Tensor,
+        mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
@@ -123,13 +122,10 @@ class BundleTarget:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        mask = self.cache.mask(tree_mask)
         past = (*self.cache.layers_k, *self.cache.layers_v)
-        out = Verified(
+        return Verified(
             *graph(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax, *past)
         )
-        self.cache.stage(out.new_k, out.new_v)
-        return out
 
 
 class BundleDrafter:

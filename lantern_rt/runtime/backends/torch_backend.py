@@ -69,8 +69,7 @@ class TorchTarget:
         logits, hidden, k, v = self.model.step(
             h, positions, self.cache.mask(causal), self.cache.k, self.cache.v
         )
-        self.cache.stage(k, v)
-        self.cache.commit(t)
+        self.cache.write(k, v, t)
         return logits[:, -1], hidden[:, -1]
 
     @torch.inference_mode()
@@ -79,7 +78,7 @@ class TorchTarget:
         tree: StaticTree,
         tokens: Tensor,
         positions: Tensor,
-        tree_mask: Tensor,
+        mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
@@ -102,10 +101,7 @@ class TorchTarget:
 
             pinned = len(sampling) + len(relax)  # the same tensors every step: read where they lie
             run = self._verifies[tree] = _replayed(run_tree, self._cuda_graphs, pinned)
-        mask = self.cache.mask(tree_mask)
-        out = Verified(*run(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax))
-        self.cache.stage(out.new_k, out.new_v)
-        return out
+        return Verified(*run(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax))
 
 
 def drafter_step(drafter: Drafter) -> DraftStep:
