@@ -104,8 +104,6 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
     out = target.verify(
         tree,
         tokens.to(device),
-        target.cache.length + tree.depth.to(device),
-        target.cache.mask(tree.mask.to(device)),
         torch.ones(n, dtype=torch.bool, device=device),
         torch.zeros(n, vocab, device=device),
         torch.zeros(n, device=device),

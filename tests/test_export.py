@@ -192,8 +192,7 @@ def test_declared_shapes_and_dtypes(opened):
     }
     assert shapes["target_ar_step"] == {
         "node_tokens": ([1], "int64"),
-        "positions": ([1], "int64"),
-        "mask": ([1, 1, 1, 19 + 1], "bool"),
+        "cache_length": ([1], "int64"),
         "valid": ([1], "bool"),
         "q": ([1, 64], "float32"),
         "noise": ([1], "float32"),
@@ -211,15 +210,16 @@ def test_declared_shapes_and_dtypes(opened):
         "logits": ([2, 1, 64], "float32"),
     }
     verify = shapes["target_verify_0"]  # chain-1: two nodes, both kept at most
-    assert verify["mask"] == ([1, 1, 2, 19 + 2], "bool") and verify["neighbors"][0][0] == 64
+    assert verify["node_tokens"] == ([2], "int64") and verify["neighbors"][0][0] == 64
     assert verify["kept"] == ([2], "int64") and verify["new_k"] == ([*kv, 2, 8], "float16")
     assert shapes["vq_decode"] == {"codes": ([1, 16], "int64"), "images": ([1, 1, 8, 8], "float32")}
     drafter_kv = [1, 2, 2]  # one drafter layer, CFG rows, kv heads
     assert shapes["draft_tree_0"] == {  # chain-1: two catch-up rows, one drawing node
         "tokens": ([2], "int64"),
         "hidden": ([2, 2, 32], "float16"),
-        "positions": ([2], "int64"),
-        "mask": ([1, 1, 2, 16 + 2], "bool"),
+        "count": ([1], "int64"),
+        "root_position": ([1], "int64"),
+        "cache_length": ([1], "int64"),
         "noise": ([1, 64], "float32"),
         "cfg_scale": ([1], "float32"),
         "temperature": ([1], "float32"),

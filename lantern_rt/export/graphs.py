@@ -18,13 +18,12 @@ from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
 from lantern_rt.models.vq import VQModel
-from lantern_rt.runtime.acceptance import RelaxInputs, tree_plan, verify_tree
+from lantern_rt.runtime.acceptance import RelaxInputs, tree_plan, tree_step_inputs, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
     Context,
     DraftStep,
-    catch_up_mask,
     catch_up_rows,
     draft_plan,
     draft_tree,
@@ -101,17 +100,6 @@ def _target_kv(model: Transformer) -> KVDims:
     return c.n_layer, c.kv_heads, c.head_dim
 
 
-def _random_tree_mask(g: torch.Generator, s: int, capacity: int, low: int) -> tuple[int, Tensor, Tensor]:
-    """A random committed length in ``low``..``capacity - 1``, sorted random depths [S] the RoPE
-    pad rows hold, and a tree-like mask [1, 1, S, capacity + S]: each new token sees the committed
-    entries, itself and some earlier new tokens."""
-    length = int(torch.randint(low, capacity, (), generator=g))
-    depths = torch.randint(min(s, ROPE_PAD_ROWS), (s,), generator=g).sort().values
-    new = torch.rand(s, s, generator=g).lt(0.5).tril() | torch.eye(s, dtype=torch.bool)
-    past = (torch.arange(capacity) < length).expand(s, -1)
-    return length, depths, torch.cat([past, new], dim=1)[None, None]
-
-
 def _random_cache(g: torch.Generator, specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """Random, partly stale per-layer past K and V of the ``past_*`` specs' shapes and dtype."""
     return tuple(torch.randn(spec.shape, generator=g).to(spec.dtype) for spec in specs)
@@ -171,9 +159,9 @@ class TargetPrefill(nn.Module):
 
 class TargetVerify(nn.Module):
     """A target step over a tree's N + 1 nodes followed by its acceptance
-    (:func:`~lantern_rt.runtime.acceptance.verify_tree`): the drafted nodes at their positions
-    under a mask over the cache, their valid flags and q, uniform noise, the sampling settings
-    and the relaxation -> the accepted length, kept node ids, committed tokens (bonus included),
+    (:func:`~lantern_rt.runtime.acceptance.verify_tree`): the drafted nodes after the committed
+    cache length (positions and mask are built in the graph), their valid flags and q, uniform
+    noise, the sampling settings and the relaxation -> the accepted length, kept node ids, committed tokens (bonus included),
     the kept nodes' hidden states and K/V, and the logits at every node. The target
     distribution is mixed and filtered in the graph, its top-k/top-p filter behind an If as in
     drafting. ``neighbors`` is the bundle's whole table; ``k`` says how many columns are
@@ -183,6 +171,7 @@ class TargetVerify(nn.Module):
         super().__init__()
         self.model, self.blocks, self.tree = model, Blocks.of_target(model), tree
         self.plan = tree_plan(tree, torch.device("cpu"))
+        self.depth, self.tree_mask = tree.depth.clone(), tree.mask.clone()  # built before tracing
         c = model.config
         dtype = model.output.weight.dtype
         cap, kv = cache_capacity(model), _target_kv(model)
@@ -191,8 +180,7 @@ class TargetVerify(nn.Module):
             name,
             (
                 TensorSpec("node_tokens", (s,), torch.int64),
-                TensorSpec("positions", (s,), torch.int64),
-                TensorSpec("mask", (1, 1, s, cap + s), torch.bool),
+                TensorSpec("cache_length", (1,), torch.int64),
                 TensorSpec("valid", (s,), torch.bool),
                 TensorSpec("q", (s, v), torch.float32),
                 TensorSpec("noise", (s,), torch.float32),
@@ -221,23 +209,25 @@ class TargetVerify(nn.Module):
         )
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        tokens, positions, mask = inputs[:3]
+        tokens, length = inputs[:2]
+        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, cache_capacity(self.model))
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
-        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(inputs[16:])))
+        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(inputs[15:])))
         hidden = rms_norm(h, self.model.norm)
         return self._accept(self.model.output(hidden).float(), hidden, k, v, inputs)
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         """The same outputs from the model's own ``step``."""
-        tokens, positions, mask = inputs[:3]
+        tokens, length = inputs[:2]
+        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, cache_capacity(self.model))
         h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
-        past_k, past_v = _split_past(inputs[16:])
+        past_k, past_v = _split_past(inputs[15:])
         logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
         return self._accept(logits, hidden, k, v, inputs)
 
     def _accept(self, logits: Tensor, hidden: Tensor, k: Tensor, v: Tensor, inputs) -> tuple[Tensor, ...]:
-        tokens, _, _, valid, q, noise, bonus_noise = inputs[:7]
-        sampling, relax = inputs[7:11], RelaxInputs(*inputs[11:16])
+        tokens, _, valid, q, noise, bonus_noise = inputs[:6]
+        sampling, relax = inputs[6:10], RelaxInputs(*inputs[10:15])
         return tuple(
             verify_tree(
                 self.plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, sampling, relax
@@ -245,30 +235,25 @@ class TargetVerify(nn.Module):
         )
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random nodes after a random committed length at sorted depths the RoPE table holds;
-        the tree's own mask; random, partly stale caches. The noise settles every decision far
+        """Random nodes after a random committed length; random, partly stale caches. The noise settles every decision far
         from a rounding tie, so that the integer outputs are compared too: u = 0 accepts every
         first child (the path of first children is kept) and the bonus noise singles out one
         token (a Gumbel score of 16.6 against -4.5). LANTERN++ with lambda 3 and CFG 3, sampling
         without filters."""
         c, tree = self.model.config, self.tree
         s, v = tree.num_nodes + 1, c.vocab_size
-        length, _, _ = _random_tree_mask(g, s, cache_capacity(self.model), c.cls_token_num)
-        mask = self.spec.inputs[2].shape
-        past = (torch.arange(mask[3] - s) < length).expand(s, -1)
-        tree_mask = torch.cat([past, tree.mask], dim=1)[None, None]
+        length = int(torch.randint(c.cls_token_num, cache_capacity(self.model), (), generator=g))
         tokens = torch.randint(v, (s,), generator=g)
         q = torch.softmax(torch.randn(s, v, generator=g), dim=-1)
         bonus_noise = torch.zeros(v)
         bonus_noise[int(torch.randint(v, (), generator=g))] = 1.0 - 2.0**-24
-        k = self.spec.inputs[11].shape[1]
+        k = self.spec.inputs[10].shape[1]
         neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
         relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
         return (
             tokens,
-            length + tree.depth,
-            tree_mask,
+            torch.tensor([length]),
             torch.ones(s, dtype=torch.bool),
             q,
             torch.zeros(s),
@@ -276,7 +261,7 @@ class TargetVerify(nn.Module):
             *sampling,
             neighbors,
             *relax,
-            *_random_cache(g, self.spec.inputs[16:]),
+            *_random_cache(g, self.spec.inputs[15:]),
         )
 
 
@@ -299,8 +284,9 @@ class DrafterTree(nn.Module):
             (
                 TensorSpec("tokens", (rows,), torch.int64),
                 TensorSpec("hidden", (ROWS, rows, c.hidden_size), dtype),
-                TensorSpec("positions", (rows,), torch.int64),
-                TensorSpec("mask", (1, 1, rows, capacity + rows), torch.bool),
+                TensorSpec("count", (1,), torch.int64),
+                TensorSpec("root_position", (1,), torch.int64),
+                TensorSpec("cache_length", (1,), torch.int64),
                 TensorSpec("noise", (noise_rows(tree), c.vocab_size), torch.float32),
                 TensorSpec("cfg_scale", (1,), torch.float32),
                 TensorSpec("temperature", (1,), torch.float32),
@@ -334,34 +320,32 @@ class DrafterTree(nn.Module):
         return self._draft(drafter_step(self.drafter), inputs)
 
     def _draft(self, step: DraftStep, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        rows, noise, sampling = CatchUp(*inputs[:4]), inputs[4], inputs[5:9]
-        context = Context.of_cache(*_split_past(inputs[9:]))
+        rows, noise, sampling = CatchUp(*inputs[:5]), inputs[5], inputs[6:10]
+        context = Context.of_cache(*_split_past(inputs[10:]))
         return draft_tree(step, lm_head(self.head), self.plan, rows, context, noise, sampling)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Catch-up rows after a random committed length, right-aligned, at positions the RoPE
-        table holds; noise that forces which children are drawn (a large score for ``width``
-        random tokens per node), so that rounding cannot change the path and every output is
-        compared; CFG 3 without filtering; random caches."""
+        """m random pending pairs (left-aligned) after a random committed length, the root at a
+        position the RoPE table holds; noise that forces which children are drawn (a large score
+        for ``width`` random tokens per node), so that rounding cannot change the path and every
+        output is compared; CFG 3 without filtering; random caches."""
         c = self.drafter.config
         rows = catch_up_rows(self.tree)
-        capacity = self.spec.inputs[3].shape[3] - rows
+        capacity = self.spec.inputs[10].shape[2]
         length = int(torch.randint(capacity - rows, (), generator=g))
         m = int(torch.randint(1, rows + 1, (), generator=g))
         top = self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS - 1
         root = int(torch.randint(rows, top, (), generator=g))
-        seen = (torch.arange(capacity) < length).expand(rows, -1)
-        mask = torch.cat([seen, catch_up_mask(rows, m, torch.device("cpu"))], dim=1)[None, None]
         tokens = torch.randint(c.vocab_size, (rows,), generator=g)
         hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
-        noise = torch.zeros(self.spec.inputs[4].shape)  # a Gumbel score of -3.8 (clamped)
+        noise = torch.zeros(self.spec.inputs[5].shape)  # a Gumbel score of -3.8 (clamped)
         forced = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
         for row in noise:
             row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        positions = torch.arange(root - rows + 1, root + 1)
-        past = _random_cache(g, self.spec.inputs[9:])
-        return (tokens, hidden, positions, mask, noise, *sampling, *past)
+        counts = (torch.tensor([m]), torch.tensor([root]), torch.tensor([length]))
+        past = _random_cache(g, self.spec.inputs[10:])
+        return (tokens, hidden, *counts, noise, *sampling, *past)
 
 
 class VQDecode(nn.Module):

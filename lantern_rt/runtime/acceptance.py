@@ -346,6 +346,17 @@ def target_probabilities(logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor,
     return torch.softmax(filter_logits(cfg_mix(logits, cfg_scale), temperature, top_k, top_p, width), dim=-1)
 
 
+def tree_step_inputs(
+    depth: Tensor, tree_mask: Tensor, length: Tensor, capacity: int
+) -> tuple[Tensor, Tensor]:
+    """Positions [N+1] and mask [1, 1, N+1, capacity + N+1] of a verify step over a tree (its
+    ``depth`` and ``tree_mask``, on the device) after ``length`` [1] committed cache entries (of
+    ``capacity``): each node at length + its depth, seeing every committed entry and its
+    ancestors (docs/method.md §3)."""
+    seen = (torch.arange(capacity, device=length.device) < length).expand(depth.shape[0], -1)
+    return length + depth, torch.cat([seen, tree_mask], dim=1)[None, None]
+
+
 class Verified(NamedTuple):
     """A verified and accepted tree of depth D, with what the next step needs, gathered by the
     kept node ids (root first) so that the first ``length + 1`` entries are the committed ones."""

@@ -78,16 +78,15 @@ def decode_image(
     m = torch.ones(1, dtype=torch.long, device=device)
     if spec:
         spec.drafter.cache.reset()
-    depth, mask, noises = tree.depth.to(device), tree.mask.to(device), tree.num_nodes + 1
+    noises = tree.num_nodes + 1
     ar_valid, ar_q = torch.ones(1, dtype=torch.bool, device=device), torch.zeros(1, vocab, device=device)
     tokens = [int(first)]
     accepted: list[int] = []
     while len(tokens) < num_tokens:
-        root_position = target.cache.length
         if spec:
             with span("draft"):
                 drafted = draft(
-                    spec.drafter, tree, pending, pending_hidden, m, root_position, sampling, generator
+                    spec.drafter, tree, pending, pending_hidden, m, target.cache.length, sampling, generator
                 )
         else:
             drafted = Draft(pending.gather(0, m - 1), ar_valid, ar_q)  # q: unread
@@ -96,8 +95,6 @@ def decode_image(
             out = target.verify(
                 tree,
                 drafted.tokens,
-                root_position + depth,
-                target.cache.mask(mask),
                 drafted.valid,
                 drafted.q,
                 noise,

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from lantern_rt.runtime.backends.base import CatchUp, DrafterBackend, DraftOutputs, FilterInputs
-from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     SamplingConfig,
@@ -156,23 +155,35 @@ def catch_up_mask(rows: int, m: Tensor | int, device: torch.device) -> Tensor:
     return (r[:, None] == r[None, :]) | (real[:, None] & real[None, :] & (r[None, :] <= r[:, None]))
 
 
-def catch_up_inputs(
-    tree: StaticTree, tokens: Tensor, hidden: Tensor, m: Tensor, root_position: Tensor, cache: KVCache
-) -> CatchUp:
-    """The pending pairs, the first ``m`` of ``tokens`` [R] and ``hidden`` [2, R, D] (the root,
-    the m-th, at ``root_position``), right-aligned in the catch-up rows (R = catch_up_rows(tree))
-    over ``cache``, by gathers on the device."""
-    rows, device = catch_up_rows(tree), hidden.device
-    r = torch.arange(rows, device=device)
-    source = r - (rows - m)  # the pending pair each row holds; < 0 for a padding row
+def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The catch-up call's tokens [R], hidden [2, R, D], positions [R] and mask [1, 1, R,
+    capacity + R] from the pending pairs ``rows`` (the first m of R, left-aligned): the pairs
+    right-aligned by gathers, so that the root is always the last row and padding rows come
+    first, seeing only themselves; the committed slots of a drafter cache of ``capacity``."""
+    tokens, hidden, m, root_position, length = rows
+    r = catch_up_rows_index(tokens.shape[0], tokens.device)
+    source = r - (tokens.shape[0] - m)  # the pending pair each row holds; < 0 for a padding row
     real = source >= 0
     index = source.clamp_min(0)
-    return CatchUp(
+    seen = (torch.arange(capacity, device=tokens.device) < length).expand(tokens.shape[0], -1)
+    return (
         torch.where(real, tokens[index], 0),
         torch.where(real[None, :, None], hidden[:, index], 0.0),
-        (r + 1 - rows + root_position).clamp_min(0),
-        cache.mask(catch_up_mask(rows, m, device)),
+        (source + root_position - m + 1).clamp_min(0),
+        torch.cat([seen, catch_up_mask(tokens.shape[0], m, tokens.device)], dim=1)[None, None],
     )
+
+
+def catch_up_rows_index(rows: int, device: torch.device) -> Tensor:
+    """0..rows-1 on ``device`` (a constant of the traced graphs)."""
+    return torch.arange(rows, device=device)
+
+
+def left_aligned(new: Tensor, m: Tensor) -> Tensor:
+    """The catch-up rows' K/V [n_layer, 2, Hkv, R, D] with the m real rows (the last m) first."""
+    rows = new.shape[3]
+    first = (catch_up_rows_index(rows, new.device) + (rows - m)).clamp_max(rows - 1)
+    return new.index_select(3, first)
 
 
 def draft_tree(
@@ -184,12 +195,15 @@ def draft_tree(
     noise: Tensor,
     sampling: FilterInputs,
 ) -> DraftOutputs:
-    """Catch up on ``rows``, then draft a tree (its ``plan``) below the root, the last row.
+    """Catch up on the pending pairs ``rows`` over the drafter ``cache``, then draft a tree (its
+    ``plan``) below the root, the last pending pair.
 
     ``noise`` [noise_rows(tree), V] is the uniform noise of each drawing node's draws, in node
-    order (sampling.draw_noise). The catch-up rows' K/V are returned for the caller to commit.
+    order (sampling.draw_noise). The catch-up rows' K/V are returned with the m real rows first,
+    for the caller to commit (``KVCache.write``).
     """
-    tokens, hidden, positions, mask = rows
+    capacity = sum(block.shape[2] for block in cache.keys[0])
+    tokens, hidden, positions, mask = catch_up_inputs(rows, capacity)
     cfg_scale, temperature, top_k, top_p = sampling
     out, catch_k, catch_v = step(tokens, hidden, positions, mask, cache)
     level_hidden = out[:, -1:]
@@ -226,7 +240,14 @@ def draft_tree(
         q_rows.append(q)
         drawn, drawn_ok = draw_distinct(q, noise[drawing : drawing + n], plan.width)
         drawing += n
-    return torch.cat(node_tokens), torch.cat(valid), torch.cat(q_rows), catch_k, catch_v
+    m = rows.count
+    return (
+        torch.cat(node_tokens),
+        torch.cat(valid),
+        torch.cat(q_rows),
+        left_aligned(catch_k, m),
+        left_aligned(catch_v, m),
+    )
 
 
 def draft(
@@ -244,10 +265,8 @@ def draft(
     ``pending_hidden`` [2, R, D] holds the target hidden states before each of them) and commit
     the pending pairs to the drafter's cache, all on the device."""
     device = pending_hidden.device
-    rows = catch_up_inputs(tree, pending_tokens, pending_hidden, m, root_position, drafter.cache)
+    rows = CatchUp(pending_tokens, pending_hidden, m, root_position, drafter.cache.length)
     noise = draw_noise(noise_rows(tree), drafter.vocab_size, sampling.greedy, generator, device)
     tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, filter_inputs(sampling, device))
-    r = catch_up_rows(tree)
-    first = (torch.arange(r, device=device) + (r - m)).clamp_max(r - 1)  # the real rows first
-    drafter.cache.write(new_k.index_select(3, first), new_v.index_select(3, first), m)
+    drafter.cache.write(new_k, new_v, m)
     return Draft(tokens, valid, q)

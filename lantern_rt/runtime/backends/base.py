@@ -15,16 +15,18 @@ FilterInputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 class CatchUp(NamedTuple):
-    """The catch-up rows of a drafting call (see :func:`lantern_rt.runtime.drafting.catch_up_inputs`)."""
+    """What a drafting call catches up on: the pairs committed since the last call (see
+    :func:`lantern_rt.runtime.drafting.catch_up_inputs`), all on the device."""
 
-    tokens: Tensor  # [R]
-    hidden: Tensor  # [2, R, D]
-    positions: Tensor  # [R]
-    mask: Tensor  # [1, 1, R, capacity + R]
+    tokens: Tensor  # [R] int64: the m pending tokens, left-aligned (the m-th is the root)
+    hidden: Tensor  # [2, R, D]: the target's hidden state before each of them
+    count: Tensor  # [1] int64: m, 1..R
+    root_position: Tensor  # [1] int64: the root's target position
+    cache_length: Tensor  # [1] int64: the drafter cache's committed length
 
 
 # What a drafting call returns: node tokens [N+1], valid [N+1], q [N+1, V], and the catch-up
-# rows' new K and V [n_layer, 2, Hkv, R, D].
+# rows' new K and V [n_layer, 2, Hkv, R, D], the m real rows first.
 DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
@@ -47,8 +49,6 @@ class TargetBackend(Protocol):
         self,
         tree: StaticTree,
         tokens: Tensor,
-        positions: Tensor,
-        mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
@@ -57,8 +57,9 @@ class TargetBackend(Protocol):
         relax: RelaxInputs,
     ) -> Verified:
         """One target step over ``tree``'s drafted ``tokens`` [N+1] (the root first; the
-        root-only tree for AR) at ``positions`` [N+1] under ``mask`` [1, 1, N+1, capacity + N+1]
-        (``cache.mask`` of the tree's mask), then their acceptance on this backend's device
+        root-only tree for AR) after the committed cache (positions and mask from
+        ``cache.length``: :func:`~lantern_rt.runtime.acceptance.tree_step_inputs`), then their
+        acceptance on this backend's device
         (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from ``valid`` [N+1], the drafter's
         ``q`` [N+1, V], uniform ``noise`` [N+1] and ``bonus_noise`` [V]). The kept nodes' K/V
         come first in ``new_k``/``new_v``: ``cache.write(new_k, new_v, length + 1)`` commits

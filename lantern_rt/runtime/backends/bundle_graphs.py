@@ -52,13 +52,14 @@ def torch_dtype(name: str) -> torch.dtype:
 CACHE_INPUTS = ("past_k_", "past_v_")
 SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # sampling.filter_inputs, cached
 RELAX_INPUTS = ("neighbors", "k", "cap_a", "cap_b", "greedy")  # acceptance.RelaxInputs, per image
+LENGTH_INPUTS = ("cache_length", "root_position")  # the caches' own length tensors, updated in place
 
 
 def bound_by_pointer(spec: IOSpec) -> bool:
     """Whether an input is bound where the caller keeps it rather than copied: the caches and
-    the neighbour table (too large to copy), the sampling settings and the relaxation (the same
-    tensors every call)."""
-    return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS + RELAX_INPUTS
+    the neighbour table (too large to copy), the sampling settings, the relaxation and the
+    caches' lengths (the same tensors every call; a captured CUDA graph reads their values)."""
+    return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS + RELAX_INPUTS + LENGTH_INPUTS
 
 
 def check_inputs(inputs: tuple[IOSpec, ...], args: tuple[Tensor, ...]) -> None:
@@ -108,8 +109,6 @@ class BundleTarget:
         self,
         tree: StaticTree,
         tokens: Tensor,
-        positions: Tensor,
-        mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
@@ -123,9 +122,8 @@ class BundleTarget:
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
         past = (*self.cache.layers_k, *self.cache.layers_v)
-        return Verified(
-            *graph(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax, *past)
-        )
+        length = self.cache.length
+        return Verified(*graph(tokens, length, valid, q, noise, bonus_noise, *sampling, *relax, *past))
 
 
 class BundleDrafter:

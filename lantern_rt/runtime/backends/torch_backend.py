@@ -8,7 +8,7 @@ from torch import Tensor
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.acceptance import RelaxInputs, Verified, tree_plan, verify_tree
+from lantern_rt.runtime.acceptance import RelaxInputs, Verified, tree_plan, tree_step_inputs, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
 from lantern_rt.runtime.drafting import (
@@ -77,8 +77,6 @@ class TorchTarget:
         self,
         tree: StaticTree,
         tokens: Tensor,
-        positions: Tensor,
-        mask: Tensor,
         valid: Tensor,
         q: Tensor,
         noise: Tensor,
@@ -88,20 +86,22 @@ class TorchTarget:
     ) -> Verified:
         run = self._verifies.get(tree)
         if run is None:
-            plan = tree_plan(tree, self.cache.k.device)
+            device = self.cache.k.device
+            plan, depth, tree_mask = tree_plan(tree, device), tree.depth.to(device), tree.mask.to(device)
 
             def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
-                tokens, positions, mask, valid, q, noise, bonus_noise = args[:7]
+                tokens, valid, q, noise, bonus_noise = args[:5]
+                positions, mask = tree_step_inputs(depth, tree_mask, self.cache.length, self.cache.capacity)
                 h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(2, -1, -1)
                 logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
-                settings, relax = args[7:11], RelaxInputs(*args[11:])
+                settings, relax = args[5:9], RelaxInputs(*args[9:])
                 return verify_tree(
                     plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, settings, relax
                 )
 
             pinned = len(sampling) + len(relax)  # the same tensors every step: read where they lie
             run = self._verifies[tree] = _replayed(run_tree, self._cuda_graphs, pinned)
-        return Verified(*run(tokens, positions, mask, valid, q, noise, bonus_noise, *sampling, *relax))
+        return Verified(*run(tokens, valid, q, noise, bonus_noise, *sampling, *relax))
 
 
 def drafter_step(drafter: Drafter) -> DraftStep:
@@ -152,7 +152,7 @@ class TorchDrafter:
 
             def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
                 context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
-                rows, noise, sampling = CatchUp(*args[:4]), args[4], args[5:]
+                rows, noise, sampling = CatchUp(*args[:5]), args[5], args[6:]
                 return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
 
             run = self._drafts[tree] = _replayed(run_tree, self._cuda_graphs, len(sampling))
