@@ -94,6 +94,7 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
     tree, an AR step) after the committed cache, then (``commit``) the accepted path committed;
     the backend's :class:`~lantern_rt.runtime.acceptance.Verified`."""
     from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
+    from lantern_rt.runtime.backends.base import Draft
     from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
     from lantern_rt.runtime.tree import ROOT_ONLY
 
@@ -101,11 +102,14 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
     device, n = target.cache.k.device, tree.num_nodes + 1
     filters = filter_inputs(SamplingConfig(cfg_scale=2.0, temperature=0.0), device)
     relax = relax_inputs(Relaxation("exact"), None, vocab, True, device)
-    out = target.verify(
-        tree,
+    draft = Draft(
         tokens.to(device),
         torch.ones(n, dtype=torch.bool, device=device),
         torch.zeros(n, vocab, device=device),
+    )
+    out = target.verify(
+        tree,
+        draft,
         torch.zeros(n, device=device),
         torch.zeros(vocab, device=device),
         filters,

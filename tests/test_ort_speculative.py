@@ -17,6 +17,7 @@ from lantern_rt.fileio import sha256
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_target, open_model_dir
 from lantern_rt.runtime.acceptance import Relaxation
+from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     BundleTarget,
@@ -26,7 +27,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
-from lantern_rt.runtime.drafting import Draft, draft
+from lantern_rt.runtime.drafting import draft
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq

@@ -29,6 +29,7 @@ from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
+from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
@@ -106,9 +107,11 @@ def step_costs(preset: str, tree: str, device: str, dtype: torch.dtype, repeats:
         target.prefill(torch.tensor([1, config.num_classes], device=device))
         s = t.num_nodes + 1
         args = (
-            torch.zeros(s, dtype=torch.long, device=device),
-            torch.ones(s, dtype=torch.bool, device=device),
-            torch.softmax(torch.randn(s, vocab, device=device), -1),
+            Draft(
+                torch.zeros(s, dtype=torch.long, device=device),
+                torch.ones(s, dtype=torch.bool, device=device),
+                torch.softmax(torch.randn(s, vocab, device=device), -1),
+            ),
             torch.rand(s, device=device),
             torch.rand(vocab, device=device),
             filters,

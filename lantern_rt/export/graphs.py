@@ -63,6 +63,15 @@ class GraphSpec:
         }
 
 
+# The sampling settings every drafting and verify graph takes (sampling.filter_inputs).
+SAMPLING_SPECS = (
+    TensorSpec("cfg_scale", (1,), torch.float32),
+    TensorSpec("temperature", (1,), torch.float32),
+    TensorSpec("top_k", (1,), torch.int64),
+    TensorSpec("top_p", (1,), torch.float32),
+)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` -> ``"float16"`` (numpy's names, which the manifest uses)."""
     return str(dtype).removeprefix("torch.")
@@ -185,10 +194,7 @@ class TargetVerify(nn.Module):
                 TensorSpec("q", (s, v), torch.float32),
                 TensorSpec("noise", (s,), torch.float32),
                 TensorSpec("bonus_noise", (v,), torch.float32),
-                TensorSpec("cfg_scale", (1,), torch.float32),
-                TensorSpec("temperature", (1,), torch.float32),
-                TensorSpec("top_k", (1,), torch.int64),
-                TensorSpec("top_p", (1,), torch.float32),
+                *SAMPLING_SPECS,
                 TensorSpec("neighbors", (v, neighbors_k), torch.int64),
                 TensorSpec("k", (1,), torch.int64),
                 TensorSpec("cap_a", (1,), torch.float32),
@@ -288,10 +294,7 @@ class DrafterTree(nn.Module):
                 TensorSpec("root_position", (1,), torch.int64),
                 TensorSpec("cache_length", (1,), torch.int64),
                 TensorSpec("noise", (noise_rows(tree), c.vocab_size), torch.float32),
-                TensorSpec("cfg_scale", (1,), torch.float32),
-                TensorSpec("temperature", (1,), torch.float32),
-                TensorSpec("top_k", (1,), torch.int64),
-                TensorSpec("top_p", (1,), torch.float32),
+                *SAMPLING_SPECS,
                 *_past_specs(kv, capacity, dtype),
             ),
             (

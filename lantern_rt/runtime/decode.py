@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lantern_rt.runtime.acceptance import Relaxation, draw, relax_inputs, target_probabilities
-from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
-from lantern_rt.runtime.drafting import Draft, draft
+from lantern_rt.runtime.backends.base import Draft, DrafterBackend, TargetBackend
+from lantern_rt.runtime.drafting import draft
 from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import TOPK_LIMIT, SamplingConfig, check_sort_width, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
@@ -94,9 +94,7 @@ def decode_image(
         with span("verify"):
             out = target.verify(
                 tree,
-                drafted.tokens,
-                drafted.valid,
-                drafted.q,
+                drafted,
                 noise,
                 bonus_noise,
                 filters,

@@ -23,7 +23,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from lantern_rt.runtime.backends.base import CatchUp, DrafterBackend, DraftOutputs, FilterInputs
+from lantern_rt.runtime.backends.base import CatchUp, Draft, DrafterBackend, DraftOutputs, FilterInputs
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     SamplingConfig,
@@ -37,16 +37,6 @@ from lantern_rt.runtime.tree import StaticTree
 
 # Most distinct children drafted per node: tree ranks must stay below it (the authors' TOPK).
 MAX_DRAFT_WIDTH = 10
-
-
-@dataclass
-class Draft:
-    """A drafted tree: tokens [N+1] (root first), valid [N+1], drafter probabilities q [N+1, V]
-    (rows of nodes at the tree's last level are zero: nothing is drawn below them)."""
-
-    tokens: Tensor
-    valid: Tensor
-    q: Tensor
 
 
 @dataclass(frozen=True)

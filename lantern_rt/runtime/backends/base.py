@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from torch import Tensor
@@ -30,6 +31,16 @@ class CatchUp(NamedTuple):
 DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+@dataclass
+class Draft:
+    """A drafted tree: tokens [N+1] (root first), valid [N+1], drafter probabilities q [N+1, V]
+    (rows of nodes at the tree's last level are zero: nothing is drawn below them)."""
+
+    tokens: Tensor
+    valid: Tensor
+    q: Tensor
+
+
 class TargetBackend(Protocol):
     """Runs the target's prefill and step graphs over two CFG rows and owns its KV cache.
 
@@ -48,20 +59,18 @@ class TargetBackend(Protocol):
     def verify(
         self,
         tree: StaticTree,
-        tokens: Tensor,
-        valid: Tensor,
-        q: Tensor,
+        draft: Draft,
         noise: Tensor,
         bonus_noise: Tensor,
         sampling: FilterInputs,
         relax: RelaxInputs,
     ) -> Verified:
-        """One target step over ``tree``'s drafted ``tokens`` [N+1] (the root first; the
+        """One target step over the ``draft`` of ``tree`` (its tokens [N+1], the root first; the
         root-only tree for AR) after the committed cache (positions and mask from
         ``cache.length``: :func:`~lantern_rt.runtime.acceptance.tree_step_inputs`), then their
         acceptance on this backend's device
-        (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from ``valid`` [N+1], the drafter's
-        ``q`` [N+1, V], uniform ``noise`` [N+1] and ``bonus_noise`` [V]). The kept nodes' K/V
+        (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from the draft's valid flags and q,
+        uniform ``noise`` [N+1] and ``bonus_noise`` [V]). The kept nodes' K/V
         come first in ``new_k``/``new_v``: ``cache.write(new_k, new_v, length + 1)`` commits
         the accepted path. Nothing is read back to the host."""
         ...

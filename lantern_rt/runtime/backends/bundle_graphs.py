@@ -23,7 +23,7 @@ from lantern_rt.bundle import (
     IOSpec,
 )
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
-from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
+from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
@@ -108,9 +108,7 @@ class BundleTarget:
     def verify(
         self,
         tree: StaticTree,
-        tokens: Tensor,
-        valid: Tensor,
-        q: Tensor,
+        draft: Draft,
         noise: Tensor,
         bonus_noise: Tensor,
         sampling: FilterInputs,
@@ -123,7 +121,9 @@ class BundleTarget:
             )
         past = (*self.cache.layers_k, *self.cache.layers_v)
         length = self.cache.length
-        return Verified(*graph(tokens, length, valid, q, noise, bonus_noise, *sampling, *relax, *past))
+        return Verified(
+            *graph(draft.tokens, length, draft.valid, draft.q, noise, bonus_noise, *sampling, *relax, *past)
+        )
 
 
 class BundleDrafter:

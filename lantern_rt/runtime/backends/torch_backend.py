@@ -9,7 +9,7 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified, tree_plan, tree_step_inputs, verify_tree
-from lantern_rt.runtime.backends.base import CatchUp, DraftOutputs, FilterInputs
+from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
 from lantern_rt.runtime.drafting import (
     Context,
@@ -76,9 +76,7 @@ class TorchTarget:
     def verify(
         self,
         tree: StaticTree,
-        tokens: Tensor,
-        valid: Tensor,
-        q: Tensor,
+        draft: Draft,
         noise: Tensor,
         bonus_noise: Tensor,
         sampling: FilterInputs,
@@ -101,7 +99,7 @@ class TorchTarget:
 
             pinned = len(sampling) + len(relax)  # the same tensors every step: read where they lie
             run = self._verifies[tree] = _replayed(run_tree, self._cuda_graphs, pinned)
-        return Verified(*run(tokens, valid, q, noise, bonus_noise, *sampling, *relax))
+        return Verified(*run(draft.tokens, draft.valid, draft.q, noise, bonus_noise, *sampling, *relax))
 
 
 def drafter_step(drafter: Drafter) -> DraftStep:
