@@ -92,13 +92,14 @@ class Pipeline:
     decode_codes: Callable[[torch.Tensor], torch.Tensor]  # codes [N, T] -> images [N, C, H, W]
     method: MethodConfig
     device: str = "cpu"
+    step_graphs: dict | None = None  # CUDA graphs of whole decode steps (torch on a GPU), kept here
 
 
 def torch_pipeline(
     md: ModelDir, method: MethodConfig = MethodConfig(), device: str = "cpu", cuda_graphs: bool = False
 ) -> Pipeline:
     """The reference pipeline: the torch models of a model directory, eager or (``cuda_graphs``,
-    on a CUDA device) with every step replayed from a captured CUDA graph."""
+    on a CUDA device) with every decode step replayed from one captured CUDA graph."""
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
@@ -107,7 +108,7 @@ def torch_pipeline(
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.block_size)
         spec = speculation(
-            TorchDrafter(drafter, target_model.output, capacity, cuda_graphs),
+            TorchDrafter(drafter, target_model.output, capacity),
             load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
             method,
             lambda k: load_neighbors(md, k),
@@ -121,12 +122,13 @@ def torch_pipeline(
     return Pipeline(
         info=md,
         backend="torch",
-        target=TorchTarget(target_model, cuda_graphs),
+        target=TorchTarget(target_model),
         spec=spec,
         condition=lambda label: condition_rows(target_model, label),
         decode_codes=decode_codes,
         method=method,
         device=device,
+        step_graphs={} if cuda_graphs else None,
     )
 
 
@@ -299,7 +301,9 @@ def generate(
             t0 = time.perf_counter()
             generator = image_generator(seed, start_index + i, pipe.device)
             with profiling.span("image"):
-                result = decode_image(pipe.target, pipe.condition(label), n_tokens, sampling, generator, spec)
+                result = decode_image(
+                    pipe.target, pipe.condition(label), n_tokens, sampling, generator, spec, pipe.step_graphs
+                )
             per_image.append(time.perf_counter() - t0)
             all_tokens.append(result.tokens)
             accepted.extend(result.accepted)

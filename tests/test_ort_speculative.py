@@ -27,8 +27,8 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
-from lantern_rt.runtime.drafting import draft
-from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.drafting import draft, noise_rows
+from lantern_rt.runtime.sampling import SamplingConfig, draw_noise, filter_inputs
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq
 from tests.test_export import graph_names, make_bundle
@@ -109,8 +109,8 @@ def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
                 F.pad(hidden[:, pending], (0, 0, 0, pad)),
                 torch.tensor([3]),
                 torch.tensor([root]),
-                sampling,
-                generator,
+                draw_noise(noise_rows(tree), 64, sampling.greedy, generator, torch.device("cpu")),
+                filter_inputs(sampling, torch.device("cpu")),
             )
             drafts.append(Draft(got.tokens.clone(), got.valid.clone(), got.q.clone()))  # buffers are reused
     assert int(ours.cache.length) == int(reference.cache.length) == 6

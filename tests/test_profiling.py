@@ -17,7 +17,6 @@ from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.tree import ROOT_ONLY
 from tests.conftest import tiny_gpt
 
 STAGES = {"image", "prefill", "verify", "kv_compaction", "vq_decode"}  # acceptance is in verify
@@ -72,8 +71,10 @@ def test_profile_without_nvtx_or_gpu_records_nothing(monkeypatch):
 
 def test_cuda_graphs_need_a_cuda_device():
     model = tiny_gpt()
+    cond = torch.tensor([1, model.config.num_classes])
+    greedy = SamplingConfig(cfg_scale=2.0, temperature=0.0)
     with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device"):
-        TorchTarget(model, cuda_graphs=True)
+        decode_image(TorchTarget(model), cond, 4, greedy, None, step_graphs={})
 
 
 def test_tensorrt_backend_without_tensorrt_is_one_line(tiny_model_dir, tmp_path):
@@ -113,7 +114,34 @@ def test_cuda_graph_replay_gives_eager_tokens():
     greedy = SamplingConfig(cfg_scale=2.0, temperature=0.0)
     n = model.config.block_size
     eager = decode_image(TorchTarget(model), cond, n, greedy, None)
-    replayed_target = TorchTarget(model, cuda_graphs=True)
-    replayed = decode_image(replayed_target, cond, n, greedy, None)
+    graphs: dict = {}
+    replayed = decode_image(TorchTarget(model), cond, n, greedy, None, step_graphs=graphs)
     assert torch.equal(eager.tokens, replayed.tokens)
-    assert len(replayed_target._verifies[ROOT_ONLY].graphs) == 1  # one capture, replayed n - 2 times
+    (step,) = graphs.values()
+    assert len(step.graphs) == 1  # the whole step captured once, replayed n - 2 times
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; none here")
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_whole_speculative_step_replays_from_one_cuda_graph(temperature):
+    """LANTERN++ on chain-3 with a random drafter: a captured whole step (draft, verify and
+    accept, both commits) gives eager torch's tokens and accepted lengths, from the same seed."""
+    from lantern_rt.models.drafter import Drafter, DrafterConfig
+    from lantern_rt.runtime.acceptance import Relaxation
+    from lantern_rt.runtime.backends.torch_backend import TorchDrafter
+    from lantern_rt.runtime.decode import Speculation
+    from lantern_rt.runtime.tree import load_tree
+
+    model = tiny_gpt().cuda()
+    drafter = Drafter(DrafterConfig.for_target(model.config), model.config).cuda().eval()
+    cond = torch.tensor([1, model.config.num_classes], device="cuda")
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
+    n, relax = model.config.block_size, Relaxation("lantern++", k=3, lam=2.0)
+    neighbors = torch.stack([torch.roll(torch.arange(64), -i) for i in range(1, 4)], dim=1).cuda()
+    results, graphs = [], {}
+    for step_graphs in (None, graphs):
+        spec = Speculation(TorchDrafter(drafter, model.output, n), load_tree("chain-3"), relax, neighbors)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        results.append(decode_image(TorchTarget(model), cond, n, sampling, g, spec, step_graphs))
+    assert torch.equal(results[0].tokens, results[1].tokens)
+    assert results[0].accepted == results[1].accepted and len(graphs) == 1

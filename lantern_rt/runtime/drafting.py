@@ -26,11 +26,8 @@ from torch import Tensor
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DrafterBackend, DraftOutputs, FilterInputs
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
-    SamplingConfig,
     cfg_mix,
     draw_distinct,
-    draw_noise,
-    filter_inputs,
     filter_logits,
 )
 from lantern_rt.runtime.tree import StaticTree
@@ -247,16 +244,15 @@ def draft(
     pending_hidden: Tensor,
     m: Tensor,
     root_position: Tensor,
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
+    noise: Tensor,
+    sampling: FilterInputs,
 ) -> Draft:
     """Draft ``tree`` below the root (the last of the ``m`` pending tokens, the first m of
     ``pending_tokens`` [R], committed since the last call, at target position ``root_position``;
-    ``pending_hidden`` [2, R, D] holds the target hidden states before each of them) and commit
-    the pending pairs to the drafter's cache, all on the device."""
-    device = pending_hidden.device
+    ``pending_hidden`` [2, R, D] holds the target hidden states before each of them) from the
+    uniform ``noise`` [noise_rows(tree), V] (sampling.draw_noise) and commit the pending pairs
+    to the drafter's cache, all on the device."""
     rows = CatchUp(pending_tokens, pending_hidden, m, root_position, drafter.cache.length)
-    noise = draw_noise(noise_rows(tree), drafter.vocab_size, sampling.greedy, generator, device)
-    tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, filter_inputs(sampling, device))
+    tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, sampling)
     drafter.cache.write(new_k, new_v, m)
     return Draft(tokens, valid, q)

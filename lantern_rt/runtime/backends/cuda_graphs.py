@@ -2,10 +2,10 @@
 
 The function must read only its arguments and state that never moves (model weights, a KV
 cache written in place between calls); it must not sync with the host. Arguments are copied
-into static buffers before each replay, except the last ``pinned`` ones (settings that are the
-same tensors every call, such as a neighbour table too large to copy per step): those are read
-where they lie, and other tensors there capture another graph. The outputs are the graph's
-static buffers: valid until the next call with the same shapes.
+into static buffers before each replay, and the outputs are the graph's static buffers: valid
+until the next call with the same shapes. The decode loop captures a whole step so
+(``runtime.decode.DecodeStep``): its settings, such as the neighbour table, are state of the
+step, read where they lie, and only the step's small inputs are copied.
 """
 
 from __future__ import annotations
@@ -20,30 +20,33 @@ WARMUP_CALLS = 2  # eager runs on a side stream before capture (cuBLAS/cuDNN wor
 
 
 class CudaGraphed:
-    """``fn`` captured on first use for each tuple of argument shapes and dtypes (and addresses
-    of the ``pinned`` last arguments), then replayed."""
+    """``fn`` captured on first use for each tuple of argument shapes and dtypes, then replayed.
 
-    def __init__(self, fn: StepFn, pinned: int = 0):
-        self.fn, self.pinned = fn, pinned
+    ``state``: tensors ``fn`` updates in place (a cache's length): the warm-up runs before a
+    capture really execute ``fn``, so these are restored after them, and the capture changes
+    nothing (what the warm-ups wrote elsewhere must be harmless: a cache's stale slots)."""
+
+    def __init__(self, fn: StepFn, state: tuple[Tensor, ...] = ()):
+        self.fn, self.state = fn, state
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every capture
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], tuple[Tensor, ...]]] = {}
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        split = len(args) - self.pinned
-        key = tuple((tuple(a.shape), a.dtype) for a in args) + tuple(a.data_ptr() for a in args[split:])
+        key = tuple((tuple(a.shape), a.dtype) for a in args)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(args, split)
+            entry = self.graphs[key] = self._capture(args)
         graph, static, outputs = entry
-        for buffer, arg in zip(static, args[:split], strict=True):
+        for buffer, arg in zip(static, args, strict=True):
             buffer.copy_(arg, non_blocking=True)
         graph.replay()
         return outputs
 
     def _capture(
-        self, args: tuple[Tensor, ...], split: int
+        self, args: tuple[Tensor, ...]
     ) -> tuple[torch.cuda.CUDAGraph, list[Tensor], tuple[Tensor, ...]]:
-        static = [a.clone() for a in args[:split]] + list(args[split:])
+        static = [a.clone() for a in args]
+        saved = [t.clone() for t in self.state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -53,4 +56,6 @@ class CudaGraphed:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*static)
-        return graph, static[:split], outputs
+        for t, value in zip(self.state, saved, strict=True):
+            t.copy_(value)
+        return graph, static, outputs

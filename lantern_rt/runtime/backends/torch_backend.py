@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified, tree_plan, tree_step_inputs, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
-from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed, StepFn
+from lantern_rt.runtime.backends.cuda_graphs import StepFn
 from lantern_rt.runtime.drafting import (
     Context,
     DraftStep,
@@ -22,26 +21,14 @@ from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree
 
 
-def _check_cuda_graphs(cuda_graphs: bool, device: torch.device) -> None:
-    """:class:`ConfigError` when CUDA graphs are asked for a model off a CUDA device."""
-    if cuda_graphs and device.type != "cuda":
-        raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device}")
-
-
-def _replayed(fn: StepFn, cuda_graphs: bool, pinned: int = 0) -> StepFn:
-    """``fn`` itself, or ``fn`` captured in CUDA graphs (its last ``pinned`` arguments read where
-    they lie, see :class:`CudaGraphed`)."""
-    return CudaGraphed(fn, pinned) if cuda_graphs else fn
-
-
 class TorchTarget:
     """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's own
-    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly; with
-    ``cuda_graphs`` the whole verify step of each tree is captured once and replayed."""
+    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly (a CUDA graph
+    captures whole decode steps: ``runtime.decode.decode_image``'s ``step_graphs``)."""
 
     name = "torch"
 
-    def __init__(self, model: Transformer, cuda_graphs: bool = False):
+    def __init__(self, model: Transformer):
         cfg = model.config
         self.model = model
         self.cls_token_num = cfg.cls_token_num
@@ -55,8 +42,6 @@ class TorchTarget:
             weight.dtype,
             weight.device,
         )
-        _check_cuda_graphs(cuda_graphs, weight.device)
-        self._cuda_graphs = cuda_graphs
         self._verifies: dict[StaticTree, StepFn] = {}
 
     @torch.inference_mode()
@@ -97,8 +82,7 @@ class TorchTarget:
                     plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, settings, relax
                 )
 
-            pinned = len(sampling) + len(relax)  # the same tensors every step: read where they lie
-            run = self._verifies[tree] = _replayed(run_tree, self._cuda_graphs, pinned)
+            run = self._verifies[tree] = run_tree
         return Verified(*run(draft.tokens, draft.valid, draft.q, noise, bonus_noise, *sampling, *relax))
 
 
@@ -124,12 +108,11 @@ def lm_head(head: torch.nn.Linear) -> Head:
 
 class TorchDrafter:
     """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
-    run eagerly with the drafter's own ``step`` (with ``cuda_graphs``, captured once per tree
-    and replayed)."""
+    run eagerly with the drafter's own ``step``."""
 
     name = "torch"
 
-    def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int, cuda_graphs: bool = False):
+    def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int):
         c = drafter.config
         self.drafter, self.head = drafter, head
         self.vocab_size = head.out_features
@@ -138,8 +121,6 @@ class TorchDrafter:
             c.num_hidden_layers, 2, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
         )
         self._step, self._head = drafter_step(drafter), lm_head(head)
-        _check_cuda_graphs(cuda_graphs, weight.device)
-        self._cuda_graphs = cuda_graphs
         self._drafts: dict[StaticTree, StepFn] = {}
 
     @torch.inference_mode()
@@ -153,5 +134,5 @@ class TorchDrafter:
                 rows, noise, sampling = CatchUp(*args[:5]), args[5], args[6:]
                 return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
 
-            run = self._drafts[tree] = _replayed(run_tree, self._cuda_graphs, len(sampling))
+            run = self._drafts[tree] = run_tree
         return run(*rows, noise, *sampling)
