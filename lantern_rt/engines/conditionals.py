@@ -1,6 +1,6 @@
 """Graphs without If nodes, for TensorRT.
 
-A bundle's drafting graphs skip the top-k/top-p sort with an If when both are off
+A bundle's drafting and verify graphs skip the top-k/top-p sort with an If when both are off
 (:func:`lantern_rt.runtime.sampling.filter_logits`). TensorRT reads an If's condition on the
 host, so an engine holding one cannot be captured in a CUDA graph (NVIDIA/TensorRT#2836).
 Those Ifs only skip work: their then-branch (the filter) gives the else-branch's result
