@@ -211,6 +211,9 @@ class TreePlan:
     inner: Tensor  # [P] the inner nodes
     children: Tensor  # [P, W] each inner node's children in test order, -1 past its last
     row: Tensor  # [N+1] each node's row among the inner nodes, -1 for a leaf
+    parent_row: Tensor  # [N] each drafted node's parent's row (nodes 1..N)
+    above: Tensor  # [N, N] bool: node a (column) is node v (row) or one of its drafted ancestors
+    levels: Tensor  # [D, N] bool: node v (column) is at depth d + 1 (row)
     depth: int
 
 
@@ -226,7 +229,16 @@ def tree_plan(tree: StaticTree, device: torch.device) -> TreePlan:
         kids = tree.children[v]
         children[i, : len(kids)] = torch.tensor(kids, dtype=torch.long)
         row[v] = i
-    return TreePlan(torch.tensor(inner).to(device), children.to(device), row.to(device), tree.max_depth)
+    n = tree.num_nodes
+    above = torch.zeros(n, n, dtype=torch.bool)
+    for v in range(1, n + 1):
+        for a in tree.ancestors[v]:  # v and its drafted ancestors (the root is not listed)
+            above[v - 1, a - 1] = True
+    depths = torch.tensor(tree.depths[1:], dtype=torch.long)
+    levels = depths[None, :] == torch.arange(1, tree.max_depth + 1)[:, None]
+    parent_row = row[torch.tensor(tree.parents[1:], dtype=torch.long)] if n else row[:0]
+    tables = (children, row, parent_row, above, levels)
+    return TreePlan(torch.tensor(inner).to(device), *(t.to(device) for t in tables), tree.max_depth)
 
 
 class _Parents(NamedTuple):
@@ -282,6 +294,23 @@ def draw(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
     return torch.where(greedy, r.argmax(-1), (torch.log(r) + gumbel).argmax(-1))
 
 
+def _walk(plan: TreePlan, state: _Parents, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk from the root over every tree at once, with no loop over depths: a drafted node
+    is on the accepted path when it is its parent's chosen child and so is each of its drafted
+    ancestors; the path holds at most one node per depth. -> the accepted length [B], the kept
+    node ids [B, D + 1] (root first, 0 past the path) and each accepted test's credit [B, D, 3]."""
+    device = state.chosen.device
+    hit = state.chosen[:, plan.parent_row] == torch.arange(1, nodes, device=device)  # [B, N]
+    on_path = ~((~hit)[:, None, :] & plan.above).any(-1)  # [B, N]
+    at_depth = on_path[:, None, :] & plan.levels  # [B, D, N]
+    accepted = at_depth.any(-1)  # [B, D], a prefix
+    path = torch.where(accepted, at_depth.float().argmax(-1) + 1, 0)  # [B, D] node ids
+    parent_rows = plan.parent_row[(path - 1).clamp_min(0)]  # [B, D]
+    credits = state.credit.gather(1, parent_rows[..., None].expand(-1, -1, 3))
+    kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
+    return accepted.long().sum(-1), kept, torch.where(accepted[..., None], credits, 0.0)
+
+
 def accept_tree(
     plan: TreePlan,
     tokens: Tensor,
@@ -314,26 +343,17 @@ def accept_tree(
     width = plan.children.shape[1]
     for slot in range(width if plan.depth else 0):
         state = _slot(state, slot, slot == width - 1, plan, tokens, valid, relax, noise)
-    node = torch.zeros(batch, dtype=torch.long, device=p.device)
-    alive = node == 0
-    kept, credits = [node], []
-    for _ in range(plan.depth):
-        row = plan.row[node]  # [B]
-        inner = row >= 0
-        r = row.clamp_min(0)
-        nxt = torch.where(inner, _at(state.chosen, r), -1)
-        credits.append(torch.where((alive & (nxt >= 0))[:, None], _row(state.credit, r), 0.0))
-        alive = alive & (nxt >= 0)
-        node = torch.where(alive, nxt, node)
-        kept.append(torch.where(alive, node, 0))
-    length = sum((k > 0).long() for k in kept[1:]) if plan.depth else node
-    kept_t = torch.stack(kept, 1)
+    if plan.depth:
+        length, kept_t, credit_t = _walk(plan, state, tokens.shape[1])
+    else:  # the root-only tree (AR): nothing was tested
+        length = torch.zeros(batch, dtype=torch.long, device=p.device)
+        kept_t, credit_t = length[:, None], p.new_zeros(batch, 0, 3)
+    node = kept_t.gather(1, length[:, None]).squeeze(1)  # the path's last node (the root if none)
     row = plan.row[node]
     final = torch.where((row >= 0)[:, None], _row(state.r, row.clamp_min(0)), _row(p, node))
     bonus = draw(final, bonus_noise, relax.greedy)
     out = tokens.gather(1, kept_t[:, 1:])  # the accepted nodes' tokens
     out = _put(torch.cat([out, bonus[:, None]], 1), length[:, None], bonus[:, None])
-    credit_t = torch.stack(credits, 1) if plan.depth else p.new_zeros(batch, 0, 3)
     return Accepted(length, kept_t, out, credit_t)
 
 
