@@ -4,7 +4,8 @@ pin): ``python tests/record_token_fixtures.py``.
 Greedy tokens of AR, exact and LANTERN++ on torch and on onnxruntime, for fixed classes and a
 fixed seed, over the demo bundle exported with tree chain-3 (first recorded at 51b97dc with the
 sampled cases too; those were dropped when acceptance moved onto the device and drew its noise
-differently).
+differently; re-recorded in issue 15 when a drafted level was let see its depth-1 ancestor, which
+changed only the LANTERN++ tokens: AR and exact came out as recorded).
 """
 
 from __future__ import annotations

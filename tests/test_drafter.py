@@ -172,3 +172,26 @@ def test_speculative_bad_input(tmp_path, case):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["chain-3", "chain-5", "mc_sim_7b_63", "naive_extend_57"])
+def test_each_drafted_level_sees_exactly_its_drafted_ancestors(name):
+    """A level's mask over the nodes drafted above it: each node's strict ancestors below the
+    root (walked up from its parent here), as training's unroll_mask lets it see them."""
+    from lantern_rt.runtime.drafting import draft_plan
+    from lantern_rt.runtime.tree import load_tree
+
+    tree = load_tree(name)
+    plan = draft_plan(tree, torch.device("cpu"))
+    for depth, level in enumerate(plan.levels, start=1):
+        nodes = tree.levels[depth]
+        for i, node in enumerate(nodes):
+            want, parent = set(), tree.parents[node]
+            while parent > 0:
+                want.add(parent)
+                parent = tree.parents[parent]
+            seen = level.visible[0, 0, i, : nodes[0] - 1].nonzero().flatten() + 1
+            assert set(seen.tolist()) == want, (name, node)
+            assert (
+                level.visible[0, 0, i, nodes[0] - 1 + i] and level.visible[0, 0, i, nodes[0] - 1 :].sum() == 1
+            )

@@ -102,7 +102,7 @@ def _level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...
         first = nodes[0]
         ancestors = torch.zeros(len(nodes), first - 1, dtype=torch.bool)
         for i, node in enumerate(nodes):
-            for a in tree.ancestors[node][1:-1]:  # root and the node itself excluded
+            for a in tree.ancestors[node][:-1]:  # its drafted ancestors (the node itself excluded)
                 ancestors[i, a - 1] = True
         parents = [above.index(tree.parents[node]) for node in nodes]
         visible = torch.cat([ancestors, torch.eye(len(nodes), dtype=torch.bool)], dim=1)
