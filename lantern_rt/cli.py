@@ -438,7 +438,7 @@ def export_cmd(model_path, trees, out, dtype, opset, force, quiet):
 @reports_errors
 def inspect_cmd(bundle, graph):
     """Print a bundle's manifest as a readable table (after verifying its hashes)."""
-    from lantern_rt.bundle import FORMAT, Bundle
+    from lantern_rt.bundle import FORMAT, MANIFEST, Bundle
 
     b = Bundle.open(bundle)
     entry = b.graph(graph) if graph is not None else None  # before printing: an unknown name fails
@@ -450,8 +450,11 @@ def inspect_cmd(bundle, graph):
     click.echo(
         f"export   {b.dtype}, opset {b.opset}, " + ", ".join(f"{k} {v}" for k, v in b.versions.items())
     )
+    files = [b.path / name for name in (*b.files, MANIFEST)]
+    size = sum(f.stat().st_size for f in files)
+    click.echo(f"size     {size / 2**20:.1f} MiB on disk in {len(files)} files (TensorRT plans not counted)")
     for name, tree in b.trees.items():
-        drafted = f", drafted by {tree.graph}" if tree.graph else ""
+        drafted = f", drafted by {tree.graph}, verified by {tree.verify}" if tree.graph else ""
         click.echo(f"tree     {name}: {len(tree.paths)} nodes{drafted}")
     click.echo("")
     click.echo(f"{'graph':<22} {'io':<4} {'name':<12} {'dtype':<9} shape")

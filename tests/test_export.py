@@ -423,7 +423,11 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert f"(format lantern-rt-bundle v{BUNDLE_VERSION})" in lines[0]
-    assert "tree     chain-1: 1 nodes, drafted by draft_tree_0" in lines
+    assert "tree     chain-1: 1 nodes, drafted by draft_tree_0, verified by target_verify_0" in lines
+    path = bundles["t2i-gqa-fp16"]
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    count = sum(1 for f in path.iterdir() if f.is_file())
+    assert f"size     {size / 2**20:.1f} MiB on disk in {count} files (TensorRT plans not counted)" in lines
     rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
     assert ("target_ar_step", "out", "hidden", "float16", "[2, 1, 32]") in rows
