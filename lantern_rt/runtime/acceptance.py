@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
+from lantern_rt.runtime.kv_cache import cache_mask
 from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, filter_logits
 from lantern_rt.runtime.tree import StaticTree
 
@@ -373,8 +374,7 @@ def tree_step_inputs(
     ``depth`` and ``tree_mask``, on the device) after ``length`` [1] committed cache entries (of
     ``capacity``): each node at length + its depth, seeing every committed entry and its
     ancestors (docs/method.md §3)."""
-    seen = (torch.arange(capacity, device=length.device) < length).expand(depth.shape[0], -1)
-    return length + depth, torch.cat([seen, tree_mask], dim=1)[None, None]
+    return length + depth, cache_mask(length, capacity, tree_mask)
 
 
 class Verified(NamedTuple):

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DrafterBackend, DraftOutputs, FilterInputs
+from lantern_rt.runtime.kv_cache import cache_mask
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     cfg_mix,
@@ -148,28 +149,22 @@ def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tenso
     right-aligned by gathers, so that the root is always the last row and padding rows come
     first, seeing only themselves; the committed slots of a drafter cache of ``capacity``."""
     tokens, hidden, m, root_position, length = rows
-    r = catch_up_rows_index(tokens.shape[0], tokens.device)
+    r = torch.arange(tokens.shape[0], device=tokens.device)
     source = r - (tokens.shape[0] - m)  # the pending pair each row holds; < 0 for a padding row
     real = source >= 0
     index = source.clamp_min(0)
-    seen = (torch.arange(capacity, device=tokens.device) < length).expand(tokens.shape[0], -1)
     return (
         torch.where(real, tokens[index], 0),
         torch.where(real[None, :, None], hidden[:, index], 0.0),
         (source + root_position - m + 1).clamp_min(0),
-        torch.cat([seen, catch_up_mask(tokens.shape[0], m, tokens.device)], dim=1)[None, None],
+        cache_mask(length, capacity, catch_up_mask(tokens.shape[0], m, tokens.device)),
     )
-
-
-def catch_up_rows_index(rows: int, device: torch.device) -> Tensor:
-    """0..rows-1 on ``device`` (a constant of the traced graphs)."""
-    return torch.arange(rows, device=device)
 
 
 def left_aligned(new: Tensor, m: Tensor) -> Tensor:
     """The catch-up rows' K/V [n_layer, 2, Hkv, R, D] with the m real rows (the last m) first."""
     rows = new.shape[3]
-    first = (catch_up_rows_index(rows, new.device) + (rows - m)).clamp_max(rows - 1)
+    first = (torch.arange(rows, device=new.device) + (rows - m)).clamp_max(rows - 1)
     return new.index_select(3, first)
 
 

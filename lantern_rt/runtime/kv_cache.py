@@ -6,6 +6,15 @@ import torch
 from torch import Tensor
 
 
+def cache_mask(length: Tensor, capacity: int, new_mask: Tensor) -> Tensor:
+    """Attention mask [1, 1, S, capacity + S] for S new tokens after ``length`` [1] committed
+    entries of a cache of ``capacity`` slots: every committed entry is visible, stale entries
+    are not, and the new tokens see each other through ``new_mask`` [S, S]. Built on the
+    device (inside a graph, from its length input), with no host read."""
+    seen = (torch.arange(capacity, device=length.device) < length).expand(new_mask.shape[0], -1)
+    return torch.cat([seen, new_mask], dim=1)[None, None]
+
+
 class KVCache:
     """Fixed-size K/V storage [n_layer, rows, heads, capacity, head_dim] plus a committed length.
 
@@ -30,18 +39,15 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
         self.capacity = capacity
-        self._slots = torch.arange(capacity, device=device)
+        self._slots = torch.arange(capacity, device=device)  # for write
         self.length = torch.zeros(1, dtype=torch.long, device=device)
 
     def reset(self) -> None:
         self.length.zero_()
 
     def mask(self, new_mask: Tensor) -> Tensor:
-        """Attention mask [1, 1, S, capacity + S] for S new tokens whose mutual visibility is
-        ``new_mask`` [S, S]: every committed entry is visible, stale entries are not."""
-        s = new_mask.shape[0]
-        visible = (self._slots < self.length).expand(s, -1)
-        return torch.cat([visible, new_mask], dim=1)[None, None]
+        """:func:`cache_mask` over this cache for new tokens seeing each other through ``new_mask``."""
+        return cache_mask(self.length, self.capacity, new_mask)
 
     def write(self, new_k: Tensor, new_v: Tensor, count: Tensor | int) -> None:
         """Append the first ``count`` of the S new entries (``new_k``/``new_v`` [n_layer, rows,

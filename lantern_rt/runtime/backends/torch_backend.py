@@ -7,9 +7,15 @@ from torch import Tensor
 
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.acceptance import RelaxInputs, Verified, tree_plan, tree_step_inputs, verify_tree
+from lantern_rt.runtime.acceptance import (
+    RelaxInputs,
+    TreePlan,
+    Verified,
+    tree_plan,
+    tree_step_inputs,
+    verify_tree,
+)
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
-from lantern_rt.runtime.backends.cuda_graphs import StepFn
 from lantern_rt.runtime.drafting import (
     Context,
     DraftStep,
@@ -42,7 +48,7 @@ class TorchTarget:
             weight.dtype,
             weight.device,
         )
-        self._verifies: dict[StaticTree, StepFn] = {}
+        self._tables: dict[StaticTree, tuple[TreePlan, Tensor, Tensor]] = {}  # plan, depth, mask
 
     @torch.inference_mode()
     def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,23 +73,32 @@ class TorchTarget:
         sampling: FilterInputs,
         relax: RelaxInputs,
     ) -> Verified:
-        run = self._verifies.get(tree)
-        if run is None:
+        tables = self._tables.get(tree)
+        if tables is None:
             device = self.cache.k.device
-            plan, depth, tree_mask = tree_plan(tree, device), tree.depth.to(device), tree.mask.to(device)
-
-            def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
-                tokens, valid, q, noise, bonus_noise = args[:5]
-                positions, mask = tree_step_inputs(depth, tree_mask, self.cache.length, self.cache.capacity)
-                h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(2, -1, -1)
-                logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
-                settings, relax = args[5:9], RelaxInputs(*args[9:])
-                return verify_tree(
-                    plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, settings, relax
-                )
-
-            run = self._verifies[tree] = run_tree
-        return Verified(*run(draft.tokens, draft.valid, draft.q, noise, bonus_noise, *sampling, *relax))
+            tables = self._tables[tree] = (
+                tree_plan(tree, device),
+                tree.depth.to(device),
+                tree.mask.to(device),
+            )
+        plan, depth, tree_mask = tables
+        positions, mask = tree_step_inputs(depth, tree_mask, self.cache.length, self.cache.capacity)
+        h = self.model.tok_embeddings(draft.tokens).unsqueeze(0).expand(2, -1, -1)
+        logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
+        return verify_tree(
+            plan,
+            logits,
+            hidden,
+            k,
+            v,
+            draft.tokens,
+            draft.valid,
+            draft.q,
+            noise,
+            bonus_noise,
+            sampling,
+            relax,
+        )
 
 
 def drafter_step(drafter: Drafter) -> DraftStep:
@@ -121,18 +136,9 @@ class TorchDrafter:
             c.num_hidden_layers, 2, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
         )
         self._step, self._head = drafter_step(drafter), lm_head(head)
-        self._drafts: dict[StaticTree, StepFn] = {}
 
     @torch.inference_mode()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
-        run = self._drafts.get(tree)
-        if run is None:
-            plan = draft_plan(tree, self.cache.k.device)
-
-            def run_tree(*args: Tensor) -> tuple[Tensor, ...]:
-                context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
-                rows, noise, sampling = CatchUp(*args[:5]), args[5], args[6:]
-                return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
-
-            run = self._drafts[tree] = run_tree
-        return run(*rows, noise, *sampling)
+        context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
+        plan = draft_plan(tree, self.cache.k.device)
+        return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
