@@ -32,11 +32,13 @@ from lantern_rt.models.neighbors import load_neighbors_file
 FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
 # graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If);
-# 6: the target's step graphs accept on the device (a verify graph per tree, one AR step graph)
-BUNDLE_VERSION = 6
+# 6: the target's step graphs accept on the device (a verify graph per tree, one AR step graph);
+# 7: B images per call, the graphs of each exported batch size reading one shared weight file
+BUNDLE_VERSION = 7
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
+WEIGHTS = "weights.bin"  # every graph's large initializers, once each (export.shared_weights)
 ENGINES_DIR = "engines"  # TensorRT plans, per GPU and TensorRT version (not part of the bundle's files)
 DRAFT_GRAPH_PREFIX = "draft_tree_"
 VERIFY_GRAPH_PREFIX = "target_verify_"
@@ -47,6 +49,11 @@ VQ_DECODE_GRAPH = "vq_decode"
 
 class BundleError(LanternError, ValueError):
     """A bundle is missing, tampered with, malformed, or from another bundle version."""
+
+
+def batched_name(name: str, batch: int) -> str:
+    """The name of graph ``name``'s copy for ``batch`` images per call (batch 1 keeps the name)."""
+    return name if batch == 1 else f"{name}_b{batch}"
 
 
 def draft_graph_name(index: int) -> str:
@@ -115,6 +122,7 @@ class Constants:
     drafter: bool
     drafter_capacity: int
     max_draft_width: int
+    batch_sizes: tuple[int, ...]  # images per call the graphs were exported for
     neighbors_file: str
     neighbors_k: int
     null_class_id: int | None  # class-conditional models
@@ -181,6 +189,17 @@ class Bundle:
     def engines_dir(self) -> Path:
         """Where TensorRT plans for this bundle live (see :mod:`lantern_rt.engines.plans`)."""
         return self.path / ENGINES_DIR
+
+    def check_batch_size(self, batch: int) -> None:
+        """:class:`BundleError` naming the export command when the graphs were not exported for
+        ``batch`` images per call."""
+        sizes = self.constants.batch_sizes
+        if batch not in sizes:
+            listed = ",".join(map(str, sorted({*sizes, batch})))
+            raise BundleError(
+                f"bundle {self.path} has graphs for batch sizes {', '.join(map(str, sizes))}, not {batch}: "
+                f"re-export it with `lantern export --batch-size {listed}`"
+            )
 
     def graph(self, name: str) -> GraphEntry:
         """The graph called ``name``; :class:`BundleError` naming the ones it has otherwise."""
@@ -301,6 +320,7 @@ _CONSTANTS = {
     "drafter": _BOOL,
     "drafter_capacity": _INT,
     "max_draft_width": _INT,
+    "batch_sizes": _LIST,
     "neighbors": _DICT,
     "null_condition": _DICT,
 }
@@ -352,7 +372,13 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
             graph = tree.setdefault(key, None)
             if graph is not None and graph not in manifest["graphs"]:
                 raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
-    for graph in (PREFILL_GRAPH, AR_STEP_GRAPH, VQ_DECODE_GRAPH):
+    sizes = c["batch_sizes"]
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
+        raise BundleError(f"{where}: constants.batch_sizes must list batch sizes >= 1")
+    needed = [VQ_DECODE_GRAPH] + [batched_name(g, b) for g in (PREFILL_GRAPH, AR_STEP_GRAPH) for b in sizes]
+    for tree in manifest["trees"].values():
+        needed += [batched_name(tree[key], b) for key in ("graph", "verify") if tree[key] for b in sizes]
+    for graph in needed:
         if graph not in manifest["graphs"]:
             raise BundleError(f"{where}: the bundle lacks its {graph} graph")
     return manifest
@@ -393,6 +419,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         drafter=c["drafter"],
         drafter_capacity=c["drafter_capacity"],
         max_draft_width=c["max_draft_width"],
+        batch_sizes=tuple(c["batch_sizes"]),
         neighbors_file=c["neighbors"]["file"],
         neighbors_k=c["neighbors"]["k"],
         null_class_id=null.get("class_id"),

@@ -179,6 +179,13 @@ def main() -> None:
     default=None,
     help="Write timings and acceptance statistics as JSON.",
 )
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1, max=256),
+    default=1,
+    show_default=True,
+    help="Images decoded together per step (a bundle must have been exported for it).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
 def generate(
@@ -206,6 +213,7 @@ def generate(
     output,
     save_tokens,
     stats_json,
+    batch_size,
     quiet,
 ):
     """Generate images and write them as a PNG grid (one row per class)."""
@@ -252,7 +260,7 @@ def generate(
     )
     mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
-    pipe = make_pipeline(source, run_settings.backend, mc, device, threads, cuda_graphs)
+    pipe = make_pipeline(source, run_settings.backend, mc, device, threads, cuda_graphs, batch_size)
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     scale = max(1, 64 // md.image_size)
     save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
@@ -410,10 +418,18 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
 )
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (17..20).")
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    default="1",
+    show_default=True,
+    help="Images per call the step graphs are exported for, comma-separated (e.g. 1,8); the "
+    "graphs of every size share one weights file.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
-def export_cmd(model_path, trees, out, dtype, opset, force, quiet):
+def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.bundle import export_bundle
     from lantern_rt.models.model_dir import open_model_dir
@@ -423,11 +439,33 @@ def export_cmd(model_path, trees, out, dtype, opset, force, quiet):
     t0 = time.perf_counter()
     md = open_model_dir(model_path)
     parsed = [load_tree(t, max_width=MAX_DRAFT_WIDTH) for t in trees]
-    export_bundle(md, out, trees=parsed, dtype=dtype, opset=opset, overwrite=force, progress=not quiet)
+    sizes = _batch_sizes(batch_sizes)
+    export_bundle(
+        md,
+        out,
+        trees=parsed,
+        dtype=dtype,
+        opset=opset,
+        overwrite=force,
+        progress=not quiet,
+        batch_sizes=sizes,
+    )
     click.echo(
-        f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}) in {time.perf_counter() - t0:.0f}s -> {out}",
+        f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}, batch sizes "
+        f"{','.join(map(str, sizes))}) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
     )
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """``--batch-size 1,8`` -> [1, 8]; :class:`UserError` for anything else."""
+    from lantern_rt.settings import check_batch_sizes
+
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--batch-size takes comma-separated integers such as 1,8, got {text!r}") from None
+    return check_batch_sizes(sizes)
 
 
 @main.command("inspect")
@@ -453,6 +491,7 @@ def inspect_cmd(bundle, graph):
     files = [b.path / name for name in (*b.files, MANIFEST)]
     size = sum(f.stat().st_size for f in files)
     click.echo(f"size     {size / 2**20:.1f} MiB on disk in {len(files)} files (TensorRT plans not counted)")
+    click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call")
     for name, tree in b.trees.items():
         drafted = f", drafted by {tree.graph}, verified by {tree.verify}" if tree.graph else ""
         click.echo(f"tree     {name}: {len(tree.paths)} nodes{drafted}")
@@ -519,7 +558,20 @@ def _polygraphy_view(path: Path) -> None:
     type=click.IntRange(min=0),
     default=1,
     show_default=True,
-    help="Untimed images per configuration, run first.",
+    help="Untimed calls per configuration, run first (each as many images as a timed call).",
+)
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    default="1",
+    show_default=True,
+    help="Images decoded together per step, comma-separated (e.g. 1,4,16): every configuration runs at each.",
+)
+@click.option(
+    "--baseline",
+    type=click.Choice(["torch-batched"]),
+    default=None,
+    help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size.",
 )
 @click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
 @click.option("--temperature", type=float, default=1.0, show_default=True)
@@ -565,6 +617,8 @@ def bench_cmd(
     classes,
     seed,
     warmup,
+    batch_sizes,
+    baseline,
     cfg_scale,
     temperature,
     threads,
@@ -599,6 +653,8 @@ def bench_cmd(
         features=features,
         reference=reference,
         command=shlex.join(["lantern", *sys.argv[1:]]),
+        batch_sizes=tuple(_batch_sizes(batch_sizes)),
+        baseline=baseline,
     )
     results = run_bench(settings)
     click.echo(speed_table(results["rows"]))

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +38,11 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     bundle_trees,
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import Speculation, decode_image
+from lantern_rt.runtime.decode import ImageResult, Speculation, decode_images
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
-from lantern_rt.settings import BACKENDS, MethodConfig
+from lantern_rt.settings import BACKENDS, MethodConfig, check_batch_sizes
 from lantern_rt.stats import GenerationStats
 from lantern_rt.version import package_version
 
@@ -94,12 +94,23 @@ class Pipeline:
     device: str = "cpu"
     step_graphs: dict | None = None  # CUDA graphs of whole decode steps (torch on a GPU), kept here
 
+    @property
+    def batch_size(self) -> int:
+        """Images decoded per step."""
+        return self.target.cache.images
+
 
 def torch_pipeline(
-    md: ModelDir, method: MethodConfig = MethodConfig(), device: str = "cpu", cuda_graphs: bool = False
+    md: ModelDir,
+    method: MethodConfig = MethodConfig(),
+    device: str = "cpu",
+    cuda_graphs: bool = False,
+    batch_size: int = 1,
 ) -> Pipeline:
-    """The reference pipeline: the torch models of a model directory, eager or (``cuda_graphs``,
-    on a CUDA device) with every decode step replayed from one captured CUDA graph."""
+    """The reference pipeline: the torch models of a model directory, ``batch_size`` images per
+    decode step, eager or (``cuda_graphs``, on a CUDA device) with every decode step replayed
+    from one captured CUDA graph."""
+    check_batch_sizes([batch_size])
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
@@ -108,7 +119,7 @@ def torch_pipeline(
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.block_size)
         spec = speculation(
-            TorchDrafter(drafter, target_model.output, capacity),
+            TorchDrafter(drafter, target_model.output, capacity, batch_size),
             load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
             method,
             lambda k: load_neighbors(md, k),
@@ -122,7 +133,7 @@ def torch_pipeline(
     return Pipeline(
         info=md,
         backend="torch",
-        target=TorchTarget(target_model),
+        target=TorchTarget(target_model, batch_size),
         spec=spec,
         condition=lambda label: condition_rows(target_model, label),
         decode_codes=decode_codes,
@@ -139,10 +150,13 @@ def make_pipeline(
     device: str = "cpu",
     threads: int = 0,
     cuda_graphs: bool = True,
+    batch_size: int = 1,
 ) -> Pipeline:
     """A pipeline for a model directory (torch) or an opened bundle (onnxruntime, tensorrt; a
-    model directory is exported into the cache first, for ``method``'s tree). ``cuda_graphs``
-    applies to torch on a CUDA device and to tensorrt."""
+    model directory is exported into the cache first, for ``method``'s tree and
+    ``batch_size``), decoding ``batch_size`` images per step. ``cuda_graphs`` applies to torch
+    on a CUDA device and to tensorrt."""
+    check_batch_sizes([batch_size])
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "torch":
@@ -150,7 +164,7 @@ def make_pipeline(
             raise ConfigError(
                 "the torch backend runs a model directory, not a bundle: use --backend onnxruntime"
             )
-        return torch_pipeline(source, method, device, cuda_graphs and device.startswith("cuda"))
+        return torch_pipeline(source, method, device, cuda_graphs and device.startswith("cuda"), batch_size)
     if backend == "tensorrt":
         from lantern_rt.engines.compat import require_tensorrt
 
@@ -161,12 +175,13 @@ def make_pipeline(
                 "a --drafter override runs on the torch backend (bundles hold the model's own "
                 "drafter): add --backend torch"
             )
-        source = Bundle.open(cached_bundle(source, method))
+        source = Bundle.open(cached_bundle(source, method, batch_sizes=(batch_size,)))
     if backend == "onnxruntime":
-        return onnxruntime_pipeline(source, method, threads)
+        return onnxruntime_pipeline(source, method, threads, batch_size)
     from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
 
-    return bundle_pipeline(source, method, trt_runner(source, cuda_graphs=cuda_graphs), "tensorrt")
+    runner = trt_runner(source, cuda_graphs=cuda_graphs)
+    return bundle_pipeline(source, method, runner, "tensorrt", batch_size)
 
 
 def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Bundle]:
@@ -198,18 +213,22 @@ def model_fingerprint(md: ModelDir) -> str:
     return h.hexdigest()
 
 
-def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Path:
-    """The bundle of ``md`` for ``method``'s tree, exported on first use into the cache. Every
-    method shares it: AR runs on the one-token step graph every bundle holds."""
+def cached_bundle(
+    md: ModelDir, method: MethodConfig, dtype: str = "fp32", batch_sizes: Sequence[int] = (1,)
+) -> Path:
+    """The bundle of ``md`` for ``method``'s tree and ``batch_sizes``, exported on first use into
+    the cache. Every method shares it: AR runs on the one-token step graph every bundle holds."""
     from lantern_rt.export.bundle import export_bundle
 
     trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files else []
+    sizes = check_batch_sizes(list(batch_sizes))
     key = hashlib.sha256(
         json.dumps(
             {
                 "model": model_fingerprint(md),
                 "trees": [tree_to_json(t) for t in trees],
                 "dtype": dtype,
+                "batch_sizes": sizes,
                 "version": package_version(),
                 "bundle_version": BUNDLE_VERSION,
             },
@@ -219,16 +238,20 @@ def cached_bundle(md: ModelDir, method: MethodConfig, dtype: str = "fp32") -> Pa
     out = cache_root() / f"{md.name}-{key}"
     if not (out / MANIFEST).is_file():
         print(f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr)
-        export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True, progress=True)
+        export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True, progress=True, batch_sizes=sizes)
     return out
 
 
-def bundle_pipeline(bundle: Bundle, method: MethodConfig, runner: RunnerFactory, backend: str) -> Pipeline:
-    """A bundle run by an engine's graph runners; no torch model is built."""
+def bundle_pipeline(
+    bundle: Bundle, method: MethodConfig, runner: RunnerFactory, backend: str, batch_size: int = 1
+) -> Pipeline:
+    """A bundle run by an engine's graph runners, ``batch_size`` images per step (graphs the
+    bundle was exported for); no torch model is built."""
+    bundle.check_batch_size(batch_size)
     info = bundle.model_info()
     if info.gpt.model_type != "c2i":
         raise ConfigError("the command line runs class-conditional bundles; use the Python API for captions")
-    target = BundleTarget(bundle, runner, backend)
+    target = BundleTarget(bundle, runner, backend, batch_size)
     spec = None
     if method.method != "ar":
         if not bundle.has_drafter:
@@ -240,7 +263,7 @@ def bundle_pipeline(bundle: Bundle, method: MethodConfig, runner: RunnerFactory,
             raise ConfigError(
                 f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
             )
-        drafter = BundleDrafter(bundle, runner, backend)
+        drafter = BundleDrafter(bundle, runner, backend, batch_size)
         spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
     null = bundle.constants.null_class_id
@@ -256,11 +279,13 @@ def bundle_pipeline(bundle: Bundle, method: MethodConfig, runner: RunnerFactory,
     )
 
 
-def onnxruntime_pipeline(bundle: Bundle, method: MethodConfig = MethodConfig(), threads: int = 0) -> Pipeline:
+def onnxruntime_pipeline(
+    bundle: Bundle, method: MethodConfig = MethodConfig(), threads: int = 0, batch_size: int = 1
+) -> Pipeline:
     """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu)."""
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 
-    return bundle_pipeline(bundle, method, ort_runner(threads), "onnxruntime")
+    return bundle_pipeline(bundle, method, ort_runner(threads), "onnxruntime", batch_size)
 
 
 @dataclass
@@ -291,23 +316,35 @@ def generate(
     labels = list(labels)
     md, method, spec = pipe.info, pipe.method, pipe.spec
     n_tokens = md.gpt.block_size
-    all_tokens, accepted, per_image = [], [], []
+    jobs = (
+        (pipe.condition(label), image_generator(seed, start_index + i, pipe.device))
+        for i, label in enumerate(labels)
+    )
+    results: dict[int, ImageResult] = {}
+    per_image = []
     desc = f"{method.method}/{pipe.backend}"
     steady = contextlib.ExitStack()
-    with profiling.recording(profile), steady:
-        for i, label in enumerate(tqdm(labels, desc=desc, unit="img", disable=not progress)):
-            if i == 1:
-                steady.enter_context(profiling.capture(profile))
-            t0 = time.perf_counter()
-            generator = image_generator(seed, start_index + i, pipe.device)
-            with profiling.span("image"):
-                result = decode_image(
-                    pipe.target, pipe.condition(label), n_tokens, sampling, generator, spec, pipe.step_graphs
-                )
-            per_image.append(time.perf_counter() - t0)
-            all_tokens.append(result.tokens)
-            accepted.extend(result.accepted)
-        tokens = torch.stack(all_tokens) if all_tokens else torch.zeros(0, n_tokens, dtype=torch.long)
+    with (
+        profiling.recording(profile),
+        steady,
+        tqdm(total=len(labels), desc=desc, unit="img", disable=not progress) as bar,
+    ):
+        t0 = time.perf_counter()
+        with profiling.span("decode"):
+            for index, result in decode_images(pipe.target, jobs, n_tokens, sampling, spec, pipe.step_graphs):
+                if not results:
+                    steady.enter_context(profiling.capture(profile))
+                results[index] = result
+                per_image.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                bar.update()
+        ordered = [results[i] for i in range(len(labels))]
+        accepted = [a for r in ordered for a in r.accepted]
+        tokens = (
+            torch.stack([r.tokens for r in ordered])
+            if ordered
+            else torch.zeros(0, n_tokens, dtype=torch.long)
+        )
         t_vq = time.perf_counter()
         with profiling.span("vq_decode"):
             images = (
@@ -332,5 +369,6 @@ def generate(
         seed=seed,
         sampling=sampling,
         labels=labels,
+        batch_size=pipe.batch_size,
     )
     return Generation(labels, tokens, images, stats)

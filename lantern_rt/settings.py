@@ -26,6 +26,19 @@ BACKENDS = ("onnxruntime", "tensorrt", "torch")
 # favour the wide tree (not measured: no GPU yet).
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
+MAX_BATCH_SIZE = 256  # images per decode step
+
+
+def check_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:
+    """``sizes`` (images per decode step) sorted without repeats; :class:`ConfigError` unless
+    each is an integer in 1..MAX_BATCH_SIZE."""
+    if not sizes or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BATCH_SIZE for b in sizes
+    ):
+        raise ConfigError(f"batch sizes must be integers in 1..{MAX_BATCH_SIZE}, got {list(sizes)}")
+    return sorted(set(sizes))
+
+
 # LlamaGen's own sampling scripts: class-conditional 4.0, text-conditional 7.5.
 CFG_SCALES = {"c2i": 4.0, "t2i": 7.5}
 

@@ -17,8 +17,10 @@ from lantern_rt.runtime.sampling import SamplingConfig
 class GenerationStats:
     """Timings and acceptance of one :func:`lantern_rt.generate.generate` call.
 
-    ``accepted`` holds the tokens each verify call committed, bonus included (1 for every AR
-    step), over all images in order; ``seconds_per_image`` the decode time of each image.
+    ``accepted`` holds the tokens each verify step committed to an image, bonus included (1 for
+    every AR step), over all images in order; ``seconds_per_image`` the decode time of each
+    image: with a batch of several, the time from the previous image's end to its own (the
+    images of a batch share each call), so that the sum is the decode time.
     """
 
     model: str
@@ -35,6 +37,7 @@ class GenerationStats:
     seed: int
     sampling: SamplingConfig
     labels: list[int]
+    batch_size: int = 1  # images per decode call
     extra: dict[str, Any] = field(default_factory=dict)  # added by the caller (e.g. the output path)
 
     @property
@@ -75,6 +78,7 @@ class GenerationStats:
             "backend": self.backend,
             "device": self.device,
             "num_images": self.num_images,
+            "batch_size": self.batch_size,
             "tokens_per_image": self.tokens_per_image,
             "target_calls": self.target_calls,
             "verify_calls": self.verify_calls,

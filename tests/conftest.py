@@ -103,15 +103,15 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
     filters = filter_inputs(SamplingConfig(cfg_scale=2.0, temperature=0.0), device)
     relax = relax_inputs(Relaxation("exact"), None, vocab, True, device)
     draft = Draft(
-        tokens.to(device),
-        torch.ones(n, dtype=torch.bool, device=device),
-        torch.zeros(n, vocab, device=device),
+        tokens.to(device).reshape(1, n),
+        torch.ones(1, n, dtype=torch.bool, device=device),
+        torch.zeros(1, n, vocab, device=device),
     )
     out = target.verify(
         tree,
         draft,
-        torch.zeros(n, device=device),
-        torch.zeros(vocab, device=device),
+        torch.zeros(1, n, device=device),
+        torch.zeros(1, vocab, device=device),
         filters,
         relax,
     )

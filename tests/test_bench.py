@@ -17,7 +17,9 @@ from PIL import Image
 from lantern_rt.cli import main
 from lantern_rt.eval.bench import (
     BenchSettings,
+    Measurement,
     add_speedups,
+    chunk_size,
     expand_configs,
     mean_accepted_length,
     method_config,
@@ -135,11 +137,14 @@ def test_bad_spec_is_one_line_exit_2(tmp_path):
 # --- the run order and the numbers ---------------------------------------------------------
 
 
-def test_run_is_image_major_with_warmup_first():
+def test_run_is_chunk_major_with_warmup_first():
+    """Every configuration generates a chunk of images before any generates the next; the
+    warm-up chunk (untimed, past the timed range) comes first; a short last chunk works."""
     calls = []
 
     def fake_generate(pipe, labels, sampling, seed, progress, start_index):
-        calls.append((pipe.name, start_index, labels))
+        calls.append((pipe.name, start_index, list(labels)))
+        n = len(labels)
         stats = GenerationStats(
             model="m",
             method="ar",
@@ -148,33 +153,40 @@ def test_run_is_image_major_with_warmup_first():
             backend="torch",
             device="cpu",
             tokens_per_image=4,
-            accepted=[1, 1, 1],
-            seconds_per_image=[0.1],
+            accepted=[1, 1, 1] * n,
+            seconds_per_image=[0.1] * n,
             vq_decode_seconds=0.0,
-            total_seconds=0.2,
+            total_seconds=0.2 * n,
             seed=seed,
             sampling=sampling,
-            labels=labels,
+            labels=list(labels),
         )
-        return Generation(labels, torch.zeros(1, 4), np.zeros((1, 2, 2, 1), np.uint8), stats)
+        return Generation(labels, torch.zeros(n, 4), np.zeros((n, 2, 2, 1), np.uint8), stats)
 
-    pipes = [SimpleNamespace(name=n, backend="torch", method=MethodConfig()) for n in "abc"]
+    pipes = [SimpleNamespace(name=n, backend="torch", method=MethodConfig(), batch_size=2) for n in "abc"]
     sampling = SamplingConfig(cfg_scale=3.0)
-    runs = run_interleaved(pipes, [7, 8], sampling, seed=0, warmup=1, generate_fn=fake_generate)
-    warm = [(n, 2, [7]) for n in "abc"]
-    timed = [(n, i, [label]) for i, label in enumerate([7, 8]) for n in "abc"]
+    runs = [Measurement.of_pipeline(p, sampling, 0, fake_generate) for p in pipes]
+    run_interleaved(runs, [7, 8, 9], warmup=1, chunk=2)
+    warm = [(n, 3, [7, 8]) for n in "abc"]
+    timed = [(n, 0, [7, 8]) for n in "abc"] + [(n, 2, [9]) for n in "abc"]
     assert calls == warm + timed
-    assert all(len(m.seconds) == 2 and m.histogram == {1: 6} for m in runs)
+    for m in runs:
+        assert m.seconds == pytest.approx([0.1, 0.1]) and m.end_to_end == pytest.approx([0.2, 0.2])
+        assert m.histogram == {1: 9} and m.batch_size == 2
+    assert [chunk_size(sizes, n) for sizes, n in (([1, 4, 16], 100), ([1], 3), ([16], 8))] == [32, 2, 8]
 
 
 def test_pure_numbers():
     assert mean_accepted_length({1: 2, 3: 2}) == 2.0 and mean_accepted_length({}) == 0.0
     rows = [
-        {"method": "ar", "backend": "torch", "seconds_per_image_all": [4.0, 2.0, 3.0]},
-        {"method": "exact", "backend": "torch", "seconds_per_image_all": [1.0, 2.0]},
-        {"method": "ar", "backend": "onnxruntime", "seconds_per_image_all": [1.0]},
+        {"method": "ar", "backend": "torch", "batch_size": 1, "seconds_per_image_all": [4.0, 2.0, 3.0]},
+        {"method": "exact", "backend": "torch", "batch_size": 1, "seconds_per_image_all": [1.0, 2.0]},
+        {"method": "ar", "backend": "onnxruntime", "batch_size": 1, "seconds_per_image_all": [1.0]},
+        {"method": "ar", "backend": "torch", "batch_size": 4, "seconds_per_image_all": [0.5]},
+        {"method": "exact", "backend": "torch", "batch_size": 4, "seconds_per_image_all": [1.0]},
+        {"method": "exact", "backend": "other", "batch_size": 4, "seconds_per_image_all": [1.0]},
     ]
-    assert [r["speedup_vs_ar"] for r in add_speedups(rows)] == [1.0, 2.0, 1.0]
+    assert [r["speedup_vs_ar"] for r in add_speedups(rows)] == [1.0, 2.0, 1.0, 1.0, 0.5, None]
     assert nice_ticks(0.0, 0.93) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
     assert nice_ticks(1.0, 1.0)[0] <= 0.9 and nice_ticks(1.0, 1.0)[-1] >= 1.1
     assert markdown_table(["a", "b"], [["1", "x|y"]]) == "| a | b |\n| --- | --- |\n| 1 | x\\|y |"
@@ -188,23 +200,36 @@ def test_pure_numbers():
 def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
     out = tmp_path / "bench"
     args = f"bench --model {model_dir} --backend torch --config ar --config lantern++:k=5,lambda=10"
-    args += f" --classes 0,e -n 2 --warmup 1 --no-quality --out {out}"
+    args += (
+        f" --classes 0,e -n 3 --warmup 1 --no-quality --batch-size 2,1 --baseline torch-batched --out {out}"
+    )
     r = CliRunner().invoke(main, args.split())
     assert r.exit_code == 0, r.output
     results = json.loads((out / "results.json").read_text())
     assert {"platform", "cpu_count", "torch", "onnxruntime"} <= results["machine"].keys()
     assert results["command"].startswith("lantern") and results["date"] and results["calibration"] == []
-    assert results["settings"]["classes"] == [0, 4]
+    assert results["settings"]["classes"] == [0, 4] and results["settings"]["batch_sizes"] == [1, 2]
+    assert results["settings"]["images_per_call"] == 4  # two batches of the largest size
     rows = results["rows"]
-    assert [(r["method"], r["backend"]) for r in rows] == [("ar", "torch"), ("lantern++", "torch")]
-    ar = rows[0]
-    assert ar["mean_accepted_length"] == 1.0 and ar["accepted_length_histogram"] == {"1": 4 * 15}
+    assert [(r["method"], r["backend"], r["batch_size"]) for r in rows] == [
+        ("ar", "torch", 1),
+        ("lantern++", "torch", 1),
+        ("ar", "torch", 2),
+        ("lantern++", "torch", 2),
+        ("ar", "torch-batched", 1),
+        ("ar", "torch-batched", 2),
+    ]
+    ars = {r["batch_size"]: r for r in rows[:4] if r["method"] == "ar"}
+    assert all(ar["mean_accepted_length"] == 1.0 for ar in ars.values())
+    assert ars[1]["accepted_length_histogram"] == {"1": 6 * 15}
     for row in rows:
         times = row["seconds_per_image_all"]
-        assert len(times) == row["num_images"] == 4
+        assert len(times) == 2 and row["num_images"] == 6  # chunks of 4, then 2 images
         assert row["seconds_per_image"] == statistics.median(times)
+        assert row["images_per_second"] == pytest.approx(1 / row["seconds_per_image"])
+        reference = ars[row["batch_size"]] if row["backend"] == "torch" else row
         assert row["speedup_vs_ar"] == pytest.approx(
-            statistics.median(ar["seconds_per_image_all"]) / statistics.median(times)
+            statistics.median(reference["seconds_per_image_all"]) / statistics.median(times)
         )
         assert row["mean_accepted_length"] == pytest.approx(
             mean_accepted_length({int(n): c for n, c in row["accepted_length_histogram"].items()})
@@ -214,10 +239,10 @@ def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
     assert rows[1]["params"] == {"tree": "chain-5", "k": 5, "lambda": 10.0}  # generate's CPU default
     # every committed token is counted: 15 per image after the prefill's
     hist = rows[1]["accepted_length_histogram"]
-    assert sum(int(n) * c for n, c in hist.items()) == 4 * 15
+    assert sum(int(n) * c for n, c in hist.items()) == 6 * 15
     md = (out / "results.md").read_text()
     assert all(line in md for line in speed_table(rows).splitlines())
-    assert md.count("| ar |") == 1 and md.count("| lantern++ | k=5 lambda=10 | chain-5 | torch |") == 1
+    assert md.count("| ar |") == 4 and md.count("| lantern++ | k=5 lambda=10 | chain-5 | torch |") == 2
     for name in PLOTS:
         with Image.open(out / name) as img:
             img.load()

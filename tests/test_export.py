@@ -113,12 +113,14 @@ def test_every_graph_passes_the_checks(opened, name):
 
 
 def test_graph_shapes_follow_the_trees():
-    """Verify graphs of N + 1 tokens that keep max_depth + 1; a drafting graph per tree whose
-    catch-up takes max_depth + 1 rows and whose noise has a row per node that draws (every node
-    above the last level)."""
+    """Verify graphs of N + 1 tokens per image that keep max_depth + 1, for a batch of B images in
+    2B CFG rows; a drafting graph per tree whose catch-up takes max_depth + 1 rows and whose
+    noise has a row per node that draws (every node above the last level)."""
     trees = [load_tree("naive_extend_57"), load_tree("chain-5")]  # levels 5/13/16/14/9; 1/1/1/1/1
-    specs = [TargetVerify(tiny_gpt(0), t, 3, "v").spec for t in trees]
-    assert [(sp.inputs[0].shape, sp.outputs[1].shape) for sp in specs] == [((58,), (6,)), ((6,), (6,))]
+    specs = [TargetVerify(tiny_gpt(0), t, 3, "v", batch=b).spec for t, b in zip(trees, (1, 4), strict=True)]
+    assert [sp.name for sp in specs] == ["v", "v_b4"]
+    shapes = [(sp.inputs[0].shape, sp.outputs[1].shape, sp.outputs[3].shape[:2]) for sp in specs]
+    assert shapes == [((1, 58), (1, 6), (2, 6)), ((4, 6), (4, 6), (8, 6))]
     assert [(catch_up_rows(t), noise_rows(t)) for t in trees] == [(6, 1 + 5 + 13 + 16 + 14), (6, 5)]
 
 
@@ -191,45 +193,45 @@ def test_declared_shapes_and_dtypes(opened):
         "greedy": ([1], "bool"),
     }
     assert shapes["target_ar_step"] == {
-        "node_tokens": ([1], "int64"),
+        "node_tokens": ([1, 1], "int64"),
         "cache_length": ([1], "int64"),
-        "valid": ([1], "bool"),
-        "q": ([1, 64], "float32"),
-        "noise": ([1], "float32"),
-        "bonus_noise": ([64], "float32"),
+        "valid": ([1, 1], "bool"),
+        "q": ([1, 1, 64], "float32"),
+        "noise": ([1, 1], "float32"),
+        "bonus_noise": ([1, 64], "float32"),
         **settings,
         "neighbors": ([64, 1], "int64"),
         **relax,
         **{f"past_{kv_}_{i}": ([2, 2, 19, 8], "float16") for kv_ in "kv" for i in range(2)},
         "length": ([1], "int64"),
-        "kept": ([1], "int64"),
-        "tokens": ([1], "int64"),
+        "kept": ([1, 1], "int64"),
+        "tokens": ([1, 1], "int64"),
         "hidden": ([2, 1, 32], "float16"),
         "new_k": ([*kv, 1, 8], "float16"),
         "new_v": ([*kv, 1, 8], "float16"),
         "logits": ([2, 1, 64], "float32"),
     }
     verify = shapes["target_verify_0"]  # chain-1: two nodes, both kept at most
-    assert verify["node_tokens"] == ([2], "int64") and verify["neighbors"][0][0] == 64
-    assert verify["kept"] == ([2], "int64") and verify["new_k"] == ([*kv, 2, 8], "float16")
+    assert verify["node_tokens"] == ([1, 2], "int64") and verify["neighbors"][0][0] == 64
+    assert verify["kept"] == ([1, 2], "int64") and verify["new_k"] == ([*kv, 2, 8], "float16")
     assert shapes["vq_decode"] == {"codes": ([1, 16], "int64"), "images": ([1, 1, 8, 8], "float32")}
     drafter_kv = [1, 2, 2]  # one drafter layer, CFG rows, kv heads
     assert shapes["draft_tree_0"] == {  # chain-1: two catch-up rows, one drawing node
-        "tokens": ([2], "int64"),
+        "tokens": ([1, 2], "int64"),
         "hidden": ([2, 2, 32], "float16"),
         "count": ([1], "int64"),
         "root_position": ([1], "int64"),
         "cache_length": ([1], "int64"),
-        "noise": ([1, 64], "float32"),
+        "noise": ([1, 1, 64], "float32"),
         "cfg_scale": ([1], "float32"),
         "temperature": ([1], "float32"),
         "top_k": ([1], "int64"),
         "top_p": ([1], "float32"),
         "past_k_0": ([2, 2, 16, 8], "float16"),
         "past_v_0": ([2, 2, 16, 8], "float16"),
-        "node_tokens": ([2], "int64"),
-        "valid": ([2], "bool"),
-        "q": ([2, 64], "float32"),
+        "node_tokens": ([1, 2], "int64"),
+        "valid": ([1, 2], "bool"),
+        "q": ([1, 2, 64], "float32"),
         "new_k": ([*drafter_kv, 2, 8], "float16"),
         "new_v": ([*drafter_kv, 2, 8], "float16"),
     }
@@ -245,7 +247,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 6
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 7
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
@@ -429,7 +431,8 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
     count = sum(1 for f in path.iterdir() if f.is_file())
     assert f"size     {size / 2**20:.1f} MiB on disk in {count} files (TensorRT plans not counted)" in lines
     rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
-    assert ("draft_tree_0", "in", "noise", "float32", "[1, 64]") in rows
+    assert ("draft_tree_0", "in", "noise", "float32", "[1, 1, 64]") in rows
+    assert "batches  1 image(s) per call" in lines
     assert ("target_ar_step", "out", "hidden", "float16", "[2, 1, 32]") in rows
     graphs = opened["t2i-gqa-fp16"].graphs
     assert len(rows) == sum(len(g.inputs) + len(g.outputs) for g in graphs.values())

@@ -105,14 +105,17 @@ def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
             got = draft(
                 drafter,
                 tree,
-                F.pad(tokens[pending], (0, pad)),
+                F.pad(tokens[pending], (0, pad))[None],  # one image
                 F.pad(hidden[:, pending], (0, 0, 0, pad)),
                 torch.tensor([3]),
                 torch.tensor([root]),
-                draw_noise(noise_rows(tree), 64, sampling.greedy, generator, torch.device("cpu")),
+                draw_noise(noise_rows(tree), 64, sampling.greedy, generator, torch.device("cpu"))[None],
                 filter_inputs(sampling, torch.device("cpu")),
+                torch.tensor([True]),
             )
-            drafts.append(Draft(got.tokens.clone(), got.valid.clone(), got.q.clone()))  # buffers are reused
+            drafts.append(
+                Draft(got.tokens[0].clone(), got.valid[0].clone(), got.q[0].clone())
+            )  # buffers are reused
     assert int(ours.cache.length) == int(reference.cache.length) == 6
     torch.testing.assert_close(ours.cache.k, reference.cache.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.cache.v, reference.cache.v, atol=1e-5, rtol=1e-5)
@@ -173,12 +176,13 @@ def test_a_tree_that_was_not_exported_is_refused(bundle):
         draft(
             drafter,
             load_tree("chain-3"),
-            torch.zeros(4, dtype=torch.long),
+            torch.zeros(1, 4, dtype=torch.long),
             torch.zeros(2, 4, 32),
             one,
             one,
-            GREEDY,
+            torch.zeros(1, 4, 64),
             None,
+            torch.tensor([True]),
         )
 
 
@@ -264,6 +268,6 @@ def test_drafting_graph_without_its_ifs_computes_the_same(bundle, tmp_path, top_
     make = ort_runner(threads=1)
     got = [t.clone() for t in make(inlined_bundle, inlined_bundle.graph(entry.name))(*args)]
     want = make(bundle, entry)(*args)
-    assert (want[2][0] == 0).any() == (top_k > 0)  # the root's q: the filter ran or not
+    assert (want[2][0, 0] == 0).any() == (top_k > 0)  # the root's q: the filter ran or not
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

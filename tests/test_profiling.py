@@ -19,7 +19,7 @@ from lantern_rt.runtime.decode import decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
 from tests.conftest import tiny_gpt
 
-STAGES = {"image", "prefill", "verify", "kv_compaction", "vq_decode"}  # acceptance is in verify
+STAGES = {"decode", "prefill", "verify", "kv_compaction", "vq_decode"}  # acceptance is in verify
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_profile_opens_a_range_per_stage_and_changes_no_token(tiny_model_dir, tm
     np.testing.assert_array_equal(plain, profiled)
     names = [name for name, _ in fake_nvtx]
     assert set(names) == STAGES and {d for _, d in fake_nvtx} == {profiling.DOMAIN}
-    assert names.count("image") == 2 and names.count("prefill") == 2 and names.count("vq_decode") == 1
+    assert names.count("decode") == 1 and names.count("prefill") == 2 and names.count("vq_decode") == 1
     assert names.count("verify") == 2 * 15  # 16 tokens: prefill + 15 steps
     assert names.count("kv_compaction") == 2 * 15  # every step commits on the device
 

@@ -79,8 +79,8 @@ def test_sort_width_limits_are_one_line_errors():
 
 
 def test_cfg_mix_is_uncond_plus_scale_times_the_difference():
-    logits = torch.randn(2, 3, 8)
-    torch.testing.assert_close(cfg_mix(logits, 4.0), logits[1] + 4.0 * (logits[0] - logits[1]))
+    logits = torch.randn(4, 3, 8)  # two images: their conditional rows, then their unconditional rows
+    torch.testing.assert_close(cfg_mix(logits, 4.0), logits[2:] + 4.0 * (logits[:2] - logits[2:]))
     torch.testing.assert_close(cfg_mix(logits, torch.tensor([4.0])), cfg_mix(logits, 4.0))
 
 

@@ -26,7 +26,15 @@ import onnxruntime as ort
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 from torch import Tensor
 
-from lantern_rt.bundle import VQ_DECODE_GRAPH, Bundle, GraphEntry, io_specs, staged_bundle, write_manifest
+from lantern_rt.bundle import (
+    VQ_DECODE_GRAPH,
+    WEIGHTS,
+    Bundle,
+    GraphEntry,
+    io_specs,
+    staged_bundle,
+    write_manifest,
+)
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
 from lantern_rt.generate import Pipeline, bundle_pipeline, generate, speculation
@@ -35,6 +43,7 @@ from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, GraphRunner
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig, default_cfg_scale, run_defaults
+from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
 
 
@@ -351,12 +360,14 @@ def graph_agreement(
 
 
 def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, Any]:
-    """Quantized graphs and copies of the other files in ``tmp``; the new manifest's graph entries."""
+    """Quantized graphs, the graphs kept in fp32, copies of the other files in ``tmp``, all the
+    graphs' weights in one shared file again; the new manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
         if kept_fp32(entry):
+            onnx.save(onnx.load(str(src)), str(dst))  # its weights inline, until shared below
             graphs[name] = {**raw[name], "precision": "fp32"}
             continue
         quantize_graph(src, dst, recorder.samples[name])
@@ -365,6 +376,7 @@ def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, An
             raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
         kept = {k: v for k, v in raw[name].items() if k != "max_abs_err"}  # that was fp32 vs torch
         graphs[name] = {**kept, "precision": "int8", "calibration_samples": len(recorder.samples[name])}
+    share_weights([tmp / entry.file for entry in bundle.graphs.values()], tmp / WEIGHTS)
     for file in bundle.files:
         if not (tmp / file).exists():
             shutil.copy2(bundle.path / file, tmp / file)

@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,16 +39,17 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
-from lantern_rt.generate import Generation, Pipeline, generate, make_pipeline, open_source
+from lantern_rt.generate import Generation, Pipeline, cached_bundle, generate, make_pipeline, open_source
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import ModelDir, load_vq
+from lantern_rt.models.model_dir import ModelDir, load_target, load_vq
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import TreeError, load_tree
-from lantern_rt.settings import METHODS, MethodConfig, run_defaults
+from lantern_rt.settings import METHODS, MethodConfig, check_batch_sizes, run_defaults
+from lantern_rt.stats import GenerationStats
 from lantern_rt.training.data import (
     CLASS_NAMES,
     FASHION_MNIST_DIR,
@@ -179,21 +181,40 @@ def peak_rss_mb() -> float:
 # --- the interleaved run -------------------------------------------------------------------
 
 
+# A configuration as the interleaved run calls it: (labels, index of the first image) -> its
+# generation of those images.
+Runner = Callable[[Sequence[int], int], Generation]
+
+
 @dataclass
 class Measurement:
-    """What one pipeline produced over the timed images."""
+    """What one configuration produced over the timed images."""
 
-    pipe: Pipeline
-    seconds: list[float] = field(default_factory=list)  # decode loop, per image
-    end_to_end: list[float] = field(default_factory=list)  # with VQ decoding, per image
+    runner: Runner
+    method: MethodConfig
+    backend: str
+    batch_size: int
+    pipe: Pipeline | None = None  # None for the baseline
+    seconds: list[float] = field(default_factory=list)  # decode loop per image, one per chunk
+    end_to_end: list[float] = field(default_factory=list)  # with VQ decoding, per image, per chunk
     histogram: Counter[int] = field(default_factory=Counter)
-    images: list[np.ndarray] = field(default_factory=list)  # uint8 [1, H, W, C] each
+    images: list[np.ndarray] = field(default_factory=list)  # uint8 [n, H, W, C] per chunk
     peak_mb: float = 0.0
+
+    @classmethod
+    def of_pipeline(
+        cls, pipe: Pipeline, sampling: SamplingConfig, seed: int, generate_fn: GenerateFn
+    ) -> Measurement:
+        def run(labels: Sequence[int], start: int) -> Generation:
+            return generate_fn(pipe, labels, sampling, seed=seed, progress=False, start_index=start)
+
+        return cls(run, pipe.method, pipe.backend, pipe.batch_size, pipe)
 
     def add(self, gen: Generation) -> None:
         stats = gen.stats
-        self.seconds.append(stats.decode_seconds)
-        self.end_to_end.append(stats.total_seconds)
+        n = max(1, stats.num_images)
+        self.seconds.append(stats.decode_seconds / n)
+        self.end_to_end.append(stats.total_seconds / n)
         self.histogram.update(stats.histogram)
         self.images.append(gen.images)
         self.peak_mb = peak_rss_mb()
@@ -202,29 +223,34 @@ class Measurement:
         return np.concatenate(self.images)
 
 
-def run_order(num_images: int, warmup: int) -> list[tuple[int, bool]]:
-    """(image index, timed) in run order: ``warmup`` untimed images past the timed range first."""
-    return [(num_images + i, False) for i in range(warmup)] + [(i, True) for i in range(num_images)]
+def run_order(num_images: int, warmup: int, chunk: int = 1) -> list[tuple[int, int, bool]]:
+    """(first image index, image count, timed) in run order: ``warmup`` untimed chunks past the
+    timed range first, then the timed images in chunks of ``chunk``."""
+    warm = [(num_images + i * chunk, chunk, False) for i in range(warmup)]
+    return warm + [(i, min(chunk, num_images - i), True) for i in range(0, num_images, chunk)]
+
+
+def chunk_size(batch_sizes: Sequence[int], num_images: int) -> int:
+    """Images per interleaved call: two batches of the largest batch size (so that a batch
+    refills at least once), at most all the images."""
+    return max(1, min(num_images, 2 * max(batch_sizes)))
 
 
 def run_interleaved(
-    pipes: Sequence[Pipeline],
-    labels: Sequence[int],
-    sampling: SamplingConfig,
-    seed: int,
-    warmup: int,
-    generate_fn: GenerateFn = generate,
+    runs: Sequence[Measurement], labels: Sequence[int], warmup: int, chunk: int = 1
 ) -> list[Measurement]:
-    """Every pipeline generates image i (one call each) before any generates image i + 1."""
-    runs = [Measurement(pipe) for pipe in pipes]
-    with tqdm(total=len(pipes) * (warmup + len(labels)), desc="bench", unit="img", file=sys.stderr) as bar:
-        for index, timed in run_order(len(labels), warmup):
-            label = labels[index % len(labels)]
+    """Every configuration generates chunk i (one call each, ``chunk`` images) before any
+    generates chunk i + 1, so that drift of the machine falls on all of them alike."""
+    order = run_order(len(labels), warmup, chunk)
+    total = len(runs) * sum(count for _, count, _ in order)
+    with tqdm(total=total, desc="bench", unit="img", file=sys.stderr) as bar:
+        for start, count, timed in order:
+            part = [labels[(start + j) % len(labels)] for j in range(count)]
             for run in runs:
-                gen = generate_fn(run.pipe, [label], sampling, seed=seed, progress=False, start_index=index)
+                gen = run.runner(part, start)
                 if timed:
                     run.add(gen)
-                bar.update()
+                bar.update(count)
     return runs
 
 
@@ -233,16 +259,18 @@ def run_interleaved(
 
 def speed_row(m: Measurement) -> dict[str, Any]:
     """The result row of a measurement, quality fields still empty and no speedup yet."""
-    mc = m.pipe.method
+    mc = m.method
     return {
         "method": mc.method,
-        "backend": m.pipe.backend,
+        "backend": m.backend,
         "tree": None if mc.method == "ar" else mc.tree,
         "params": mc.params(),
-        "num_images": len(m.seconds),
+        "batch_size": m.batch_size,
+        "num_images": sum(len(x) for x in m.images),
         "mean_accepted_length": mean_accepted_length(m.histogram),
         "verify_calls": sum(m.histogram.values()),
         "seconds_per_image": median(m.seconds),
+        "images_per_second": 1.0 / median(m.seconds),
         "seconds_per_image_p90": percentile(m.seconds, 90),
         "seconds_per_image_end_to_end": median(m.end_to_end),
         "speedup_vs_ar": None,
@@ -255,9 +283,18 @@ def speed_row(m: Measurement) -> dict[str, Any]:
 
 
 def add_speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with ``speedup_vs_ar``: the AR row's median seconds on its backend / its own."""
-    ar = {r["backend"]: r["seconds_per_image_all"] for r in rows if r["method"] == "ar"}
-    return [{**r, "speedup_vs_ar": speedup(ar[r["backend"]], r["seconds_per_image_all"])} for r in rows]
+    """Each row with ``speedup_vs_ar``: the AR row's median seconds on its backend and batch
+    size / its own (None where that has no AR row: the baseline's)."""
+    ar = {(r["backend"], r["batch_size"]): r["seconds_per_image_all"] for r in rows if r["method"] == "ar"}
+    return [
+        {
+            **r,
+            "speedup_vs_ar": speedup(ar[key], r["seconds_per_image_all"])
+            if (key := (r["backend"], r["batch_size"])) in ar
+            else None,
+        }
+        for r in rows
+    ]
 
 
 # --- quality -------------------------------------------------------------------------------
@@ -455,6 +492,8 @@ class BenchSettings:
     data_root: Path = FASHION_MNIST_DIR
     features: str | None = None  # --features spec: the user's extractor for FD and precision/recall
     reference: Path | None = None  # --reference .npz: the user's real images
+    batch_sizes: tuple[int, ...] = (1,)  # images per decode step; every configuration runs at each
+    baseline: str | None = None  # "torch-batched": LlamaGen's sampler loop (eval.baseline) as rows
 
 
 def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
@@ -515,12 +554,16 @@ def with_quality(
         return [{**r, "quality_note": note} for r in rows]
     images = [m.all_images() for m in runs]
     features = [ref.features_of(x) for x in images]
-    ar = {r["backend"]: f for r, f in zip(rows, features, strict=True) if r["method"] == "ar"}
+    ar = {
+        (r["backend"], r["batch_size"]): f for r, f in zip(rows, features, strict=True) if r["method"] == "ar"
+    }
     return [
         {
             **r,
             **quality_fields(ref, x, f, labels),
-            "fd_vs_ar": None if r["method"] == "ar" else frechet_distance(ar[r["backend"]], f),
+            "fd_vs_ar": None
+            if r["method"] == "ar"
+            else frechet_distance(ar[(r["backend"], r["batch_size"])], f),
         }
         for r, x, f in zip(rows, images, features, strict=True)
     ]
@@ -532,12 +575,68 @@ def ar_seed_sets(
     """The AR row's images and ``count - 1`` more AR sample sets (seeds ``seed + 1``, ...), named."""
 
     def name(s: int) -> str:
-        return f"AR seed {s} ({ar.pipe.backend})"
+        return f"AR seed {s} ({ar.backend})"
 
     extra = [
         (name(s), generate(ar.pipe, labels, sampling, seed=s).images) for s in range(seed + 1, seed + count)
     ]
     return [(name(seed), ar.all_images()), *extra]
+
+
+BASELINES = ("torch-batched",)
+
+
+def _bundle_for(
+    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int]
+) -> ModelDir | Bundle:
+    """What a pipeline of ``backend`` is built from: a bundle, or the model directory for
+    torch; a model directory's bundle is exported (once, cached) with every batch size."""
+    if backend == "torch" or not isinstance(source, ModelDir):
+        return source
+    return Bundle.open(cached_bundle(source, mc, batch_sizes=sizes))
+
+
+def baseline_measurement(
+    name: str, source: ModelDir | Bundle, sampling: SamplingConfig, seed: int, batch_size: int
+) -> Measurement:
+    """The ``name`` baseline (``torch-batched``: LlamaGen's sampler loop over the model
+    directory's target in torch eager, :func:`~lantern_rt.eval.baseline.torch_batched_ar`) at
+    ``batch_size``, as a configuration of the interleaved run."""
+    from lantern_rt.eval.baseline import torch_batched_ar
+
+    if name not in BASELINES:
+        raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    if not isinstance(source, ModelDir):
+        raise ConfigError("the torch-batched baseline runs a model directory: drop --bundle")
+    model, vq = load_target(source), load_vq(source)
+    grid, tokens = source.gpt.grid_size, source.gpt.block_size
+
+    def run(labels: Sequence[int], start: int) -> Generation:
+        t0 = time.perf_counter()
+        out = torch_batched_ar(model, labels, sampling, batch_size, seed + start)
+        t_vq = time.perf_counter()
+        with torch.inference_mode():
+            images = to_uint8(vq.decode_code(out.tokens, grid))
+        stats = GenerationStats(
+            model=source.name,
+            method="ar",
+            params={},
+            tree=None,
+            backend=name,
+            device="cpu",
+            tokens_per_image=tokens,
+            accepted=[1] * ((tokens - 1) * len(labels)),
+            seconds_per_image=[out.seconds_per_image] * len(labels),
+            vq_decode_seconds=time.perf_counter() - t_vq,
+            total_seconds=time.perf_counter() - t0,
+            seed=seed,
+            sampling=sampling,
+            labels=list(labels),
+            batch_size=batch_size,
+        )
+        return Generation(list(labels), out.tokens, images, stats)
+
+    return Measurement(run, MethodConfig("ar"), name, batch_size)
 
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
@@ -559,8 +658,21 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     if s.threads:
         torch.set_num_threads(s.threads)
     started, load_start = datetime.now(timezone.utc), os.getloadavg()
-    pipes = [make_pipeline(source, b, mc, "cpu", s.threads) for b in backends for mc in configs]
-    runs = run_interleaved(pipes, labels, sampling, s.seed, s.warmup)
+    sizes = check_batch_sizes(list(s.batch_sizes))
+    runs = [
+        Measurement.of_pipeline(
+            make_pipeline(_bundle_for(source, b, mc, sizes), b, mc, "cpu", s.threads, batch_size=size),
+            sampling,
+            s.seed,
+            generate,
+        )
+        for size in sizes
+        for b in backends
+        for mc in configs
+    ]
+    if s.baseline is not None:
+        runs += [baseline_measurement(s.baseline, source, sampling, s.seed, size) for size in sizes]
+    runs = run_interleaved(runs, labels, s.warmup, chunk_size(sizes, len(labels)))
     ref, note = quality_reference(
         info, classes, len(labels), s.quality, s.classifier, s.data_root, feature_fn, reference
     )
@@ -587,6 +699,9 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "warmup": s.warmup,
             "ar_seeds": s.ar_seeds,
             "threads": s.threads,
+            "batch_sizes": sizes,
+            "images_per_call": chunk_size(sizes, len(labels)),
+            "baseline": s.baseline,
             "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},
             "features": s.features,
             "reference": None if s.reference is None else str(s.reference),

@@ -32,7 +32,7 @@ from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
 from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import Speculation, decode_image
+from lantern_rt.runtime.decode import Speculation, decode_images
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig
@@ -89,11 +89,14 @@ def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]
     return rows
 
 
-def step_costs(preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
-    """Milliseconds, random weights, sampled LANTERN++ settings, a half-full cache: an AR step
-    (one token verified and drawn), a tree verify (target step and acceptance, one call), and a
-    whole speculative step as the decode loop runs it (draft, verify with acceptance, commit,
-    its host work and one read), from images decoded with a random one-layer drafter."""
+def step_costs(
+    preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int, batch: int = 1
+) -> dict[str, Any]:
+    """Milliseconds, random weights, sampled LANTERN++ settings, a half-full cache, ``batch``
+    images per call: an AR step (one token per image verified and drawn), a tree verify (target
+    step and acceptance, one call), and a whole speculative step as the decode loop runs it
+    (draft, verify with acceptance, commit, its host work and one read), from images decoded
+    with a random one-layer drafter."""
     config = gpt_config(preset, vocab_size=16384, block_size=256, num_classes=1000)
     model = Transformer(config).to(device, dtype).eval()
     graphs = device.startswith("cuda")
@@ -102,10 +105,12 @@ def step_costs(preset: str, tree: str, device: str, dtype: torch.dtype, repeats:
     neighbors = torch.randint(vocab, (vocab, 10), device=device)
     relax = relax_inputs(RELAX, neighbors, vocab, False, torch.device(device))
     filters = filter_inputs(SAMPLING, torch.device(device))
-    out = {"preset": preset, "tree": tree, "dtype": str(dtype).removeprefix("torch.")}
+    out = {"preset": preset, "tree": tree, "dtype": str(dtype).removeprefix("torch."), "batch": batch}
+    labels = torch.arange(batch, device=device) % config.num_classes
+    cond = torch.cat([labels, torch.full_like(labels, config.num_classes)])
     for name, t in (("ar_step", ROOT_ONLY), ("verify", verify)):
-        target = TorchTarget(model)
-        target.prefill(torch.tensor([1, config.num_classes], device=device))
+        target = TorchTarget(model, batch)
+        target.prefill(cond)
         target.cache.length.fill_(128)  # a half-full cache
         s = t.num_nodes + 1
 
@@ -114,29 +119,31 @@ def step_costs(preset: str, tree: str, device: str, dtype: torch.dtype, repeats:
 
         run = CudaGraphed(call) if graphs else call
         args = (
-            torch.zeros(s, dtype=torch.long, device=device),
-            torch.ones(s, dtype=torch.bool, device=device),
-            torch.softmax(torch.randn(s, vocab, device=device), -1),
-            torch.rand(s, device=device),
-            torch.rand(vocab, device=device),
+            torch.zeros(batch, s, dtype=torch.long, device=device),
+            torch.ones(batch, s, dtype=torch.bool, device=device),
+            torch.softmax(torch.randn(batch, s, vocab, device=device), -1),
+            torch.rand(batch, s, device=device),
+            torch.rand(batch, vocab, device=device),
         )
         out[f"ms_{name}"] = _timed(partial(run, *args), repeats, graphs)
     drafter = Drafter(DrafterConfig.for_target(config), config).to(device, dtype).eval()
-    spec = Speculation(TorchDrafter(drafter, model.output, config.block_size), verify, RELAX, neighbors)
-    target = TorchTarget(model)
-    cond = torch.tensor([1, config.num_classes], device=device)
+    spec = Speculation(
+        TorchDrafter(drafter, model.output, config.block_size, batch), verify, RELAX, neighbors
+    )
+    target = TorchTarget(model, batch)
     tokens = 8 if repeats < 10 else 128
     step_graphs = {} if graphs else None  # one CUDA graph per whole decode step
     steps = [0]
 
-    def image() -> None:
-        g = torch.Generator(device=device).manual_seed(0)
-        steps[0] += len(decode_image(target, cond, tokens, SAMPLING, g, spec, step_graphs).accepted)
+    def images() -> None:
+        jobs = [(cond[[b, batch + b]], torch.Generator(device=device).manual_seed(b)) for b in range(batch)]
+        results = [r for _, r in decode_images(target, jobs, tokens, SAMPLING, spec, step_graphs)]
+        steps[0] += max(len(r.accepted) for r in results)  # the batch steps until its last image is done
 
-    image()  # capture
+    images()  # capture
     steps[0] = 0
-    seconds = _timed(image, 3, graphs) * 3 / 1e3
-    out["ms_whole_step"] = seconds / (steps[0] / 2) * 1e3  # _timed ran 3 warm-up + 3 timed images
+    seconds = _timed(images, 3, graphs) * 3 / 1e3
+    out["ms_whole_step"] = seconds / (steps[0] / 2) * 1e3  # _timed ran 3 warm-up + 3 timed batches
     out["verify_over_ar_step"] = out["ms_verify"] / out["ms_ar_step"]
     out["whole_step_over_verify"] = out["ms_whole_step"] / out["ms_verify"]
     return out

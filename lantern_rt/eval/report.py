@@ -52,8 +52,10 @@ SPEED_COLUMNS: list[Column] = [
     ("params", lambda r: params_text(r["params"])),
     ("tree", lambda r: r["tree"] or ""),
     ("backend", lambda r: r["backend"]),
+    ("B", lambda r: str(r.get("batch_size", 1))),
     ("tau", lambda r: fmt(r["mean_accepted_length"], ".2f")),
     ("s/img", lambda r: fmt(r["seconds_per_image"], ".4f")),
+    ("img/s", lambda r: fmt(r.get("images_per_second"), ".2f")),
     ("s/img p90", lambda r: fmt(r["seconds_per_image_p90"], ".4f")),
     ("speedup", lambda r: fmt(r["speedup_vs_ar"], ".2f", "x")),
     ("FD", lambda r: fmt(r["fd_classifier"], ".3g")),
@@ -75,8 +77,9 @@ CALIBRATION_COLUMNS: list[Column] = [
 ]
 NOTES = """\
 tau: tokens committed per target verify call over the run, bonus included. s/img: median seconds of \
-the decode loop per image (p90 beside it; VQ decoding excluded). speedup: the AR row's median on the \
-same backend over this row's, from this run. FD: Fréchet distance of classifier features to the \
+the decode loop per image (p90 beside it; VQ decoding excluded), img/s its inverse; B: images decoded \
+together per step (a call's decode time is shared by its images). speedup: the AR row's median on the \
+same backend and B over this row's, from this run. FD: Fréchet distance of classifier features to the \
 Fashion-MNIST test images of the benchmarked classes (lower is better); FD vs AR: between this row's \
 images and the AR row's (compare with the AR seed rows of the calibration: the noise between two AR \
 runs); precision/recall: k=3 \

@@ -25,6 +25,7 @@ from lantern_rt.bundle import (
     AR_STEP_GRAPH,
     NEIGHBORS,
     NULL_CAPTION,
+    WEIGHTS,
     draft_graph_name,
     staged_bundle,
     verify_graph_name,
@@ -45,9 +46,10 @@ from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
-from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
+from lantern_rt.settings import check_batch_sizes
+from lantern_rt.shared_weights import share_weights
 from lantern_rt.version import package_version
 
 NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
@@ -55,7 +57,6 @@ DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 # compute dtype -> (atol, rtol against the largest reference value)
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2)}
-EXTERNAL_DATA_BYTES = 1 << 30  # larger graphs keep their weights in a side file
 
 
 class ExportError(LanternError, ValueError):
@@ -71,28 +72,35 @@ def export_bundle(
     threads: int = 0,
     overwrite: bool = False,
     progress: bool = False,
+    batch_sizes: Sequence[int] = (1,),
 ) -> Path:
-    """Export the target (prefill, step 1 and the verify step of each tree), the VQ decoder, the
-    neighbour table and, when ``model_dir`` has a drafter, the drafting graph of each tree.
+    """Export the target (prefill, the AR step and the verify step of each tree), the VQ
+    decoder, the neighbour table and, when ``model_dir`` has a drafter, the drafting graph of
+    each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs.
     """
     out = Path(out)
     trees = _check_args(out, trees, dtype, opset, overwrite)
+    sizes = check_batch_sizes(list(batch_sizes))
     target, vq = load_target(model_dir), load_vq(model_dir)
     drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
     k = neighbors_k(model_dir)
-    graphs = _graphs(target, vq, drafter, trees, DTYPES[dtype], k)
+    graphs = [pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b)]
+    decode = VQDecode(vq, target.config.grid_size)
+    graphs.append((decode, decode))
     neighbors = load_neighbors(model_dir, k, vq)[:, :k]
     with staged_bundle(out) as tmp:
         entries = {}
         for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
             entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
+        share_weights([tmp / entry["file"] for entry in entries.values()], tmp / WEIGHTS)
         if target.config.model_type == "t2i":
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
         save_neighbors(neighbors, tmp / NEIGHBORS)
-        write_manifest(tmp, _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries))
+        manifest = _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes)
+        write_manifest(tmp, manifest)
     return out
 
 
@@ -126,35 +134,33 @@ def _check_args(
 
 def _graphs(
     target: Transformer,
-    vq: VQModel,
     drafter: Drafter | None,
     trees: list[StaticTree],
     dtype: torch.dtype,
     neighbors_k: int,
+    batch: int,
 ) -> list[tuple[GraphModule, GraphModule]]:
-    """(graph to export, fp32 reference) pairs; the VQ decoder always runs in fp32 (its softmax
-    and GroupNorms are not fp16-safe, and it runs once per image). AR's step verifies the
-    root-only tree and credits no neighbours: its table is one column nothing reads."""
+    """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call
+    (the VQ decoder always runs in fp32: its softmax and GroupNorms are not fp16-safe, and it
+    runs once per image). AR's step verifies the root-only tree and credits no neighbours: its
+    table is one column nothing reads."""
     low = _cast(target, dtype)
-    pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low), TargetPrefill(target))]
-    pairs.append(
-        (TargetVerify(low, ROOT_ONLY, 1, AR_STEP_GRAPH), TargetVerify(target, ROOT_ONLY, 1, AR_STEP_GRAPH))
-    )
+    pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low, batch), TargetPrefill(target, batch))]
+    ar = (ROOT_ONLY, 1, AR_STEP_GRAPH, batch)
+    pairs.append((TargetVerify(low, *ar), TargetVerify(target, *ar)))
     if drafter is not None:
         low_drafter, cap = _cast(drafter, dtype), drafter_capacity(target.config.block_size)
         for i, tree in enumerate(trees):
+            verify = (tree, neighbors_k, verify_graph_name(i), batch)
+            drafting = (tree, cap, draft_graph_name(i), batch)
             pairs += [
+                (TargetVerify(low, *verify), TargetVerify(target, *verify)),
                 (
-                    TargetVerify(low, tree, neighbors_k, verify_graph_name(i)),
-                    TargetVerify(target, tree, neighbors_k, verify_graph_name(i)),
-                ),
-                (
-                    DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
-                    DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i)),
+                    DrafterTree(low_drafter, low.output, *drafting),
+                    DrafterTree(drafter, target.output, *drafting),
                 ),
             ]
-    decode = VQDecode(vq, target.config.grid_size)
-    return [*pairs, (decode, decode)]
+    return pairs
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -169,7 +175,6 @@ def export_graph(
     (fp32 torch); its manifest entry. Raises :class:`ExportError`."""
     spec = module.spec
     path = folder / f"{spec.name}.onnx"
-    big = sum(p.numel() * p.element_size() for p in module.parameters()) > EXTERNAL_DATA_BYTES
     try:
         with _quiet_exporter():
             torch.onnx.export(
@@ -180,7 +185,7 @@ def export_graph(
                 output_names=[t.name for t in spec.outputs],
                 opset_version=opset,
                 dynamo=True,
-                external_data=big,
+                external_data=True,  # moved into the bundle's one weights file (share_weights)
                 verbose=False,
             )
     except Exception as err:  # the exporter raises many types; report one line
@@ -205,15 +210,17 @@ def export_graph(
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """Silence the exporter's notes that concern no user (missing torchvision ops, deprecations)."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def compare_with_torch(
@@ -247,6 +254,7 @@ def _manifest(
     dtype: str,
     opset: int,
     graphs: dict,
+    batch_sizes: list[int],
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -260,6 +268,7 @@ def _manifest(
         "drafter": has_drafter,
         "drafter_capacity": drafter_capacity(c.block_size),
         "max_draft_width": MAX_DRAFT_WIDTH,
+        "batch_sizes": batch_sizes,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
         "null_condition": {"class_id": c.num_classes} if c.model_type == "c2i" else {"file": NULL_CAPTION},
     }

@@ -43,8 +43,8 @@ class Rope(nn.Module):
         self.register_buffer("swap", swap, persistent=False)
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin rows [S, 1, D] for ``positions`` [S]."""
-        return self.cos[positions][:, None], self.sin[positions][:, None]
+        """cos and sin rows [S, 1, D] for ``positions`` [S], or [B, S, 1, D] for [B, S]."""
+        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotate ``x`` [B, S, heads, D] (computed in fp32)."""
@@ -53,8 +53,8 @@ class Rope(nn.Module):
 
 
 def attention_bias(mask: Tensor, group: int) -> Tensor:
-    """Additive fp32 bias [1, 1, group * S, P + S] from a bool mask [1, 1, S, P + S] (rows repeated
-    for the ``group`` query heads that share a key head)."""
+    """Additive fp32 bias [B, 1, group * S, P + S] from a bool mask [B, 1, S, P + S] (rows
+    repeated for the ``group`` query heads that share a key head)."""
     bias = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
     return bias.repeat(1, 1, group, 1) if group > 1 else bias
 
@@ -170,7 +170,7 @@ class Blocks(nn.Module):
     def forward(
         self, h: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """h [B, S, dim] at ``positions`` [S] under ``mask`` [1, 1, S, P + S] over the ``context``
+        """h [B, S, dim] at ``positions`` [S] or [B, S] under ``mask`` [B or 1, 1, S, P + S] over the ``context``
         blocks (P slots in all; None: nothing before the new rows) -> h and the new K/V
         [n_layer, B, Hkv, S, D]."""
         cos, sin = self.rope.tables(positions)

@@ -1,8 +1,9 @@
 """The exported graphs: pure, fixed-shape wrappers around the target, the drafter and the VQ decoder.
 
 Each wrapper declares its inputs and outputs once, as a :class:`GraphSpec`, and makes random
-valid inputs for the numerical check. Shapes follow the runtime's contract: two CFG rows, a
-target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` slots
+valid inputs for the numerical check. Shapes follow the runtime's contract: a fixed batch of B
+images in 2B CFG rows (``sampling.cfg_rows``: the conditional rows, then the unconditional
+ones), per-image lengths and positions, a target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` slots
 (``drafting.drafter_capacity``), and only the new tokens' K/V as outputs.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.bundle import PREFILL_GRAPH, VQ_DECODE_GRAPH
+from lantern_rt.bundle import PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
 from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
@@ -29,9 +30,8 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
     noise_rows,
 )
+from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import StaticTree
-
-ROWS = 2  # CFG rows: conditional, unconditional
 
 
 @dataclass(frozen=True)
@@ -85,16 +85,16 @@ def cache_capacity(model: Transformer) -> int:
 KVDims = tuple[int, int, int]  # layers, kv heads, head dim
 
 
-def _kv_spec(name: str, dims: KVDims, length: int, dtype: torch.dtype) -> TensorSpec:
+def _kv_spec(name: str, dims: KVDims, batch: int, length: int, dtype: torch.dtype) -> TensorSpec:
     layers, heads, head_dim = dims
-    return TensorSpec(name, (layers, ROWS, heads, length, head_dim), dtype)
+    return TensorSpec(name, (layers, 2 * batch, heads, length, head_dim), dtype)
 
 
-def _past_specs(dims: KVDims, length: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
-    """One ``past_k_{i}`` input per layer, then one ``past_v_{i}``: [rows, Hkv, length, D] each,
+def _past_specs(dims: KVDims, batch: int, length: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
+    """One ``past_k_{i}`` input per layer, then one ``past_v_{i}``: [2B, Hkv, length, D] each,
     so that a graph reads each layer's cache in place (a stacked input would be split, a copy)."""
     layers, heads, head_dim = dims
-    shape = (ROWS, heads, length, head_dim)
+    shape = (2 * batch, heads, length, head_dim)
     return tuple(TensorSpec(f"past_{kv}_{i}", shape, dtype) for kv in "kv" for i in range(layers))
 
 
@@ -115,26 +115,28 @@ def _random_cache(g: torch.Generator, specs: tuple[TensorSpec, ...]) -> tuple[Te
 
 
 class TargetPrefill(nn.Module):
-    """Condition rows -> logits and hidden at the last prefix slot, and the prefix K/V."""
+    """The 2B condition rows of B images -> logits and hidden at the last prefix slot, and the
+    prefix K/V."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, batch: int = 1):
         super().__init__()
-        self.model, self.blocks = model, Blocks.of_target(model)
+        self.model, self.blocks, self.batch = model, Blocks.of_target(model), batch
         c = model.config
         dtype = model.output.weight.dtype
+        rows = 2 * batch
         cond = (
-            TensorSpec("cond", (ROWS,), torch.int64)
+            TensorSpec("cond", (rows,), torch.int64)
             if c.model_type == "c2i"
-            else TensorSpec("cond", (ROWS, c.cls_token_num, c.caption_dim), torch.float32)
+            else TensorSpec("cond", (rows, c.cls_token_num, c.caption_dim), torch.float32)
         )
         self.spec = GraphSpec(
-            PREFILL_GRAPH,
+            batched_name(PREFILL_GRAPH, batch),
             (cond,),
             (
-                TensorSpec("logits", (ROWS, c.vocab_size), torch.float32),
-                TensorSpec("hidden", (ROWS, c.dim), dtype),
-                _kv_spec("new_k", _target_kv(model), c.cls_token_num, dtype),
-                _kv_spec("new_v", _target_kv(model), c.cls_token_num, dtype),
+                TensorSpec("logits", (rows, c.vocab_size), torch.float32),
+                TensorSpec("hidden", (rows, c.dim), dtype),
+                _kv_spec("new_k", _target_kv(model), batch, c.cls_token_num, dtype),
+                _kv_spec("new_v", _target_kv(model), batch, c.cls_token_num, dtype),
             ),
             dtype,
         )
@@ -158,12 +160,14 @@ class TargetPrefill(nn.Module):
         return logits[:, -1], hidden[:, -1], k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """A random condition row plus the null condition."""
-        c = self.model.config
+        """Random condition rows plus the null conditions."""
+        c, b = self.model.config, self.batch
         if c.model_type == "c2i":
-            return (torch.tensor([int(torch.randint(c.num_classes, (), generator=g)), c.num_classes]),)
-        caption = torch.randn(c.cls_token_num, c.caption_dim, generator=g)
-        return (torch.stack([caption, self.model.null_condition.float().cpu()]),)
+            return (
+                torch.cat([torch.randint(c.num_classes, (b,), generator=g), torch.full((b,), c.num_classes)]),
+            )
+        captions = torch.randn(b, c.cls_token_num, c.caption_dim, generator=g)
+        return (torch.cat([captions, self.model.null_condition.float().cpu().expand(b, -1, -1)]),)
 
 
 class TargetVerify(nn.Module):
@@ -176,40 +180,40 @@ class TargetVerify(nn.Module):
     drafting. ``neighbors`` is the bundle's whole table; ``k`` says how many columns are
     credited. AR's step is this graph over the root-only tree."""
 
-    def __init__(self, model: Transformer, tree: StaticTree, neighbors_k: int, name: str):
+    def __init__(self, model: Transformer, tree: StaticTree, neighbors_k: int, name: str, batch: int = 1):
         super().__init__()
-        self.model, self.blocks, self.tree = model, Blocks.of_target(model), tree
+        self.model, self.blocks, self.tree, self.batch = model, Blocks.of_target(model), tree, batch
         self.plan = tree_plan(tree, torch.device("cpu"))
         self.depth, self.tree_mask = tree.depth.clone(), tree.mask.clone()  # built before tracing
         c = model.config
         dtype = model.output.weight.dtype
         cap, kv = cache_capacity(model), _target_kv(model)
-        s, kept, v = tree.num_nodes + 1, tree.max_depth + 1, c.vocab_size
+        s, kept, v, b = tree.num_nodes + 1, tree.max_depth + 1, c.vocab_size, batch
         self.spec = GraphSpec(
-            name,
+            batched_name(name, batch),
             (
-                TensorSpec("node_tokens", (s,), torch.int64),
-                TensorSpec("cache_length", (1,), torch.int64),
-                TensorSpec("valid", (s,), torch.bool),
-                TensorSpec("q", (s, v), torch.float32),
-                TensorSpec("noise", (s,), torch.float32),
-                TensorSpec("bonus_noise", (v,), torch.float32),
+                TensorSpec("node_tokens", (b, s), torch.int64),
+                TensorSpec("cache_length", (b,), torch.int64),
+                TensorSpec("valid", (b, s), torch.bool),
+                TensorSpec("q", (b, s, v), torch.float32),
+                TensorSpec("noise", (b, s), torch.float32),
+                TensorSpec("bonus_noise", (b, v), torch.float32),
                 *SAMPLING_SPECS,
                 TensorSpec("neighbors", (v, neighbors_k), torch.int64),
                 TensorSpec("k", (1,), torch.int64),
                 TensorSpec("cap_a", (1,), torch.float32),
                 TensorSpec("cap_b", (1,), torch.float32),
                 TensorSpec("greedy", (1,), torch.bool),
-                *_past_specs(kv, cap, dtype),
+                *_past_specs(kv, b, cap, dtype),
             ),
             (
-                TensorSpec("length", (1,), torch.int64),
-                TensorSpec("kept", (kept,), torch.int64),
-                TensorSpec("tokens", (kept,), torch.int64),
-                TensorSpec("hidden", (ROWS, kept, c.dim), dtype),
-                _kv_spec("new_k", kv, kept, dtype),
-                _kv_spec("new_v", kv, kept, dtype),
-                TensorSpec("logits", (ROWS, s, v), torch.float32),
+                TensorSpec("length", (b,), torch.int64),
+                TensorSpec("kept", (b, kept), torch.int64),
+                TensorSpec("tokens", (b, kept), torch.int64),
+                TensorSpec("hidden", (2 * b, kept, c.dim), dtype),
+                _kv_spec("new_k", kv, b, kept, dtype),
+                _kv_spec("new_v", kv, b, kept, dtype),
+                TensorSpec("logits", (2 * b, s, v), torch.float32),
             ),
             dtype,
         )
@@ -217,7 +221,7 @@ class TargetVerify(nn.Module):
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         tokens, length = inputs[:2]
         positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, cache_capacity(self.model))
-        h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
+        h = self.model.tok_embeddings(cfg_rows(tokens))
         h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(inputs[15:])))
         hidden = rms_norm(h, self.model.norm)
         return self._accept(self.model.output(hidden).float(), hidden, k, v, inputs)
@@ -226,7 +230,7 @@ class TargetVerify(nn.Module):
         """The same outputs from the model's own ``step``."""
         tokens, length = inputs[:2]
         positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, cache_capacity(self.model))
-        h = self.model.tok_embeddings(tokens).unsqueeze(0).expand(ROWS, -1, -1)
+        h = self.model.tok_embeddings(cfg_rows(tokens))
         past_k, past_v = _split_past(inputs[15:])
         logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
         return self._accept(logits, hidden, k, v, inputs)
@@ -241,28 +245,28 @@ class TargetVerify(nn.Module):
         )
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random nodes after a random committed length; random, partly stale caches. The noise settles every decision far
-        from a rounding tie, so that the integer outputs are compared too: u = 0 accepts every
-        first child (the path of first children is kept) and the bonus noise singles out one
-        token (a Gumbel score of 16.6 against -4.5). LANTERN++ with lambda 3 and CFG 3, sampling
-        without filters."""
-        c, tree = self.model.config, self.tree
+        """Random nodes after a random committed length per image; random, partly stale caches.
+        The noise settles every decision far from a rounding tie, so that the integer outputs
+        are compared too: u = 0 accepts every first child (the path of first children is kept)
+        and the bonus noise singles out one token per image (a Gumbel score of 16.6 against
+        -4.5). LANTERN++ with lambda 3 and CFG 3, sampling without filters."""
+        c, tree, b = self.model.config, self.tree, self.batch
         s, v = tree.num_nodes + 1, c.vocab_size
-        length = int(torch.randint(c.cls_token_num, cache_capacity(self.model), (), generator=g))
-        tokens = torch.randint(v, (s,), generator=g)
-        q = torch.softmax(torch.randn(s, v, generator=g), dim=-1)
-        bonus_noise = torch.zeros(v)
-        bonus_noise[int(torch.randint(v, (), generator=g))] = 1.0 - 2.0**-24
+        length = torch.randint(c.cls_token_num, cache_capacity(self.model), (b,), generator=g)
+        tokens = torch.randint(v, (b, s), generator=g)
+        q = torch.softmax(torch.randn(b, s, v, generator=g), dim=-1)
+        bonus_noise = torch.zeros(b, v)
+        bonus_noise[torch.arange(b), torch.randint(v, (b,), generator=g)] = 1.0 - 2.0**-24
         k = self.spec.inputs[10].shape[1]
         neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
         relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
         return (
             tokens,
-            torch.tensor([length]),
-            torch.ones(s, dtype=torch.bool),
+            length,
+            torch.ones(b, s, dtype=torch.bool),
             q,
-            torch.zeros(s),
+            torch.zeros(b, s),
             bonus_noise,
             *sampling,
             neighbors,
@@ -276,33 +280,35 @@ class DrafterTree(nn.Module):
     settings over the drafter cache -> node tokens, valid, q and the catch-up rows' K/V. The
     drafter's layers and the target's LM head ``head`` are baked in."""
 
-    def __init__(self, drafter: Drafter, head: nn.Linear, tree: StaticTree, capacity: int, name: str):
+    def __init__(
+        self, drafter: Drafter, head: nn.Linear, tree: StaticTree, capacity: int, name: str, batch: int = 1
+    ):
         super().__init__()
-        self.drafter, self.head, self.tree = drafter, head, tree
+        self.drafter, self.head, self.tree, self.batch = drafter, head, tree, batch
         self.plan = draft_plan(tree, torch.device("cpu"))
         self.blocks = Blocks.of_drafter(drafter)
         c = drafter.config
         dtype = drafter.fc.weight.dtype
         kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
-        rows, n = catch_up_rows(tree), tree.num_nodes + 1
+        rows, n, b = catch_up_rows(tree), tree.num_nodes + 1, batch
         self.spec = GraphSpec(
-            name,
+            batched_name(name, batch),
             (
-                TensorSpec("tokens", (rows,), torch.int64),
-                TensorSpec("hidden", (ROWS, rows, c.hidden_size), dtype),
-                TensorSpec("count", (1,), torch.int64),
-                TensorSpec("root_position", (1,), torch.int64),
-                TensorSpec("cache_length", (1,), torch.int64),
-                TensorSpec("noise", (noise_rows(tree), c.vocab_size), torch.float32),
+                TensorSpec("tokens", (b, rows), torch.int64),
+                TensorSpec("hidden", (2 * b, rows, c.hidden_size), dtype),
+                TensorSpec("count", (b,), torch.int64),
+                TensorSpec("root_position", (b,), torch.int64),
+                TensorSpec("cache_length", (b,), torch.int64),
+                TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), torch.float32),
                 *SAMPLING_SPECS,
-                *_past_specs(kv, capacity, dtype),
+                *_past_specs(kv, b, capacity, dtype),
             ),
             (
-                TensorSpec("node_tokens", (n,), torch.int64),
-                TensorSpec("valid", (n,), torch.bool),
-                TensorSpec("q", (n, c.vocab_size), torch.float32),
-                _kv_spec("new_k", kv, rows, dtype),
-                _kv_spec("new_v", kv, rows, dtype),
+                TensorSpec("node_tokens", (b, n), torch.int64),
+                TensorSpec("valid", (b, n), torch.bool),
+                TensorSpec("q", (b, n, c.vocab_size), torch.float32),
+                _kv_spec("new_k", kv, b, rows, dtype),
+                _kv_spec("new_v", kv, b, rows, dtype),
             ),
             dtype,
         )
@@ -311,7 +317,7 @@ class DrafterTree(nn.Module):
         self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = self.drafter
-        pairs = tokens.unsqueeze(0).expand(ROWS, -1)
+        pairs = cfg_rows(tokens)
         h = d.fc(torch.cat([d.embed_tokens(pairs), hidden.to(d.fc.weight.dtype)], dim=-1))
         return self.blocks(h, positions, mask, context)
 
@@ -332,21 +338,21 @@ class DrafterTree(nn.Module):
         position the RoPE table holds; noise that forces which children are drawn (a large score
         for ``width`` random tokens per node), so that rounding cannot change the path and every
         output is compared; CFG 3 without filtering; random caches."""
-        c = self.drafter.config
+        c, b = self.drafter.config, self.batch
         rows = catch_up_rows(self.tree)
         capacity = self.spec.inputs[10].shape[2]
-        length = int(torch.randint(capacity - rows, (), generator=g))
-        m = int(torch.randint(1, rows + 1, (), generator=g))
+        length = torch.randint(capacity - rows, (b,), generator=g)
+        m = torch.randint(1, rows + 1, (b,), generator=g)
         top = self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS - 1
-        root = int(torch.randint(rows, top, (), generator=g))
-        tokens = torch.randint(c.vocab_size, (rows,), generator=g)
+        root = torch.randint(rows, top, (b,), generator=g)
+        tokens = torch.randint(c.vocab_size, (b, rows), generator=g)
         hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
         noise = torch.zeros(self.spec.inputs[5].shape)  # a Gumbel score of -3.8 (clamped)
         forced = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
-        for row in noise:
+        for row in noise.flatten(0, 1):
             row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        counts = (torch.tensor([m]), torch.tensor([root]), torch.tensor([length]))
+        counts = (m, root, length)
         past = _random_cache(g, self.spec.inputs[10:])
         return (tokens, hidden, *counts, noise, *sampling, *past)
 

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
-from lantern_rt.runtime.kv_cache import cache_mask
-from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, filter_logits
+from lantern_rt.runtime.kv_cache import cache_mask, gather_rows
+from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, cfg_rows, filter_logits
 from lantern_rt.runtime.tree import StaticTree
 
 RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of settings.METHODS
@@ -359,8 +359,8 @@ def accept_tree(
 
 
 def target_probabilities(logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
-    """The target distribution acceptance compares against: the two CFG rows of ``logits``
-    [2, ..., V] mixed, then temperature, top-k and top-p (``sampling`` as
+    """The target distribution acceptance compares against: the CFG rows of ``logits``
+    [2B, ..., V] mixed (-> [B, ..., V]), then temperature, top-k and top-p (``sampling`` as
     :func:`~lantern_rt.runtime.sampling.filter_inputs` gives them), then a softmax."""
     cfg_scale, temperature, top_k, top_p = sampling
     width = min(logits.shape[-1], TOPK_LIMIT)
@@ -370,24 +370,25 @@ def target_probabilities(logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor,
 def tree_step_inputs(
     depth: Tensor, tree_mask: Tensor, length: Tensor, capacity: int
 ) -> tuple[Tensor, Tensor]:
-    """Positions [N+1] and mask [1, 1, N+1, capacity + N+1] of a verify step over a tree (its
-    ``depth`` and ``tree_mask``, on the device) after ``length`` [1] committed cache entries (of
-    ``capacity``): each node at length + its depth, seeing every committed entry and its
-    ancestors (docs/method.md §3)."""
-    return length + depth, cache_mask(length, capacity, tree_mask)
+    """Positions [2B, N+1] and mask [2B, 1, N+1, capacity + N+1] of a verify step over a tree
+    (its ``depth`` and ``tree_mask``, on the device) after ``length`` [B] committed cache
+    entries per image (of ``capacity``): each node at its image's length + its depth, seeing
+    every committed entry of its image and its ancestors (docs/method.md §3, §7)."""
+    return cfg_rows(length[:, None] + depth), cache_mask(length, capacity, tree_mask)
 
 
 class Verified(NamedTuple):
-    """A verified and accepted tree of depth D, with what the next step needs, gathered by the
-    kept node ids (root first) so that the first ``length + 1`` entries are the committed ones."""
+    """B verified and accepted trees of depth D, with what the next step needs, gathered by the
+    kept node ids (root first) so that each image's first ``length + 1`` entries are the
+    committed ones."""
 
-    length: Tensor  # [1] int64: accepted drafted nodes
-    kept: Tensor  # [D + 1] int64: the root, then the accepted nodes (0 past length + 1)
-    tokens: Tensor  # [D + 1] int64: the accepted nodes' tokens, then the bonus at index length
-    hidden: Tensor  # [2, D + 1, dim]: the target's hidden states at the kept nodes
-    new_k: Tensor  # [n_layer, 2, Hkv, D + 1, head_dim]: their K, to commit to the cache
+    length: Tensor  # [B] int64: accepted drafted nodes
+    kept: Tensor  # [B, D + 1] int64: the root, then the accepted nodes (0 past length + 1)
+    tokens: Tensor  # [B, D + 1] int64: the accepted nodes' tokens, then the bonus at index length
+    hidden: Tensor  # [2B, D + 1, dim]: the target's hidden states at the kept nodes
+    new_k: Tensor  # [n_layer, 2B, Hkv, D + 1, head_dim]: their K, to commit to the cache
     new_v: Tensor
-    logits: Tensor  # [2, N + 1, V] fp32: the target's logits at every node
+    logits: Tensor  # [2B, N + 1, V] fp32: the target's logits at every node
 
 
 def verify_tree(
@@ -404,22 +405,21 @@ def verify_tree(
     sampling: tuple[Tensor, Tensor, Tensor, Tensor],
     relax: RelaxInputs,
 ) -> Verified:
-    """Acceptance of one tree from the target's outputs over it (``logits`` [2, N+1, V],
-    ``hidden`` [2, N+1, dim], ``new_k``/``new_v`` [n_layer, 2, Hkv, N+1, head_dim]): the target
-    distribution (:func:`target_probabilities`), :func:`accept_tree` over the drafted
-    ``tokens``/``valid`` [N+1] and ``q`` [N+1, V] with ``noise`` [N+1] and ``bonus_noise`` [V],
-    and the kept nodes' hidden states and K/V gathered on the device. Every verify graph of a
-    bundle is the target's step followed by this function; the torch backend runs it eagerly."""
+    """Acceptance of B trees from the target's outputs over them (``logits`` [2B, N+1, V],
+    ``hidden`` [2B, N+1, dim], ``new_k``/``new_v`` [n_layer, 2B, Hkv, N+1, head_dim]): the
+    target distribution (:func:`target_probabilities`), :func:`accept_tree` over the drafted
+    ``tokens``/``valid`` [B, N+1] and ``q`` [B, N+1, V] with ``noise`` [B, N+1] and
+    ``bonus_noise`` [B, V], and the kept nodes' hidden states and K/V gathered on the device.
+    Every verify graph of a bundle is the target's step followed by this function; the torch
+    backend runs it eagerly."""
     p = target_probabilities(logits, sampling)
-    one = (t[None] for t in (tokens, valid, p, q))
-    out = accept_tree(plan, *one, relax, noise[None], bonus_noise[None])
-    kept = out.kept[0]
+    out = accept_tree(plan, tokens, valid, p, q, relax, noise, bonus_noise)
     return Verified(
         out.length,
-        kept,
-        out.tokens[0],
-        hidden.index_select(1, kept),
-        new_k.index_select(3, kept),
-        new_v.index_select(3, kept),
+        out.kept,
+        out.tokens,
+        gather_rows(hidden, out.kept, 0, 1),
+        gather_rows(new_k, out.kept, 1, 3),
+        gather_rows(new_v, out.kept, 1, 3),
         logits,
     )

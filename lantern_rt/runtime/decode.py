@@ -7,6 +7,7 @@ The steps are described in docs/method.md (§4 drafting, §5 acceptance, §6 KV 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,6 +24,7 @@ from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     SamplingConfig,
+    cfg_rows,
     check_sort_width,
     draw_noise,
     filter_inputs,
@@ -53,28 +55,32 @@ EXACT = Relaxation("exact")
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One decode step as a function of device tensors alone: draft (speculative methods), verify
-    and accept, commit both caches (docs/method.md §4-6). It reads nothing back to the host, so a
-    CUDA graph can capture it whole (:class:`~lantern_rt.runtime.backends.cuda_graphs.CudaGraphed`).
+    """One decode step of B images as a function of device tensors alone: draft (speculative
+    methods), verify and accept, commit both caches (docs/method.md §4-7). It reads nothing
+    back to the host, so a CUDA graph can capture it whole
+    (:class:`~lantern_rt.runtime.backends.cuda_graphs.CudaGraphed`).
 
-    Called with the pending pairs (tokens [R] left-aligned, the target's hidden states before
-    them [2, R, D], their count m [1]), the drafter's noise [noise_rows, V] and the verify
-    noise [N+1] and bonus noise [V]; returns the accepted length [1], the committed tokens
-    [R] (bonus included) and their hidden states [2, R, D]: the next step's pending pairs."""
+    Called with each image's pending pairs (tokens [B, R] left-aligned, the target's hidden
+    states before them [2B, R, D], their count m [B]), which images are ``active`` [B] (an
+    inactive one, a slot with no image, commits nothing), the drafter's noise [B, noise_rows,
+    V] and the verify noise [B, N+1] and bonus noise [B, V]; returns the accepted lengths [B],
+    the committed tokens [B, R] (bonus included) and their hidden states [2B, R, D]: the next
+    step's pending pairs."""
 
     target: TargetBackend
     spec: Speculation | None
     tree: StaticTree
     filters: FilterInputs
     relax: RelaxInputs
-    ar_valid: Tensor  # [1] True: AR's root-only "draft"
-    ar_q: Tensor  # [1, V] zeros, never read
+    ar_valid: Tensor  # [B, 1] True: AR's root-only "draft"
+    ar_q: Tensor  # [B, 1, V] zeros, never read
 
     def __call__(
         self,
         pending: Tensor,
         hidden: Tensor,
         m: Tensor,
+        active: Tensor,
         draft_noise: Tensor,
         noise: Tensor,
         bonus_noise: Tensor,
@@ -91,14 +97,31 @@ class DecodeStep:
                     target.cache.length,
                     draft_noise,
                     self.filters,
+                    active,
                 )
         else:
-            drafted = Draft(pending.gather(0, m - 1), self.ar_valid, self.ar_q)
+            drafted = Draft(pending.gather(1, (m - 1)[:, None]), self.ar_valid, self.ar_q)
         with span("verify"):
             out = target.verify(self.tree, drafted, noise, bonus_noise, self.filters, self.relax)
         with span("kv_compaction"):
-            target.cache.write(out.new_k, out.new_v, out.length + 1)
+            target.cache.write(out.new_k, out.new_v, (out.length + 1) * active)
         return out.length, out.tokens, out.hidden
+
+
+# One image to decode: its two condition rows (cond, uncond: class ids [2] or captions
+# [2, T, C]) and its random stream.
+Job = tuple[Tensor, "torch.Generator | None"]
+
+
+@dataclass
+class _Slot:
+    """An image being decoded in one of the batch's B slots."""
+
+    index: int
+    cond: Tensor
+    generator: torch.Generator | None
+    tokens: list[int]
+    accepted: list[int]
 
 
 def decode_image(
@@ -110,75 +133,206 @@ def decode_image(
     spec: Speculation | None = None,
     step_graphs: dict | None = None,
 ) -> ImageResult:
-    """Generate ``num_tokens`` image tokens for the condition rows ``cond`` (cond, uncond).
+    """One image: :func:`decode_images` of the single job (``cond``, ``generator``)."""
+    ((_, result),) = decode_images(target, [(cond, generator)], num_tokens, sampling, spec, step_graphs)
+    return result
 
-    Each step (:class:`DecodeStep`) drafts, verifies and accepts the tree, and commits on the
-    device, from uniform noise drawn for the step from ``generator``; the host then reads one
-    small tensor, the accepted length and tokens. With ``step_graphs`` (a dict the caller keeps
-    across images, on a CUDA device) each step is replayed from one captured CUDA graph.
+
+def decode_images(
+    target: TargetBackend,
+    jobs: Iterable[Job],
+    num_tokens: int,
+    sampling: SamplingConfig,
+    spec: Speculation | None = None,
+    step_graphs: dict | None = None,
+) -> Iterator[tuple[int, ImageResult]]:
+    """Generate ``num_tokens`` image tokens for each job, B at a time (the target's batch:
+    ``target.cache.images``), yielding (job index, result) as each image finishes.
+
+    Every image holds one of the B slots of each call from its prefill to its last token: each
+    step (:class:`DecodeStep`) drafts, verifies and accepts the trees of all of them and commits
+    on the device, from uniform noise drawn from each image's own generator in the order a
+    batch of one draws it, so an image's tokens do not depend on its batch or slot. The host
+    then reads one small tensor, the accepted lengths and tokens. A finished image's slot takes
+    the next job at once (its prefill runs with the other slots' rows untouched); slots with no
+    job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs`` (a
+    dict the caller keeps across calls, on a CUDA device) each step is replayed from one
+    captured CUDA graph.
     """
     tree = spec.tree if spec else ROOT_ONLY
-    with span("prefill"):
-        logits, hidden = target.prefill(cond)
-    device, vocab = logits.device, logits.shape[-1]
-    check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
-    filters = filter_inputs(sampling, device)
-    relax = relax_inputs(
-        spec.relax if spec else EXACT, spec.neighbors if spec else None, vocab, sampling.greedy, device
-    )
-    first = draw(
-        target_probabilities(logits, filters), _uniform(vocab, sampling, generator, device), relax.greedy
-    )
-    # What the next step catches up on: the tokens committed since the drafter's last call
-    # (left-aligned, m of them; the last is the root) and the target's hidden states before each.
-    rows = tree.max_depth + 1
-    pending = F.pad(first.reshape(1), (0, rows - 1))
-    pending_hidden = F.pad(hidden[:, None], (0, 0, 0, rows - 1))
-    m = torch.ones(1, dtype=torch.long, device=device)
-    if spec:
-        spec.drafter.cache.reset()
-    step = _step(target, spec, tree, filters, relax, vocab, device, step_graphs)
-    noises = tree.num_nodes + 1
-    tokens = [int(first)]
-    accepted: list[int] = []
-    while len(tokens) < num_tokens:
-        draft_noise = (
-            draw_noise(noise_rows(tree), vocab, sampling.greedy, generator, device)
-            if spec
-            else _zeros(1, device)
+    batch = target.cache.images
+    queue = enumerate(jobs)
+    slots: list[_Slot | None] = [None] * batch
+    exhausted = False
+    state: _State | None = None
+    step: DecodeStep | CudaGraphed | None = None
+    while True:
+        fresh = []
+        for b in range(batch):
+            if slots[b] is None and not exhausted:
+                job = next(queue, None)
+                if job is None:
+                    exhausted = True
+                else:
+                    index, (cond, generator) = job
+                    slots[b] = _Slot(index, cond, generator, [], [])
+                    fresh.append(b)
+        if fresh:
+            state = _prefill(target, spec, slots, fresh, sampling, tree, state)
+            if step is None:
+                step = _step(target, spec, tree, state, step_graphs)
+        finished = [b for b, slot in enumerate(slots) if slot is not None and len(slot.tokens) >= num_tokens]
+        for b in finished:
+            slot = slots[b]
+            yield (
+                slot.index,
+                ImageResult(torch.tensor(slot.tokens[:num_tokens], dtype=torch.long), slot.accepted),
+            )
+            slots[b] = None
+        if finished and not exhausted:
+            continue  # the freed slots take the next jobs before the next step
+        if all(slot is None for slot in slots):
+            return
+        draft_noise, noise, bonus_noise = _step_noise(slots, tree, spec is not None, sampling, state)
+        length, pending, hidden = step(
+            state.pending, state.hidden, state.m, state.active(slots), draft_noise, noise, bonus_noise
         )
-        noise, bonus_noise = _uniform(noises + vocab, sampling, generator, device).split([noises, vocab])
-        length, pending, pending_hidden = step(pending, pending_hidden, m, draft_noise, noise, bonus_noise)
-        m = length + 1
-        n, *committed = torch.cat([length, pending]).tolist()  # the step's one read
-        emitted = committed[: min(n + 1, num_tokens - len(tokens))]
-        tokens.extend(emitted)
-        accepted.append(len(emitted))
-    return ImageResult(torch.tensor(tokens, dtype=torch.long), accepted)
+        state.pending, state.hidden, state.m = pending, hidden, length + 1
+        read = torch.cat([length[:, None], pending], 1).tolist()  # the step's one read
+        for slot, (n, *committed) in zip(slots, read, strict=True):
+            if slot is not None:
+                emitted = committed[: min(n + 1, num_tokens - len(slot.tokens))]
+                slot.tokens.extend(emitted)
+                slot.accepted.append(len(emitted))
+
+
+@dataclass
+class _State:
+    """The batch's device state between steps: each image's pending pairs (see
+    :class:`DecodeStep`), and the settings as tensors."""
+
+    pending: Tensor  # [B, R]
+    hidden: Tensor  # [2B, R, D]
+    m: Tensor  # [B]
+    filters: FilterInputs
+    relax: RelaxInputs
+    vocab: int
+    device: torch.device
+    _active: tuple[tuple[bool, ...], Tensor] | None = None
+
+    def active(self, slots: list[_Slot | None]) -> Tensor:
+        """[B] bool on the device: which slots hold an image (copied when that changes)."""
+        flags = tuple(slot is not None for slot in slots)
+        if self._active is None or self._active[0] != flags:
+            self._active = (flags, torch.tensor(flags, device=self.device))
+        return self._active[1]
+
+
+def _prefill(
+    target: TargetBackend,
+    spec: Speculation | None,
+    slots: list[_Slot | None],
+    fresh: list[int],
+    sampling: SamplingConfig,
+    tree: StaticTree,
+    state: _State | None,
+) -> _State:
+    """Prefill the ``fresh`` slots' images (the other slots' caches are kept), draw each one's
+    first token from its generator and make it its pending pair; -> the updated state."""
+    some = next(slot for slot in slots if slot is not None)
+    conds = [(slot or some).cond for slot in slots]
+    cond = torch.cat([torch.stack([c[0] for c in conds]), torch.stack([c[1] for c in conds])])
+    batch = len(slots)
+    flags = [b in fresh for b in range(batch)]
+    device = target.cache.length.device
+    is_fresh = torch.tensor(flags, device=device)
+    with span("prefill"):
+        logits, hidden = target.prefill(cond.to(device), is_fresh)
+    vocab = logits.shape[-1]
+    if state is None:
+        check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
+        relax = relax_inputs(
+            spec.relax if spec else EXACT, spec.neighbors if spec else None, vocab, sampling.greedy, device
+        )
+        rows = tree.max_depth + 1
+        state = _State(
+            torch.zeros(batch, rows, dtype=torch.long, device=device),
+            hidden.new_zeros(2 * batch, rows, hidden.shape[-1]),
+            torch.ones(batch, dtype=torch.long, device=device),
+            filter_inputs(sampling, device),
+            relax,
+            vocab,
+            device,
+        )
+    uniform = torch.stack(
+        [
+            _uniform(vocab, sampling, slot.generator, device) if flag else _zeros(vocab, device)
+            for slot, flag in zip(slots, flags, strict=True)
+        ]
+    )
+    first = draw(target_probabilities(logits, state.filters), uniform, state.relax.greedy)
+    rows = state.pending.shape[1]
+    state.pending = torch.where(is_fresh[:, None], F.pad(first[:, None], (0, rows - 1)), state.pending)
+    state.hidden = torch.where(
+        cfg_rows(is_fresh)[:, None, None], F.pad(hidden[:, None], (0, 0, 0, rows - 1)), state.hidden
+    )
+    state.m = torch.where(is_fresh, 1, state.m)
+    if spec:
+        spec.drafter.cache.length.masked_fill_(is_fresh, 0)
+    for b, token in zip(fresh, first[fresh].tolist(), strict=True):
+        slots[b].tokens.append(token)
+    return state
+
+
+def _step_noise(
+    slots: list[_Slot | None], tree: StaticTree, drafting: bool, sampling: SamplingConfig, state: _State
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A step's uniform noise: the drafter's [B, noise_rows, V] (drafting methods), the tests'
+    [B, N+1] and the bonus draws' [B, V], each image's drawn from its own generator in the order
+    one image alone draws them (zeros for an empty slot; greedy: constants, no draw)."""
+    vocab, device, batch = state.vocab, state.device, len(slots)
+    noises = tree.num_nodes + 1
+    rows = noise_rows(tree) if drafting else 1
+    if sampling.greedy:
+        draft_noise = draw_noise(batch * rows, vocab, True, None, device).view(batch, rows, vocab)
+        uniform = _zeros(batch * (noises + vocab), device).view(batch, -1)
+        return draft_noise, *uniform.split([noises, vocab], 1)
+    drafts, uniforms = [], []
+    for slot in slots:
+        if slot is None:
+            drafts.append(_zeros(rows * vocab, device).view(rows, vocab))
+            uniforms.append(_zeros(noises + vocab, device))
+            continue
+        drafts.append(
+            draw_noise(rows, vocab, False, slot.generator, device)
+            if drafting
+            else _zeros(vocab, device)[None]
+        )
+        uniforms.append(_uniform(noises + vocab, sampling, slot.generator, device))
+    return torch.stack(drafts), *torch.stack(uniforms).split([noises, vocab], 1)
 
 
 def _step(
     target: TargetBackend,
     spec: Speculation | None,
     tree: StaticTree,
-    filters: FilterInputs,
-    relax: RelaxInputs,
-    vocab: int,
-    device: torch.device,
+    state: _State,
     graphs: dict | None,
 ) -> DecodeStep | CudaGraphed:
     """The step of these backends and settings, captured once in ``graphs`` when given."""
+    filters, relax, device = state.filters, state.relax, state.device
     key = (id(target), id(spec), tree.paths, *map(id, filters), *map(id, relax))
     if graphs is not None and key in graphs:
         return graphs[key]
+    batch = target.cache.images
     step = DecodeStep(
         target,
         spec,
         tree,
         filters,
         relax,
-        torch.ones(1, dtype=torch.bool, device=device),
-        torch.zeros(1, vocab, device=device),
+        torch.ones(batch, 1, dtype=torch.bool, device=device),
+        torch.zeros(batch, 1, state.vocab, device=device),
     )
     if graphs is None:
         return step

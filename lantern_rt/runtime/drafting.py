@@ -9,7 +9,8 @@ Per decode step the drafter
    parent's predicted hidden state, attends to what the root sees (the committed cache and the
    catch-up rows), to its ancestors' K/V from this same call, and to itself.
 At each node ``tree.width`` distinct children are drawn without replacement by Gumbel-top-k
-from noise the caller passes in (docs/method.md §4). :func:`draft_tree` is therefore a pure
+from noise the caller passes in (docs/method.md §4). Every function drafts B images at once,
+each with its own pending pairs, cache length and noise (docs/method.md §7). :func:`draft_tree` is therefore a pure
 function of tensors and a drafter step: the torch backend runs it eagerly with the drafter's
 own step, a bundle holds it as one graph per tree, and the same noise gives the same draft.
 """
@@ -24,10 +25,11 @@ import torch
 from torch import Tensor
 
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DrafterBackend, DraftOutputs, FilterInputs
-from lantern_rt.runtime.kv_cache import cache_mask
+from lantern_rt.runtime.kv_cache import cache_mask, gather_rows
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     cfg_mix,
+    cfg_rows,
     draw_distinct,
     filter_logits,
 )
@@ -58,9 +60,9 @@ class Context:
         )
 
 
-# A drafter step: pairs (tokens [S], target hidden [2, S, D]) at positions [S] under a mask
-# [1, 1, S, P + S] over the context (P slots in all) and the new rows -> predicted hidden
-# states [2, S, D] and new K/V [n_layer, 2, Hkv, S, D].
+# A drafter step: pairs (tokens [B, S], target hidden [2B, S, D]) at positions [2B, S] under a
+# mask [2B, 1, S, P + S] over the context (P slots in all) and the new rows -> predicted hidden
+# states [2B, S, D] and new K/V [n_layer, 2B, Hkv, S, D].
 DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, Context], tuple[Tensor, Tensor, Tensor]]
 # The target's LM head (affine): hidden [..., D] -> fp32 logits [..., V].
 Head = Callable[[Tensor], Tensor]
@@ -135,37 +137,41 @@ def noise_rows(tree: StaticTree) -> int:
     return tree.levels[-1][0]
 
 
-def catch_up_mask(rows: int, m: Tensor | int, device: torch.device) -> Tensor:
-    """[rows, rows]: the last ``m`` rows causal among themselves, padding rows see only themselves
-    (``m`` may be a one-element tensor on ``device``: no host read)."""
+def catch_up_mask(rows: int, m: Tensor, device: torch.device) -> Tensor:
+    """[B, rows, rows]: per image, the last ``m`` [B] rows causal among themselves, padding rows
+    see only themselves (``m`` on ``device``: no host read)."""
     r = torch.arange(rows, device=device)
-    real = r >= rows - m
-    return (r[:, None] == r[None, :]) | (real[:, None] & real[None, :] & (r[None, :] <= r[:, None]))
+    real = r >= rows - m[:, None]  # [B, rows]
+    causal = r[None, :] <= r[:, None]
+    return (r[:, None] == r[None, :]) | (real[:, :, None] & real[:, None, :] & causal)
 
 
 def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The catch-up call's tokens [R], hidden [2, R, D], positions [R] and mask [1, 1, R,
-    capacity + R] from the pending pairs ``rows`` (the first m of R, left-aligned): the pairs
-    right-aligned by gathers, so that the root is always the last row and padding rows come
-    first, seeing only themselves; the committed slots of a drafter cache of ``capacity``."""
+    """The catch-up call's tokens [B, R], hidden [2B, R, D], positions [2B, R] and mask [2B, 1,
+    R, capacity + R] from the pending pairs ``rows`` (per image the first m of R, left-aligned):
+    the pairs right-aligned by gathers, so that the root is always the last row and padding rows
+    come first, seeing only themselves; the committed slots of a drafter cache of ``capacity``."""
     tokens, hidden, m, root_position, length = rows
-    r = torch.arange(tokens.shape[0], device=tokens.device)
-    source = r - (tokens.shape[0] - m)  # the pending pair each row holds; < 0 for a padding row
+    width = tokens.shape[1]
+    r = torch.arange(width, device=tokens.device)
+    source = r[None, :] - (width - m[:, None])  # [B, R]: the pending pair each row holds; < 0: padding
     real = source >= 0
     index = source.clamp_min(0)
+    pair_index = cfg_rows(index)[..., None].expand(-1, -1, hidden.shape[-1])
     return (
-        torch.where(real, tokens[index], 0),
-        torch.where(real[None, :, None], hidden[:, index], 0.0),
-        (source + root_position - m + 1).clamp_min(0),
-        cache_mask(length, capacity, catch_up_mask(tokens.shape[0], m, tokens.device)),
+        torch.where(real, tokens.gather(1, index), 0),
+        torch.where(cfg_rows(real)[..., None], hidden.gather(1, pair_index), 0.0),
+        cfg_rows((source + (root_position - m + 1)[:, None]).clamp_min(0)),
+        cache_mask(length, capacity, catch_up_mask(width, m, tokens.device)),
     )
 
 
 def left_aligned(new: Tensor, m: Tensor) -> Tensor:
-    """The catch-up rows' K/V [n_layer, 2, Hkv, R, D] with the m real rows (the last m) first."""
+    """The catch-up rows' K/V [n_layer, 2B, Hkv, R, D] with each image's m real rows (its last m)
+    first."""
     rows = new.shape[3]
-    first = (torch.arange(rows, device=new.device) + (rows - m)).clamp_max(rows - 1)
-    return new.index_select(3, first)
+    first = (torch.arange(rows, device=new.device)[None, :] + (rows - m)[:, None]).clamp_max(rows - 1)
+    return gather_rows(new, first, 1, 3)
 
 
 def draft_tree(
@@ -180,9 +186,9 @@ def draft_tree(
     """Catch up on the pending pairs ``rows`` over the drafter ``cache``, then draft a tree (its
     ``plan``) below the root, the last pending pair.
 
-    ``noise`` [noise_rows(tree), V] is the uniform noise of each drawing node's draws, in node
-    order (sampling.draw_noise). The catch-up rows' K/V are returned with the m real rows first,
-    for the caller to commit (``KVCache.write``).
+    ``noise`` [B, noise_rows(tree), V] is the uniform noise of each drawing node's draws, in
+    node order (sampling.draw_noise). The catch-up rows' K/V are returned with each image's m
+    real rows first, for the caller to commit (``KVCache.write``).
     """
     capacity = sum(block.shape[2] for block in cache.keys[0])
     tokens, hidden, positions, mask = catch_up_inputs(rows, capacity)
@@ -197,36 +203,39 @@ def draft_tree(
         width = min(logits.shape[-1], TOPK_LIMIT)
         return torch.softmax(filter_logits(logits, temperature, top_k, top_p, width), dim=-1)
 
-    seen = mask[:, :, -1:]  # what the root sees: committed slots and catch-up rows
+    seen = mask[:, :, -1:]  # what each root sees: committed slots and catch-up rows
     context = cache.plus(catch_k, catch_v)
-    q = probabilities(level_hidden)  # [1, V]
-    vocab = q.shape[-1]
-    node_tokens, valid, q_rows = [tokens[-1:]], [torch.ones(1, dtype=torch.bool, device=tokens.device)], [q]
-    drawn, drawn_ok = draw_distinct(q, noise[:1], plan.width)
+    q = probabilities(level_hidden)  # [B, 1, V]
+    batch, vocab = q.shape[0], q.shape[-1]
+    node_tokens = [tokens[:, -1:]]
+    valid = [torch.ones(batch, 1, dtype=torch.bool, device=tokens.device)]
+    q_rows = [q]
+    drawn, drawn_ok = draw_distinct(q, noise[:, :1], plan.width)
     drawing = 1
     for depth, level in enumerate(plan.levels, start=1):
-        level_tokens = drawn.flatten()[level.pick]
+        level_tokens = drawn.flatten(1)[:, level.pick]
         node_tokens.append(level_tokens)
-        valid.append(drawn_ok.flatten()[level.pick])
-        n = level_tokens.shape[0]
+        valid.append(drawn_ok.flatten(1)[:, level.pick])
+        n = level_tokens.shape[1]
         if depth == len(plan.levels):
-            q_rows.append(q.new_zeros(n, vocab))
+            q_rows.append(q.new_zeros(batch, n, vocab))
             break
-        level_mask = torch.cat([seen.expand(1, 1, n, -1), level.visible], dim=-1)
-        level_positions = (positions[-1:] + depth).expand(n)
+        visible = level.visible.expand(seen.shape[0], 1, n, -1)
+        level_mask = torch.cat([seen.expand(-1, 1, n, -1), visible], dim=-1)
+        level_positions = (positions[:, -1:] + depth).expand(-1, n)
         level_hidden, k, v = step(
             level_tokens, level_hidden[:, level.parents], level_positions, level_mask, context
         )
         context = context.plus(k, v)
         q = probabilities(level_hidden)
         q_rows.append(q)
-        drawn, drawn_ok = draw_distinct(q, noise[drawing : drawing + n], plan.width)
+        drawn, drawn_ok = draw_distinct(q, noise[:, drawing : drawing + n], plan.width)
         drawing += n
     m = rows.count
     return (
-        torch.cat(node_tokens),
-        torch.cat(valid),
-        torch.cat(q_rows),
+        torch.cat(node_tokens, 1),
+        torch.cat(valid, 1),
+        torch.cat(q_rows, 1),
         left_aligned(catch_k, m),
         left_aligned(catch_v, m),
     )
@@ -241,13 +250,15 @@ def draft(
     root_position: Tensor,
     noise: Tensor,
     sampling: FilterInputs,
+    active: Tensor,
 ) -> Draft:
-    """Draft ``tree`` below the root (the last of the ``m`` pending tokens, the first m of
-    ``pending_tokens`` [R], committed since the last call, at target position ``root_position``;
-    ``pending_hidden`` [2, R, D] holds the target hidden states before each of them) from the
-    uniform ``noise`` [noise_rows(tree), V] (sampling.draw_noise) and commit the pending pairs
-    to the drafter's cache, all on the device."""
+    """Draft ``tree`` below each image's root (the last of its ``m`` [B] pending tokens, the
+    first m of ``pending_tokens`` [B, R], committed since the last call, at target position
+    ``root_position`` [B]; ``pending_hidden`` [2B, R, D] holds the target hidden states before
+    each of them) from the uniform ``noise`` [B, noise_rows(tree), V] (sampling.draw_noise) and
+    commit the pending pairs of the ``active`` [B] images to the drafter's cache, all on the
+    device."""
     rows = CatchUp(pending_tokens, pending_hidden, m, root_position, drafter.cache.length)
     tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, sampling)
-    drafter.cache.write(new_k, new_v, m)
+    drafter.cache.write(new_k, new_v, m * active)
     return Draft(tokens, valid, q)

@@ -1,62 +1,105 @@
-"""The persistent key/value cache the runtime owns; graphs only return the new tokens' K/V."""
+"""The persistent key/value cache the runtime owns; graphs only return the new tokens' K/V.
+
+A cache holds B images' 2B CFG rows (:func:`~lantern_rt.runtime.sampling.cfg_rows`: the
+conditional rows, then the unconditional ones) and a committed length per image: images of a
+batch advance by different accepted lengths (docs/method.md §7).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from lantern_rt.runtime.sampling import cfg_rows
+
 
 def cache_mask(length: Tensor, capacity: int, new_mask: Tensor) -> Tensor:
-    """Attention mask [1, 1, S, capacity + S] for S new tokens after ``length`` [1] committed
-    entries of a cache of ``capacity`` slots: every committed entry is visible, stale entries
-    are not, and the new tokens see each other through ``new_mask`` [S, S]. Built on the
-    device (inside a graph, from its length input), with no host read."""
-    seen = (torch.arange(capacity, device=length.device) < length).expand(new_mask.shape[0], -1)
-    return torch.cat([seen, new_mask], dim=1)[None, None]
+    """Attention mask [2B, 1, S, capacity + S] for S new tokens per image after ``length`` [B]
+    committed entries of a cache of ``capacity`` slots: every committed entry of the row's
+    image is visible, stale entries are not, and the new tokens see each other through
+    ``new_mask`` [S, S] (the same for every image) or [B, S, S]. Built on the device (inside a
+    graph, from its length input), with no host read."""
+    s = new_mask.shape[-1]
+    seen = torch.arange(capacity, device=length.device) < length[:, None]  # [B, capacity]
+    new = new_mask.expand(length.shape[0], s, s)
+    return cfg_rows(torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2)[:, None])
+
+
+def cache_slots(length: Tensor, count: int, capacity: int) -> Tensor:
+    """The slots [2B, S] that S new entries per image take after ``length`` [B] (clamped to the
+    last slot, which never holds a committed entry: see :meth:`KVCache.write`)."""
+    slots = length[:, None] + torch.arange(count, device=length.device)
+    return cfg_rows(slots.clamp_max(capacity - 1))
+
+
+def gather_rows(t: Tensor, index: Tensor, rows_dim: int, dim: int) -> Tensor:
+    """``t`` (its 2B CFG rows along ``rows_dim``) indexed along ``dim`` by per-image ``index``
+    [B, K], the same for an image's two rows: what ``index_select`` is for one image."""
+    rows = cfg_rows(index)  # [2B, K]
+    shape, sizes = [1] * t.dim(), list(t.shape)
+    shape[rows_dim], shape[dim] = rows.shape
+    sizes[dim] = rows.shape[1]
+    return t.gather(dim, rows.view(shape).expand(sizes))
 
 
 class KVCache:
-    """Fixed-size K/V storage [n_layer, rows, heads, capacity, head_dim] plus a committed length.
+    """Fixed-size K/V storage [n_layer, 2B, heads, capacity, head_dim] plus a committed length
+    per image ([B]).
 
-    The length is a one-element tensor on the cache's device, so that a whole decode step (its
-    positions, masks and commits) runs there with no host read (docs/method.md §6). Entries past
-    ``length`` are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
+    The lengths are a tensor on the cache's device, so that a whole decode step (its positions,
+    masks and commits) runs there with no host read (docs/method.md §6). Entries past an image's
+    length are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
     (graphs take one input per layer).
     """
 
     def __init__(
         self,
         n_layer: int,
-        rows: int,
+        images: int,
         heads: int,
         capacity: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        shape = (n_layer, rows, heads, capacity, head_dim)
+        shape = (n_layer, 2 * images, heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
         self.capacity = capacity
-        self._slots = torch.arange(capacity, device=device)  # for write
-        self.length = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = torch.zeros(images, dtype=torch.long, device=device)
+
+    @property
+    def images(self) -> int:
+        """B: the images whose rows this cache holds."""
+        return self.length.shape[0]
 
     def reset(self) -> None:
         self.length.zero_()
+
+    def restart(self, new_k: Tensor, new_v: Tensor, fresh: Tensor | None = None) -> None:
+        """The ``fresh`` [B] images (all when None) start over with the S entries ``new_k``/
+        ``new_v`` (a prefill's prefix); the other images keep their entries and lengths."""
+        if fresh is None:
+            self.length.zero_()
+            self.write(new_k, new_v, new_k.shape[3])
+        else:
+            self.length.masked_fill_(fresh, 0)
+            self.write(new_k, new_v, new_k.shape[3] * fresh)
 
     def mask(self, new_mask: Tensor) -> Tensor:
         """:func:`cache_mask` over this cache for new tokens seeing each other through ``new_mask``."""
         return cache_mask(self.length, self.capacity, new_mask)
 
     def write(self, new_k: Tensor, new_v: Tensor, count: Tensor | int) -> None:
-        """Append the first ``count`` of the S new entries (``new_k``/``new_v`` [n_layer, rows,
-        heads, S, head_dim], the kept ones first) after ``length``, on the device: all S are
-        copied to slots ``length``.. (clamped to the last slot), so the ones past ``count`` land
-        in stale slots. The last slot never holds a committed entry (capacities have one to
-        spare: a decode commits at most capacity - 1), so clamped copies only overwrite stale data.
-        """
-        slots = (self.length + self._slots[: new_k.shape[3]]).clamp_max(self.capacity - 1)
-        self.k.index_copy_(3, slots, new_k)
-        self.v.index_copy_(3, slots, new_v)
+        """Append the first ``count`` [B] (or one int for all) of the S new entries per image
+        (``new_k``/``new_v`` [n_layer, 2B, heads, S, head_dim], the kept ones first) after each
+        image's length, on the device: all S are copied to slots ``length``.. (clamped to the
+        last slot), so the ones past ``count`` land in stale slots. The last slot never holds a
+        committed entry (capacities have one to spare: a decode commits at most capacity - 1),
+        so clamped copies only overwrite stale data; a count of 0 leaves an image as it was."""
+        slots = cache_slots(self.length, new_k.shape[3], self.capacity)
+        index = slots[None, :, None, :, None].expand_as(new_k)
+        self.k.scatter_(3, index, new_k)
+        self.v.scatter_(3, index, new_v)
         self.length += count

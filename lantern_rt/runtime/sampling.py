@@ -46,10 +46,18 @@ class SamplingConfig:
 
 
 def cfg_mix(logits: Tensor, scale: float | Tensor) -> Tensor:
-    """Mix [2, ..., V] logits (row 0 conditional, row 1 unconditional): u + s * (c - u)
-    (written out: ``torch.lerp`` exports as two formulas and a Where)."""
-    uncond = logits[1]
-    return uncond + scale * (logits[0] - uncond)
+    """Mix the CFG rows of a batch: logits [2B, ..., V] (the B images' conditional rows, then
+    their unconditional rows: :func:`cfg_rows`) -> [B, ..., V], u + s * (c - u) (written out:
+    ``torch.lerp`` exports as two formulas and a Where)."""
+    cond, uncond = logits.unflatten(0, (2, -1))
+    return uncond + scale * (cond - uncond)
+
+
+def cfg_rows(per_image: Tensor) -> Tensor:
+    """A per-image tensor [B, ...] as the 2B rows every target and drafter call runs (each
+    image's conditional row, then the same B again for the unconditional rows; LlamaGen's
+    ``torch.cat([cond, uncond])`` layout)."""
+    return torch.cat([per_image, per_image])
 
 
 # TensorRT's TopK returns at most this many values: fixed-shape graphs filter on that many.

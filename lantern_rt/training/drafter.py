@@ -122,7 +122,7 @@ def eagle_loss(
         pred, target = pred[:, level - 1 :], h_target[:, level - 1 :]
         vlosses.append(F.smooth_l1_loss(pred, target))
         if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
-            pred, target = (cfg_mix(h.unflatten(0, (2, -1)), cfg_scale) for h in (pred, target))
+            pred, target = (cfg_mix(h, cfg_scale) for h in (pred, target))
         with torch.no_grad():
             p_target = torch.softmax(head(target).float(), dim=-1)
         plosses.append(-(p_target * torch.log_softmax(head(pred).float(), dim=-1)).sum(-1).mean())

@@ -19,22 +19,22 @@ class CatchUp(NamedTuple):
     """What a drafting call catches up on: the pairs committed since the last call (see
     :func:`lantern_rt.runtime.drafting.catch_up_inputs`), all on the device."""
 
-    tokens: Tensor  # [R] int64: the m pending tokens, left-aligned (the m-th is the root)
-    hidden: Tensor  # [2, R, D]: the target's hidden state before each of them
-    count: Tensor  # [1] int64: m, 1..R
-    root_position: Tensor  # [1] int64: the root's target position
-    cache_length: Tensor  # [1] int64: the drafter cache's committed length
+    tokens: Tensor  # [B, R] int64: each image's m pending tokens, left-aligned (the m-th is the root)
+    hidden: Tensor  # [2B, R, D]: the target's hidden state before each of them (CFG rows)
+    count: Tensor  # [B] int64: m, 1..R
+    root_position: Tensor  # [B] int64: the root's target position
+    cache_length: Tensor  # [B] int64: the drafter cache's committed length
 
 
-# What a drafting call returns: node tokens [N+1], valid [N+1], q [N+1, V], and the catch-up
-# rows' new K and V [n_layer, 2, Hkv, R, D], the m real rows first.
+# What a drafting call returns: node tokens [B, N+1], valid [B, N+1], q [B, N+1, V], and the
+# catch-up rows' new K and V [n_layer, 2B, Hkv, R, D], each image's m real rows first.
 DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 @dataclass
 class Draft:
-    """A drafted tree: tokens [N+1] (root first), valid [N+1], drafter probabilities q [N+1, V]
-    (rows of nodes at the tree's last level are zero: nothing is drawn below them)."""
+    """B drafted trees: tokens [B, N+1] (roots first), valid [B, N+1], drafter probabilities q
+    [B, N+1, V] (rows of nodes at the tree's last level are zero: nothing is drawn below them)."""
 
     tokens: Tensor
     valid: Tensor
@@ -42,7 +42,8 @@ class Draft:
 
 
 class TargetBackend(Protocol):
-    """Runs the target's prefill and step graphs over two CFG rows and owns its KV cache.
+    """Runs the target's prefill and step graphs over the 2B CFG rows of B images
+    (:func:`~lantern_rt.runtime.sampling.cfg_rows`) and owns their KV cache.
 
     Returned tensors may be the backend's own buffers: valid until its next call.
     """
@@ -51,9 +52,10 @@ class TargetBackend(Protocol):
     cache: KVCache
     cls_token_num: int
 
-    def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
-        """Condition rows (class ids [2] or captions [2, T, C]) -> logits [2, V] and hidden
-        [2, D] at the last prefix slot; the prefix K/V are committed to the cache."""
+    def prefill(self, cond: Tensor, fresh: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Condition rows (class ids [2B] or captions [2B, T, C]) -> logits [2B, V] and hidden
+        [2B, D] at the last prefix slot; the ``fresh`` [B] images' caches (all when None)
+        restart with their prefix K/V, the others keep theirs."""
         ...
 
     def verify(
@@ -65,19 +67,20 @@ class TargetBackend(Protocol):
         sampling: FilterInputs,
         relax: RelaxInputs,
     ) -> Verified:
-        """One target step over the ``draft`` of ``tree`` (its tokens [N+1], the root first; the
-        root-only tree for AR) after the committed cache (positions and mask from
+        """One target step over the B ``draft``s of ``tree`` (tokens [B, N+1], the roots first;
+        the root-only tree for AR) after each image's committed cache (positions and masks from
         ``cache.length``: :func:`~lantern_rt.runtime.acceptance.tree_step_inputs`), then their
         acceptance on this backend's device
         (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from the draft's valid flags and q,
-        uniform ``noise`` [N+1] and ``bonus_noise`` [V]). The kept nodes' K/V
-        come first in ``new_k``/``new_v``: ``cache.write(new_k, new_v, length + 1)`` commits
-        the accepted path. Nothing is read back to the host."""
+        uniform ``noise`` [B, N+1] and ``bonus_noise`` [B, V]). The kept nodes' K/V come first
+        in ``new_k``/``new_v``: ``cache.write(new_k, new_v, length + 1)`` commits the accepted
+        paths. Nothing is read back to the host."""
         ...
 
 
 class DrafterBackend(Protocol):
-    """Runs the drafter (with the target's LM head) over two CFG rows; owns the drafter cache."""
+    """Runs the drafter (with the target's LM head) over B images' 2B CFG rows; owns the
+    drafter cache."""
 
     name: str
     cache: KVCache

@@ -21,6 +21,7 @@ from lantern_rt.bundle import (
     BundleError,
     GraphEntry,
     IOSpec,
+    batched_name,
 )
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
@@ -79,30 +80,33 @@ def kv_layers(entry: GraphEntry) -> int:
 
 
 def cache_for(entry: GraphEntry, device: torch.device) -> KVCache:
-    """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs, on ``device``."""
+    """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs (2B rows), on ``device``."""
     past = entry.input("past_k_0")
     rows, heads, capacity, head_dim = past.shape
-    return KVCache(kv_layers(entry), rows, heads, capacity, head_dim, torch_dtype(past.dtype), device)
+    return KVCache(kv_layers(entry), rows // 2, heads, capacity, head_dim, torch_dtype(past.dtype), device)
 
 
 class BundleTarget:
-    """``TargetBackend`` over a bundle's ``target_prefill`` graph and its verify graphs: one per
-    tree with a drafter (``target_verify_{i}``) and AR's ``target_ar_step``."""
+    """``TargetBackend`` over a bundle's prefill graph and its verify graphs for ``batch``
+    images per call: one per tree with a drafter (``target_verify_{i}``) and AR's
+    ``target_ar_step`` (names with ``_b{batch}`` for batches above 1)."""
 
-    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str):
+    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str, batch: int = 1):
+        bundle.check_batch_size(batch)
         self.name = name
         self.cls_token_num = bundle.constants.cls_token_num
-        self._prefill = runner(bundle, bundle.graph(PREFILL_GRAPH))
+        self._prefill = runner(bundle, bundle.graph(batched_name(PREFILL_GRAPH, batch)))
         names = {ROOT_ONLY.paths: AR_STEP_GRAPH}
         names |= {tree.paths: tree.verify for tree in bundle.trees.values() if tree.verify is not None}
-        self._verify = {paths: runner(bundle, bundle.graph(name)) for paths, name in names.items()}
-        ar = bundle.graph(AR_STEP_GRAPH)
+        self._verify = {
+            paths: runner(bundle, bundle.graph(batched_name(name, batch))) for paths, name in names.items()
+        }
+        ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
         self.cache = cache_for(ar, self._verify[ROOT_ONLY.paths].device)
 
-    def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
-        self.cache.reset()
+    def prefill(self, cond: Tensor, fresh: Tensor | None = None) -> tuple[Tensor, Tensor]:
         logits, hidden, k, v = self._prefill(cond)
-        self.cache.write(k, v, self.cls_token_num)
+        self.cache.restart(k, v, fresh)
         return logits, hidden
 
     def verify(
@@ -127,10 +131,12 @@ class BundleTarget:
 
 
 class BundleDrafter:
-    """``DrafterBackend`` over a bundle's drafting graphs, one per exported tree (the drafter's
-    layers and the LM head are inside them); its cache has the manifest's ``drafter_capacity``."""
+    """``DrafterBackend`` over a bundle's drafting graphs for ``batch`` images per call, one per
+    exported tree (the drafter's layers and the LM head are inside them); its cache has the
+    manifest's ``drafter_capacity``."""
 
-    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str):
+    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str, batch: int = 1):
+        bundle.check_batch_size(batch)
         trees = [tree for tree in bundle.trees.values() if tree.graph is not None]
         if not bundle.has_drafter or not trees:
             raise BundleError(
@@ -139,8 +145,9 @@ class BundleDrafter:
             )
         self.name = name
         self.vocab_size = bundle.constants.vocab_size
-        self._graphs = {tree.paths: runner(bundle, bundle.graph(tree.graph)) for tree in trees}
-        self.cache = cache_for(bundle.graph(trees[0].graph), next(iter(self._graphs.values())).device)
+        graphs = {tree.paths: bundle.graph(batched_name(tree.graph, batch)) for tree in trees}
+        self._graphs = {paths: runner(bundle, entry) for paths, entry in graphs.items()}
+        self.cache = cache_for(next(iter(graphs.values())), next(iter(self._graphs.values())).device)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)

@@ -24,6 +24,7 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
 )
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import StaticTree
 
 
@@ -34,14 +35,14 @@ class TorchTarget:
 
     name = "torch"
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, batch: int = 1):
         cfg = model.config
         self.model = model
         self.cls_token_num = cfg.cls_token_num
         weight = model.output.weight
         self.cache = KVCache(
             cfg.n_layer,
-            2,
+            batch,
             cfg.kv_heads,
             cfg.cls_token_num + cfg.block_size,
             cfg.head_dim,
@@ -51,16 +52,12 @@ class TorchTarget:
         self._tables: dict[StaticTree, tuple[TreePlan, Tensor, Tensor]] = {}  # plan, depth, mask
 
     @torch.inference_mode()
-    def prefill(self, cond: Tensor) -> tuple[Tensor, Tensor]:
-        self.cache.reset()
+    def prefill(self, cond: Tensor, fresh: Tensor | None = None) -> tuple[Tensor, Tensor]:
         h = self.model.embed_condition(cond)
         t = h.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
-        positions = torch.arange(t, device=h.device)
-        logits, hidden, k, v = self.model.step(
-            h, positions, self.cache.mask(causal), self.cache.k, self.cache.v
-        )
-        self.cache.write(k, v, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None]
+        logits, hidden, k, v = self.model.step(h, torch.arange(t, device=h.device), causal, None, None)
+        self.cache.restart(k, v, fresh)
         return logits[:, -1], hidden[:, -1]
 
     @torch.inference_mode()
@@ -83,7 +80,7 @@ class TorchTarget:
             )
         plan, depth, tree_mask = tables
         positions, mask = tree_step_inputs(depth, tree_mask, self.cache.length, self.cache.capacity)
-        h = self.model.tok_embeddings(draft.tokens).unsqueeze(0).expand(2, -1, -1)
+        h = self.model.tok_embeddings(cfg_rows(draft.tokens))
         logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
         return verify_tree(
             plan,
@@ -108,7 +105,7 @@ def drafter_step(drafter: Drafter) -> DraftStep:
     def step(
         tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context
     ) -> tuple[Tensor, Tensor, Tensor]:
-        pairs = tokens.unsqueeze(0).expand(2, -1)
+        pairs = cfg_rows(tokens)
         past_k = torch.stack([torch.cat(blocks, dim=2) for blocks in context.keys])
         past_v = torch.stack([torch.cat(blocks, dim=2) for blocks in context.values])
         return drafter.step(pairs, hidden, positions, mask, past_k, past_v)
@@ -127,13 +124,13 @@ class TorchDrafter:
 
     name = "torch"
 
-    def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int):
+    def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int, batch: int = 1):
         c = drafter.config
         self.drafter, self.head = drafter, head
         self.vocab_size = head.out_features
         weight = drafter.fc.weight
         self.cache = KVCache(
-            c.num_hidden_layers, 2, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
+            c.num_hidden_layers, batch, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
         )
         self._step, self._head = drafter_step(drafter), lm_head(head)
 

@@ -1,0 +1,151 @@
+"""The baseline that ``lantern bench --baseline torch-batched`` times: LlamaGen's own sampler loop.
+
+LlamaGen samples with ``autoregressive/models/generate.py`` (FoundationVision/LlamaGen): torch
+eager, a batch of conditional rows followed by their unconditional copies
+(``torch.cat([cond, uncond])``), a static KV cache written at each step's position
+(``KVCache.update`` with ``input_pos``) under a causal mask over the cache, the two halves of the
+logits mixed every step as ``uncond + (cond - uncond) * cfg_scale``, then temperature, top-k and
+top-p, a softmax and ``torch.multinomial``. :func:`torch_batched_ar` follows that loop step for
+step, written here over our :class:`~lantern_rt.models.target.Transformer` (its pure ``step``);
+no LlamaGen code is copied.
+
+Where it differs from LlamaGen: the unconditional rows are always there (LlamaGen drops them
+when ``cfg_scale <= 1``), as in our runtime, so that greedy tokens agree at every scale;
+greedy (temperature 0) is the argmax of the mixed softmax; there is no ``cfg_interval``.
+
+Randomness: one ``torch.Generator`` per chunk of ``batch_size`` labels, seeded from (seed,
+chunk index). Sampled tokens therefore depend on the batch size and do not match the per-image
+streams of :func:`lantern_rt.generate.generate` (same law, other draws); greedy tokens equal our
+runtime's AR tokens exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lantern_rt.models.config import ConfigError
+from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class BaselineRun:
+    """Tokens of a baseline run and the wall time of its decode loop."""
+
+    tokens: Tensor  # [N, block_size] int64, in label order
+    seconds: float  # decode loop wall time (prefill, steps, cache setup), all chunks
+    seconds_per_image: float
+
+
+def top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """LlamaGen's ``top_k_top_p_filtering`` on logits [B, V] (removed entries -inf): keep the
+    logits at least the k-th largest (0 = off), then the largest tokens up to and including the
+    first whose cumulative probability passes ``top_p`` (the most likely is always kept)."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = torch.zeros_like(cumulative, dtype=torch.bool)
+        remove[:, 1:] = cumulative[:, :-1] > top_p  # shifted right: the first past top_p stays
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return logits
+
+
+def sample(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+    """One token per row of mixed logits [B, V] -> [B] int64: argmax of the softmax when greedy,
+    else temperature, :func:`top_k_top_p`, softmax and ``torch.multinomial`` (LlamaGen's ``sample``)."""
+    if sampling.greedy:
+        return logits.softmax(-1).argmax(-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        logits = top_k_top_p(logits, sampling.top_k, sampling.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+def cfg_mixed(logits: Tensor, cfg_scale: float) -> Tensor:
+    """Logits [2B, V] of B conditional rows then their B unconditional copies -> mixed [B, V]."""
+    cond, uncond = torch.split(logits, len(logits) // 2, dim=0)
+    return uncond + (cond - uncond) * cfg_scale
+
+
+def decode_chunk(
+    model: Transformer, labels: Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> Tensor:
+    """Tokens [b, block_size] for class ids ``labels`` [b]: prefill the condition prefix of 2b
+    rows, then one token per row per step into a static KV cache of cls_token_num + block_size."""
+    cfg = model.config
+    b, t, n = len(labels), cfg.cls_token_num, cfg.block_size
+    device, capacity = labels.device, cfg.cls_token_num + cfg.block_size
+    shape = (cfg.n_layer, 2 * b, cfg.kv_heads, capacity, cfg.head_dim)
+    cache_k = torch.zeros(shape, dtype=model.output.weight.dtype, device=device)
+    cache_v = torch.zeros_like(cache_k)
+    # Row p: the slots committed before position p, then the new token itself (LlamaGen's causal_mask).
+    step_masks = torch.ones(capacity, capacity + 1, dtype=torch.bool, device=device).tril(-1)
+    step_masks[:, -1] = True
+    positions = torch.arange(capacity, device=device)
+
+    cond = torch.cat([labels, torch.full_like(labels, cfg.num_classes)])
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.zeros(t, capacity, dtype=torch.bool, device=device), causal], dim=1)
+    logits, _, k, v = model.step(
+        model.embed_condition(cond), positions[:t], mask[None, None], cache_k, cache_v
+    )
+    cache_k[:, :, :, :t], cache_v[:, :, :, :t] = k, v
+    token = sample(cfg_mixed(logits[:, -1], sampling.cfg_scale), sampling, generator)
+    tokens = [token]
+    for pos in range(t, t + n - 1):
+        h = model.tok_embeddings(torch.cat([token, token])).unsqueeze(1)
+        mask = step_masks[pos].view(1, 1, 1, -1)
+        logits, _, k, v = model.step(h, positions[pos : pos + 1], mask, cache_k, cache_v)
+        cache_k[:, :, :, pos], cache_v[:, :, :, pos] = k[:, :, :, 0], v[:, :, :, 0]
+        token = sample(cfg_mixed(logits[:, -1], sampling.cfg_scale), sampling, generator)
+        tokens.append(token)
+    return torch.stack(tokens, dim=1)
+
+
+def chunk_generator(seed: int, chunk: int, device: torch.device) -> torch.Generator:
+    """The random stream of chunk ``chunk`` under ``seed``."""
+    state = int(np.random.SeedSequence([seed, chunk]).generate_state(1)[0])
+    return torch.Generator(device=device).manual_seed(state)
+
+
+@torch.inference_mode()
+def torch_batched_ar(
+    model: Transformer, labels: Sequence[int], sampling: SamplingConfig, batch_size: int, seed: int
+) -> BaselineRun:
+    """LlamaGen-style batched AR decoding of class ``labels`` (c2i), ``batch_size`` images at a
+    time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops."""
+    cfg = model.config
+    if cfg.model_type != "c2i":
+        raise ConfigError(f"the torch-batched baseline takes class labels; this model is {cfg.model_type}")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    labels = [int(label) for label in labels]
+    bad = sorted({label for label in labels if not 0 <= label < cfg.num_classes})
+    if bad:
+        raise ValueError(f"class ids must be in 0..{cfg.num_classes - 1}, got {bad}")
+    device = model.output.weight.device
+    chunks, seconds = [], 0.0
+    for index, start in enumerate(range(0, len(labels), batch_size)):
+        ids = torch.tensor(labels[start : start + batch_size], dtype=torch.long, device=device)
+        generator = None if sampling.greedy else chunk_generator(seed, index, device)
+        _synchronize(device)
+        t0 = time.perf_counter()
+        chunks.append(decode_chunk(model, ids, sampling, generator))
+        _synchronize(device)
+        seconds += time.perf_counter() - t0
+    tokens = torch.cat(chunks).cpu() if chunks else torch.zeros(0, cfg.block_size, dtype=torch.long)
+    return BaselineRun(tokens, seconds, seconds / len(labels) if labels else 0.0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,255 @@
+"""One copy of the weights on disk for all the graphs of a bundle (docs/method.md §7).
+
+:func:`share_weights` moves every large initializer of a bundle's graphs (prefill, AR step,
+verify and drafting graphs of every batch size: the same transformer's weights) into one
+weights file, once per distinct content, renamed to its content name ``w_<sha256 prefix>`` (the
+exporter names a weight differently in each graph). A run loads the graphs of one batch size.
+
+What onnxruntime CPU (1.32) does with it in memory, measured with 4 one-thread sessions over
+graphs sharing 48 MiB of fp32 MatMul weights: with prepacking on (its default, which the
+runtime keeps) every session makes its own prepacked copy of each MatMul/Gemm weight (4 x 48
+MiB, shared file or not). With ``session.disable_prepacking`` = "1" it memory-maps the shared
+file and the sessions hold one physical copy (PSS 59 MiB against 203), but an 8-row fp32 MatMul
+chain then ran 2.4x slower; sharing ``OrtValue``s through ``SessionOptions.add_initializer``
+saves nothing more. An fp16 graph gains nothing on the CPU: onnxruntime folds the Casts it
+inserts into a private fp32 copy per session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, MutableSequence, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import onnx
+from onnx import external_data_helper, numpy_helper
+
+from lantern_rt.errors import LanternError
+from lantern_rt.fileio import atomic_write
+
+ALIGN = 64  # byte alignment of every tensor in the weights file
+_TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+
+
+class ShareError(LanternError, ValueError):
+    """The graphs cannot share one weights file (already shared, another folder, ...)."""
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """What :func:`share_weights` wrote: ``tensors`` distinct tensors in ``bytes`` bytes of
+    ``file``, read by ``references`` initializers across the graphs."""
+
+    file: Path
+    tensors: int
+    bytes: int
+    references: int
+
+
+def share_weights(graphs: Sequence[Path], weights_file: Path, min_bytes: int = 1024) -> SharedWeights:
+    """Move every initializer of ``graphs`` (subgraphs included) of at least ``min_bytes`` into
+    ``weights_file``, once per distinct content, renamed to its content name ``w_<hash>``; the
+    graphs are rewritten in place and the external data files they read before are deleted
+    unless another graph of the folder reads them. Refuses a ``weights_file`` that exists:
+    sharing runs once, on freshly exported graphs."""
+    graphs, weights_file = [Path(p) for p in graphs], Path(weights_file)
+    folder = weights_file.parent
+    _check_share_args(graphs, weights_file)
+    listed = {p.resolve() for p in graphs}
+    others = [p for p in folder.glob("*.onnx") if not p.name.startswith(".") and p.resolve() not in listed]
+    still_read = set().union(*(_external_locations(_load_bare(p)) for p in others))
+    old: set[str] = set()  # external data files the graphs read before
+    serialized: list[bytes] = []
+    stats = {"tensors": 0, "bytes": 0, "references": 0}
+
+    def write(tmp: Path) -> None:
+        offsets: dict[str, tuple[int, int]] = {}  # content key -> (offset, length)
+        with tmp.open("wb") as out:
+            for path in graphs:
+                model = _load_bare(path)
+                old.update(_external_locations(model))
+                external_data_helper.load_external_data_for_model(model, str(folder))
+                stats["references"] += _share_model(model, out, offsets, weights_file.name, min_bytes)
+                serialized.append(model.SerializeToString())  # here, to fail before any rename
+            stats["tensors"], stats["bytes"] = len(offsets), out.tell()
+
+    atomic_write(weights_file, write)
+    for path, data in zip(graphs, serialized, strict=True):
+        atomic_write(path, lambda tmp, data=data: tmp.write_bytes(data))
+    for location in old - still_read:
+        (folder / location).unlink(missing_ok=True)
+    return SharedWeights(weights_file, **stats)
+
+
+def _check_share_args(graphs: list[Path], weights_file: Path) -> None:
+    if not graphs:
+        raise ShareError("no graphs to share weights between")
+    if len({p.resolve() for p in graphs}) != len(graphs):
+        raise ShareError("a graph is listed twice")
+    for path in graphs:
+        if path.resolve().parent != weights_file.resolve().parent:
+            raise ShareError(f"{path} is not in the folder of {weights_file}")
+    if weights_file.exists():
+        raise ShareError(
+            f"{weights_file} already exists: the graphs share their weights already "
+            "(share_weights runs once, on freshly exported graphs)"
+        )
+
+
+def _share_model(
+    model: onnx.ModelProto, out: BinaryIO, offsets: dict[str, tuple[int, int]], location: str, min_bytes: int
+) -> int:
+    """Move ``model``'s big initializers into ``out`` (new contents only) and rename them; the
+    number of initializers now reading ``location``."""
+    taken = set(_value_names(model.graph))
+    names: dict[str, str] = {}  # content key -> name, within this model
+
+    def name_of(key: str) -> str:
+        if key not in names:
+            name, n = f"w_{key[:20]}", 0
+            while name in taken:
+                n += 1
+                name = f"w_{key[:20]}_{n}"
+            names[key] = name
+            taken.add(name)
+        return names[key]
+
+    def place(tensor: onnx.TensorProto, key: str, raw: bytes) -> None:
+        if key not in offsets:
+            start = -out.tell() % ALIGN
+            out.write(b"\0" * start)
+            offsets[key] = (out.tell(), len(raw))
+            out.write(raw)
+        offset, length = offsets[key]
+        for field in _TYPED_FIELDS:
+            tensor.ClearField(field)
+        tensor.raw_data = raw  # set_external_data insists on raw_data
+        external_data_helper.set_external_data(tensor, location, offset, length)
+        tensor.ClearField("raw_data")
+
+    count = 0
+
+    def share(graph: onnx.GraphProto, outer: dict[str, str], visible: dict[str, str], top: bool) -> None:
+        nonlocal count
+        renames = dict(outer)  # ONNX forbids a subgraph to redefine (shadow) an outer name
+        visible = dict(visible)  # content key -> shared name visible in this scope
+        keep = []
+        interface = {v.name for v in graph.output} if top else set()
+        for tensor in graph.initializer:
+            raw = _raw_bytes(tensor) if tensor.name not in interface else None
+            if raw is None or len(raw) < max(min_bytes, 1):
+                keep.append(tensor)
+                continue
+            key = _content_key(tensor, raw)
+            count += 1
+            if key in visible:  # a duplicate of a tensor in this or an outer scope: drop it
+                renames[tensor.name] = visible[key]
+                continue
+            renames[tensor.name] = visible[key] = name_of(key)
+            tensor.name = visible[key]
+            place(tensor, key, raw)
+            keep.append(tensor)
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+        _rename_values(graph.input, renames)
+        _rename_values(graph.value_info, renames)
+        if not top:  # If/Loop/Scan match a subgraph's outputs by position
+            _rename_values(graph.output, renames, dedupe=False)
+        for node in graph.node:
+            node.input[:] = [renames.get(name, name) for name in node.input]
+            for sub in _subgraphs(node):
+                share(sub, renames, visible, top=False)
+
+    share(model.graph, {}, {}, top=True)
+    return count
+
+
+def _raw_bytes(tensor: onnx.TensorProto) -> bytes | None:
+    """The tensor's little-endian bytes as ``raw_data`` holds them; None for strings."""
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
+
+
+def _content_key(tensor: onnx.TensorProto, raw: bytes) -> str:
+    digest = hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode())
+    digest.update(raw)
+    return digest.hexdigest()
+
+
+def _rename_values(
+    values: MutableSequence[onnx.ValueInfoProto], renames: dict[str, str], dedupe: bool = True
+) -> None:
+    """Rename, in place, the ValueInfos of a repeated field; drop repeats of a name."""
+    seen: set[str] = set()
+    kept = []
+    for value in values:
+        value.name = renames.get(value.name, value.name)
+        if not (dedupe and value.name in seen):
+            kept.append(value)
+        seen.add(value.name)
+    del values[:]
+    values.extend(kept)
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and all its subgraphs, recursively."""
+    yield graph
+    for node in graph.node:
+        for sub in _subgraphs(node):
+            yield from _graphs(sub)
+
+
+def _value_names(graph: onnx.GraphProto) -> Iterator[str]:
+    """Every value name in ``graph`` and its subgraphs."""
+    for g in _graphs(graph):
+        for values in (g.input, g.output, g.value_info):
+            yield from (v.name for v in values)
+        yield from (t.name for t in g.initializer)
+        yield from (t.values.name for t in g.sparse_initializer)
+        for node in g.node:
+            yield from node.input
+            yield from node.output
+
+
+def _external_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """The initializers of ``graph`` and its subgraphs whose data lies in a file."""
+    for g in _graphs(graph):
+        yield from (t for t in g.initializer if external_data_helper.uses_external_data(t))
+
+
+def _load_bare(path: Path) -> onnx.ModelProto:
+    return onnx.load(str(path), load_external_data=False)
+
+
+def _external_locations(model: onnx.ModelProto) -> set[str]:
+    """The external data files ``model`` reads (relative to its folder), from its initializers
+    and its nodes' tensor attributes."""
+    tensors = [t for g in _graphs(model.graph) for t in g.initializer]
+    for g in _graphs(model.graph):
+        for attr in (a for node in g.node for a in node.attribute):
+            tensors += [attr.t, *attr.tensors]
+    return {
+        external_data_helper.ExternalDataInfo(t).location
+        for t in tensors
+        if external_data_helper.uses_external_data(t)
+    }
+
+
+def initializer_names(path: Path) -> list[str]:
+    """Names of the initializers of the graph at ``path`` (subgraphs included) whose data lies
+    in an external file: after :func:`share_weights`, those it reads from the weights file."""
+    graph = _load_bare(path).graph
+    return list(dict.fromkeys(t.name for t in _external_tensors(graph)))
