@@ -1,0 +1,187 @@
+"""Batched generation: B images per decode step, each with its own random stream, lengths and
+positions, finished images replaced by the next job; the same tokens as one image at a time."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from onnx import external_data_helper
+
+from lantern_rt.bundle import WEIGHTS, Bundle, BundleError
+from lantern_rt.cli import main
+from lantern_rt.export.bundle import export_bundle
+from lantern_rt.models.model_dir import open_model_dir
+from lantern_rt.runtime.acceptance import Relaxation
+from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, bundle_trees
+from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import Speculation, decode_images
+from lantern_rt.runtime.kv_cache import KVCache, cache_mask
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import load_tree
+from tests.conftest import tiny_vq, write_model_dir
+from tests.test_export import add_drafter
+from tests.test_speculative import GREEDY, models  # noqa: F401  (models: the trained pair)
+
+SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+RELAX = Relaxation("lantern++", k=5, lam=5.0)
+LABELS = [0, 3, 1, 4, 2, 0, 3]  # 7 images: B = 3 refills slots and ends on a partial batch
+
+
+def jobs(target, labels, seed=0):
+    null = target.config.num_classes
+    return [(torch.tensor([c, null]), torch.Generator().manual_seed(seed + i)) for i, c in enumerate(labels)]
+
+
+def decode_all(target_backend, model, labels, sampling, spec=None):
+    """{job index: tokens} and {job index: accepted lengths}."""
+    out = dict(decode_images(target_backend, jobs(model, labels), model.config.block_size, sampling, spec))
+    assert sorted(out) == list(range(len(labels)))  # every image exactly once
+    return {i: r.tokens for i, r in out.items()}, {i: r.accepted for i, r in out.items()}
+
+
+def torch_spec(target, drafter, batch: int) -> Speculation:
+    tree, vocab = load_tree("chain-5"), target.config.vocab_size
+    neighbors = (torch.arange(vocab)[:, None] + torch.arange(1, 6)) % vocab  # any table will do
+    drafting = TorchDrafter(drafter, target.output, target.config.block_size, batch)
+    return Speculation(drafting, tree, RELAX, neighbors)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", ["ar", "lantern++"])
+def test_torch_tokens_do_not_depend_on_the_batch(models, method, sampling):  # noqa: F811
+    """Per image, the same tokens and accepted lengths at B = 1, 3 and 8 (7 jobs: refills, a
+    partial last batch, and a batch larger than the job count)."""
+    target, drafter = models
+    runs = []
+    for batch in (1, 3, 8):
+        spec = torch_spec(target, drafter, batch) if method != "ar" else None
+        runs.append(decode_all(TorchTarget(target, batch), target, LABELS, sampling, spec))
+    (tokens, accepted), *others = runs
+    for got_tokens, got_accepted in others:
+        assert all(torch.equal(tokens[i], got_tokens[i]) for i in tokens)
+        assert got_accepted == accepted
+    if method != "ar":
+        assert max(a for run in accepted.values() for a in run) >= 3  # multi-token steps
+
+
+def test_an_image_does_not_depend_on_its_slot_or_neighbours(models):  # noqa: F811
+    """The same job, its seed fixed, among other images in another order: the same tokens."""
+    target, drafter = models
+    null = target.config.num_classes
+    first = [(torch.tensor([c, null]), torch.Generator().manual_seed(100 + c)) for c in (1, 2, 3)]
+    second = [(torch.tensor([c, null]), torch.Generator().manual_seed(100 + c)) for c in (3, 1, 2)]
+    results = []
+    for order in (first, second):
+        spec = torch_spec(target, drafter, 3)
+        out = dict(decode_images(TorchTarget(target, 3), order, target.config.block_size, SAMPLED, spec))
+        results.append({int(order[i][0][0]): out[i].tokens for i in out})
+    assert all(torch.equal(results[0][c], results[1][c]) for c in (1, 2, 3))
+
+
+def test_inactive_slots_commit_nothing(models):  # noqa: F811
+    """Two jobs on four slots: the empty slots never advance their caches."""
+    target, drafter = models
+    backend, spec = TorchTarget(target, 4), torch_spec(target, drafter, 4)
+    list(decode_images(backend, jobs(target, [1, 2]), target.config.block_size, GREEDY, spec))
+    assert backend.cache.length[2:].tolist() == [0, 0] and spec.drafter.cache.length[2:].tolist() == [0, 0]
+    assert (backend.cache.length[:2] > target.config.block_size // 2).all()
+
+
+def test_per_image_cache_masks_and_writes():
+    """cache_mask and KVCache.write per image, against the one-image functions row by row."""
+    length = torch.tensor([3, 0, 5])
+    new = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    mask = cache_mask(length, 6, new)
+    assert mask.shape == (6, 1, 2, 8)
+    for b, n in enumerate(length.tolist()):
+        one = cache_mask(torch.tensor([n]), 6, new)[0]
+        assert torch.equal(mask[b], one) and torch.equal(mask[3 + b], one)  # both CFG rows
+    cache = KVCache(1, 3, 1, 6, 1, torch.float32, "cpu")
+    cache.length.copy_(length)
+    k = torch.arange(12, dtype=torch.float32).view(1, 6, 1, 2, 1) + 1
+    cache.write(k, k, torch.tensor([2, 1, 0]))
+    assert cache.length.tolist() == [5, 1, 5]
+    assert cache.k[0, 0, 0, 3:5, 0].tolist() == [1, 2] and cache.k[0, 3, 0, 3:5, 0].tolist() == [7, 8]
+    assert cache.k[0, 1, 0, 0:2, 0].tolist() == [3, 4]  # image 1 at its own length 0
+
+
+@pytest.fixture(scope="module")
+def batched_bundle(models, tmp_path_factory) -> Bundle:  # noqa: F811
+    target, drafter = models
+    root = tmp_path_factory.mktemp("batched")
+    model = write_model_dir(root / "model", target, tiny_vq())
+    add_drafter(model, drafter)
+    path = export_bundle(
+        open_model_dir(model), root / "bundle", [load_tree("chain-5")], threads=1, batch_sizes=[3, 1]
+    )
+    return Bundle.open(path)
+
+
+def external_tensors(path) -> set[tuple[int, int]]:
+    """(offset, length) of every tensor a graph reads from the bundle's weights file."""
+    model = onnx.load(str(path), load_external_data=False)
+    tensors = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    infos = [external_data_helper.ExternalDataInfo(t) for t in tensors]
+    assert all(info.location == WEIGHTS for info in infos)
+    return {(info.offset, info.length) for info in infos}
+
+
+def test_the_manifest_records_the_batch_sizes_and_one_weights_file(batched_bundle):
+    bundle = batched_bundle
+    assert bundle.constants.batch_sizes == (1, 3)
+    assert {"target_prefill_b3", "target_ar_step_b3", "target_verify_0_b3", "draft_tree_0_b3"} <= set(
+        bundle.graphs
+    )
+    assert bundle.graph("target_verify_0_b3").input("node_tokens").shape == (3, 6)
+    for name in ("target_prefill", "target_ar_step", "target_verify_0", "draft_tree_0"):
+        # a second batch size adds no weights: its graph reads the same tensors of the one file
+        # (it adds batch-shaped constants only)
+        one, three = (
+            {t for t in external_tensors(bundle.file(bundle.graph(g))) if t[1] >= 4096}
+            for g in (name, f"{name}_b3")
+        )
+        assert one and one <= three, name
+    stored = sum(length for g in bundle.graphs.values() for _, length in external_tensors(bundle.file(g)))
+    weights = (bundle.path / WEIGHTS).stat().st_size
+    assert 1.5 * weights < stored  # the graphs read more than the file holds: each tensor is in it once
+    for entry in bundle.graphs.values():  # and none inline
+        inline = onnx.load(str(bundle.file(entry)), load_external_data=False).graph.initializer
+        assert all(len(t.raw_data) < 1024 for t in inline if t.data_location != onnx.TensorProto.EXTERNAL)
+    assert not any(p.name.endswith(".data") for p in bundle.path.iterdir())
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, models, sampling):  # noqa: F811
+    """LANTERN++ on onnxruntime at B = 3 gives each image the tokens it gets at B = 1, and torch's."""
+    bundle, (target, _) = batched_bundle, models
+    tree = bundle_trees(bundle)["chain-5"]
+    runs = []
+    for batch in (1, 3):
+        runner = ort_runner(threads=1)
+        ort_target = BundleTarget(bundle, runner, "onnxruntime", batch)
+        spec = Speculation(
+            BundleDrafter(bundle, runner, "onnxruntime", batch), tree, RELAX, bundle.neighbors()
+        )
+        runs.append(decode_all(ort_target, target, LABELS, sampling, spec)[0])
+    spec = Speculation(
+        TorchDrafter(models[1], target.output, bundle.constants.drafter_capacity, 3),
+        tree,
+        RELAX,
+        bundle.neighbors(),
+    )
+    runs.append(decode_all(TorchTarget(target, 3), target, LABELS, sampling, spec)[0])
+    one, batched, reference = runs
+    assert all(torch.equal(one[i], batched[i]) and torch.equal(one[i], reference[i]) for i in one)
+
+
+def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
+    with pytest.raises(BundleError, match=r"lantern export --batch-size 1,2,3"):
+        BundleTarget(batched_bundle, ort_runner(threads=1), "onnxruntime", 2)
+    out = tmp_path / "g.png"
+    args = ["generate", "--bundle", str(batched_bundle.path), "--batch-size", "2", "-q", "-o", str(out)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "--batch-size 1,2,3" in r.output
+    assert not out.exists()
