@@ -1,6 +1,6 @@
 """Generation statistics: what a run measured, as a typed object and as the JSON users read.
 
-The meaning of the acceptance figures is in docs/method.md §7.
+The meaning of the acceptance figures is in docs/method.md §8.
 """
 
 from __future__ import annotations

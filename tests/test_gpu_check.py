@@ -13,11 +13,18 @@ from tests.conftest import TINY_GPT
 def test_step_costs_and_report_run_on_a_cpu(monkeypatch):
     tiny = GPTConfig(**{**TINY_GPT, "block_size": 256, "num_classes": 10})  # room for 128 + the tree
     monkeypatch.setattr(gpu_check, "gpt_config", lambda preset, **kw: tiny)
-    costs = gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2)
-    assert all(costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")), costs
-    assert costs["whole_step_over_verify"] == costs["ms_whole_step"] / costs["ms_verify"]
-    text = gpu_check.report({"device_name": "cpu", "demo": [], "step_costs": [costs]})
-    assert "| tiny | float32 | chain-3 |" in text
+    for batch in (1, 3):
+        costs = gpu_check.with_projection(
+            gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, batch), 4.0
+        )
+        assert all(costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")), costs
+        assert costs["whole_step_over_verify"] == costs["ms_whole_step"] / costs["ms_verify"]
+        ar = batch / (256 * costs["ms_ar_step"] / 1e3)  # images/s at one token per AR step
+        assert costs["projected_ar_images_per_s"] == ar and costs["batch"] == batch
+        assert costs["projected_speedup"] == costs["projected_lantern_images_per_s"] / ar
+        result = {"device_name": "cpu", "demo": [], "projection_tau": 4.0, "step_costs": [costs]}
+        text = gpu_check.report(result)
+        assert f"| tiny | float32 | chain-3 | {batch} |" in text and "Projections (not measurements)" in text
 
 
 def test_a_demo_path_runs_on_a_cpu():

@@ -5,9 +5,10 @@
    seconds per image, mean accepted length, speedup over AR on the same path, and greedy token
    agreement between paths.
 2. Per-step costs for LlamaGen-B and -XL shaped targets with random weights (fp16, CUDA
-   graphs): an AR step, a tree verify (acceptance included, one call) and a whole speculative
-   step as the decode loop runs it (draft, verify, commit, host work): the ratios that decide
-   the speedup at real sizes.
+   graphs) at batch sizes 1, 4 and 16: an AR step, a tree verify (acceptance included, one
+   call) and a whole speculative step as the decode loop runs it (draft, verify, commit, host
+   work): the ratios that decide the speedup at real sizes, and images/s projected from them
+   with the demo's tau (labelled as projections).
 Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
 the tests on a CPU).
 """
@@ -176,15 +177,40 @@ def report(result: dict[str, Any]) -> str:
         )
     lines += ["", "## Step costs, acceptance included (random weights, sampled LANTERN++)", ""]
     lines += [
-        "| preset | dtype | tree | ms AR step | ms verify | verify / AR | ms whole step | whole / verify |",
-        "|---|---|---|---|---|---|---|---|",
+        "| preset | dtype | tree | B | ms AR step | ms verify | verify / AR | ms whole step | whole / verify |"
+        " projected AR img/s | projected LANTERN++ img/s | projected speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["step_costs"]:
         lines.append(
-            f"| {r['preset']} | {r['dtype']} | {r['tree']} | {r['ms_ar_step']:.3f} | {r['ms_verify']:.3f} | "
-            f"{r['verify_over_ar_step']:.2f} | {r['ms_whole_step']:.3f} | {r['whole_step_over_verify']:.2f} |"
+            f"| {r['preset']} | {r['dtype']} | {r['tree']} | {r['batch']} | {r['ms_ar_step']:.3f} | "
+            f"{r['ms_verify']:.3f} | {r['verify_over_ar_step']:.2f} | {r['ms_whole_step']:.3f} | "
+            f"{r['whole_step_over_verify']:.2f} | {r['projected_ar_images_per_s']:.1f} | "
+            f"{r['projected_lantern_images_per_s']:.1f} | {r['projected_speedup']:.2f}x |"
         )
+    lines += [
+        "",
+        f"Projections (not measurements): {PROJECTED_TOKENS} tokens per image, AR at one token per "
+        f"AR step, LANTERN++ at the demo's measured tau ({result['projection_tau']:.2f}) tokens per "
+        "whole step, B images per call.",
+    ]
     return "\n".join(lines)
+
+
+PROJECTED_TOKENS = 256  # LlamaGen's 256x256 images: a 16 x 16 grid
+
+
+def with_projection(costs: dict[str, Any], tau: float) -> dict[str, Any]:
+    """``costs`` with images/s projected from its step costs and the demo's ``tau``."""
+    b, ar, whole = costs["batch"], costs["ms_ar_step"], costs["ms_whole_step"]
+    ar_rate = b / (PROJECTED_TOKENS * ar / 1e3)
+    lantern_rate = b / (PROJECTED_TOKENS / tau * whole / 1e3)
+    return {
+        **costs,
+        "projected_ar_images_per_s": ar_rate,
+        "projected_lantern_images_per_s": lantern_rate,
+        "projected_speedup": lantern_rate / ar_rate,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -196,21 +222,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
     labels = [0, 1] if args.quick else list(range(10))
     presets = ["GPT-B"] if args.quick else ["GPT-B", "GPT-XL"]
+    batches = [1, 2] if args.quick else [1, 4, 16]
+    demo = demo_rows(args.device, "naive_extend_57" if cuda else "chain-4", labels)
+    tau = next(r["tau"] for r in demo if r["method"] == "lantern++")
+    dtype = torch.float16 if cuda else torch.float32
+    costs = [
+        step_costs(p, "naive_extend_57", args.device, dtype, 2 if args.quick else 50, b)
+        for p in presets
+        for b in batches
+    ]
     result = {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
-        "demo": demo_rows(args.device, "naive_extend_57" if cuda else "chain-4", labels),
-        "step_costs": [
-            step_costs(
-                p,
-                "naive_extend_57",
-                args.device,
-                torch.float16 if cuda else torch.float32,
-                2 if args.quick else 50,
-            )
-            for p in presets
-        ],
+        "demo": demo,
+        "projection_tau": tau,
+        "step_costs": [with_projection(c, tau) for c in costs],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
