@@ -32,7 +32,7 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
     problems = _opset(model)
     typed = [*graph.input, *graph.output]
     problems += [f"{v.name}: dims {_dims(v)} are not all static" for v in typed if not _static(v)]
-    graphs = list(_with_subgraphs(graph))  # If branches hold nodes too
+    graphs = list(with_subgraphs(graph))  # If branches hold nodes too
     inner = [v for g in graphs for v in g.value_info] + [v for g in graphs[1:] for v in g.output]
     loose = [v.name for v in inner if not _static(v)]
     if loose:
@@ -57,12 +57,12 @@ def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
         yield from [attr.g] if attr.HasField("g") else attr.graphs
 
 
-def _with_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def with_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every graph nested in its nodes, at any depth."""
     yield graph
     for node in graph.node:
         for sub in node_subgraphs(node):
-            yield from _with_subgraphs(sub)
+            yield from with_subgraphs(sub)
 
 
 def _opset(model: onnx.ModelProto) -> list[str]:

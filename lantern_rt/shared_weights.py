@@ -28,6 +28,7 @@ from onnx import external_data_helper, numpy_helper
 
 from lantern_rt.errors import LanternError
 from lantern_rt.fileio import atomic_write
+from lantern_rt.graph_rules import node_subgraphs, with_subgraphs
 
 ALIGN = 64  # byte alignment of every tensor in the weights file
 _TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
@@ -159,7 +160,7 @@ def _share_model(
             _rename_values(graph.output, renames, dedupe=False)
         for node in graph.node:
             node.input[:] = [renames.get(name, name) for name in node.input]
-            for sub in _subgraphs(node):
+            for sub in node_subgraphs(node):
                 share(sub, renames, visible, top=False)
 
     share(model.graph, {}, {}, top=True)
@@ -196,25 +197,9 @@ def _rename_values(
     values.extend(kept)
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and all its subgraphs, recursively."""
-    yield graph
-    for node in graph.node:
-        for sub in _subgraphs(node):
-            yield from _graphs(sub)
-
-
 def _value_names(graph: onnx.GraphProto) -> Iterator[str]:
     """Every value name in ``graph`` and its subgraphs."""
-    for g in _graphs(graph):
+    for g in with_subgraphs(graph):
         for values in (g.input, g.output, g.value_info):
             yield from (v.name for v in values)
         yield from (t.name for t in g.initializer)
@@ -226,7 +211,7 @@ def _value_names(graph: onnx.GraphProto) -> Iterator[str]:
 
 def _external_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """The initializers of ``graph`` and its subgraphs whose data lies in a file."""
-    for g in _graphs(graph):
+    for g in with_subgraphs(graph):
         yield from (t for t in g.initializer if external_data_helper.uses_external_data(t))
 
 
@@ -237,8 +222,8 @@ def _load_bare(path: Path) -> onnx.ModelProto:
 def _external_locations(model: onnx.ModelProto) -> set[str]:
     """The external data files ``model`` reads (relative to its folder), from its initializers
     and its nodes' tensor attributes."""
-    tensors = [t for g in _graphs(model.graph) for t in g.initializer]
-    for g in _graphs(model.graph):
+    tensors = [t for g in with_subgraphs(model.graph) for t in g.initializer]
+    for g in with_subgraphs(model.graph):
         for attr in (a for node in g.node for a in node.attribute):
             tensors += [attr.t, *attr.tensors]
     return {
