@@ -173,7 +173,7 @@ def test_run_is_chunk_major_with_warmup_first():
     for m in runs:
         assert m.seconds == pytest.approx([0.1, 0.1]) and m.end_to_end == pytest.approx([0.2, 0.2])
         assert m.histogram == {1: 9} and m.batch_size == 2
-    assert [chunk_size(sizes, n) for sizes, n in (([1, 4, 16], 100), ([1], 3), ([16], 8))] == [32, 2, 8]
+    assert [chunk_size(sizes, n) for sizes, n in (([1, 4, 16], 100), ([1], 3), ([16], 8))] == [64, 3, 8]
 
 
 def test_pure_numbers():
@@ -209,7 +209,7 @@ def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
     assert {"platform", "cpu_count", "torch", "onnxruntime"} <= results["machine"].keys()
     assert results["command"].startswith("lantern") and results["date"] and results["calibration"] == []
     assert results["settings"]["classes"] == [0, 4] and results["settings"]["batch_sizes"] == [1, 2]
-    assert results["settings"]["images_per_call"] == 4  # two batches of the largest size
+    assert results["settings"]["images_per_call"] == 6  # every image (four batches would be 8)
     rows = results["rows"]
     assert [(r["method"], r["backend"], r["batch_size"]) for r in rows] == [
         ("ar", "torch", 1),
@@ -224,7 +224,7 @@ def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
     assert ars[1]["accepted_length_histogram"] == {"1": 6 * 15}
     for row in rows:
         times = row["seconds_per_image_all"]
-        assert len(times) == 2 and row["num_images"] == 6  # chunks of 4, then 2 images
+        assert len(times) == 1 and row["num_images"] == 6  # one call
         assert row["seconds_per_image"] == statistics.median(times)
         assert row["images_per_second"] == pytest.approx(1 / row["seconds_per_image"])
         reference = ars[row["batch_size"]] if row["backend"] == "torch" else row

@@ -230,10 +230,16 @@ def run_order(num_images: int, warmup: int, chunk: int = 1) -> list[tuple[int, i
     return warm + [(i, min(chunk, num_images - i), True) for i in range(0, num_images, chunk)]
 
 
+CHUNK_BATCHES = 4  # batches of the largest batch size per interleaved call
+
+
 def chunk_size(batch_sizes: Sequence[int], num_images: int) -> int:
-    """Images per interleaved call: two batches of the largest batch size (so that a batch
-    refills at least once), at most all the images."""
-    return max(1, min(num_images, 2 * max(batch_sizes)))
+    """Images per interleaved call: four batches of the largest batch size, at most all the
+    images. A call ends by draining its batch (the last images decode with slots empty), so
+    the fewer images per call, the more of that tail a speculative row pays (AR images finish
+    together): at 16 images per batch, 32 images per call cost 30% more steps than full
+    batches would."""
+    return max(1, min(num_images, CHUNK_BATCHES * max(batch_sizes)))
 
 
 def run_interleaved(
