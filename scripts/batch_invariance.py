@@ -1,0 +1,32 @@
+"""Images whose tokens differ between batch sizes 1 and 16 (same seed): the demo's 40 images on
+onnxruntime and torch, AR and LANTERN++, greedy and sampled (BENCHMARKS.md).
+
+    .venv/bin/python scripts/batch_invariance.py
+"""
+
+import torch
+
+from lantern_rt.bundle import Bundle
+from lantern_rt.generate import cached_bundle, generate, make_pipeline
+from lantern_rt.models.model_dir import open_model_dir
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.settings import MethodConfig
+
+torch.set_num_threads(2)
+md = open_model_dir(None)
+bundle = Bundle.open(cached_bundle(md, MethodConfig("lantern++", tree="chain-5"), batch_sizes=[1, 4, 16]))
+labels = [c for c in range(10) for _ in range(4)]
+for backend in ("onnxruntime", "torch"):
+    src = bundle if backend == "onnxruntime" else md
+    for method in ("ar", "lantern++"):
+        mc = MethodConfig(method, tree="chain-5")
+        for name, s in (("greedy", SamplingConfig(4.0, 0.0)), ("sampled", SamplingConfig(4.0, 1.0))):
+            toks = {}
+            for B in (1, 16):
+                pipe = make_pipeline(src, backend, mc, "cpu", 2, False, B)
+                toks[B] = generate(pipe, labels, s, seed=0, progress=False).tokens
+            differ = int((toks[1] != toks[16]).any(1).sum())
+            print(
+                f"{backend} {method} {name}: {differ}/{len(labels)} images differ, {(toks[1] != toks[16]).float().mean():.4f} of tokens",
+                flush=True,
+            )
