@@ -185,3 +185,15 @@ def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "--batch-size 1,2,3" in r.output
     assert not out.exists()
+
+
+def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tmp_path):
+    from lantern_rt.calibration.calibrate import calibrate_bundle
+
+    report = calibrate_bundle(batched_bundle, tmp_path / "int8", samples=3, validate=1, threads=1)
+    int8 = Bundle.open(tmp_path / "int8")
+    precision = {name: entry["precision"] for name, entry in int8.manifest()["graphs"].items()}
+    assert precision["target_verify_0_b3"] == precision["target_verify_0"] == "int8"
+    assert precision["vq_decode"] == "fp32" and int8.constants.batch_sizes == (1, 3)
+    assert report["graphs"]["draft_tree_0_b3"]["calls"] > 0
+    assert (int8.path / WEIGHTS).is_file() and not any(p.suffix == ".data" for p in int8.path.iterdir())

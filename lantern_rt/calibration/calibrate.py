@@ -125,15 +125,17 @@ def spread_labels(count: int, num_classes: int) -> list[int]:
     return [i * num_classes // count if count < num_classes else i % num_classes for i in range(count)]
 
 
-def pipelines(bundle: Bundle, method: MethodConfig, runner: RunnerFactory) -> dict[str, Pipeline]:
+def pipelines(
+    bundle: Bundle, method: MethodConfig, runner: RunnerFactory, batch: int = 1
+) -> dict[str, Pipeline]:
     """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle, all on one
-    set of graph runners."""
-    ar = bundle_pipeline(bundle, MethodConfig("ar"), runner, "onnxruntime")
+    set of graph runners, ``batch`` images per step."""
+    ar = bundle_pipeline(bundle, MethodConfig("ar"), runner, "onnxruntime", batch)
     if method.method == "ar":
         return {"ar": ar}
     if not bundle.has_drafter:
         raise CalibrationError(f"{bundle.path} has no drafter graphs: use method ar")
-    drafter = BundleDrafter(bundle, runner, "onnxruntime")
+    drafter = BundleDrafter(bundle, runner, "onnxruntime", batch)
     return {
         name: dataclasses.replace(
             ar,
@@ -153,11 +155,13 @@ def record_inputs(
     progress: bool = False,
 ) -> Recorder:
     """Generate ``samples`` images (sampling, the model's CFG scale) with every pipeline of
-    :func:`pipelines` through a :class:`Recorder`; every graph but the VQ decoder must see calls."""
+    :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder`; every
+    graph but the VQ decoder must see calls."""
     recorder = Recorder(ort_runner(threads, [CPU]), seed=seed)
     sampling = SamplingConfig(cfg_scale=default_cfg_scale(bundle.model_info()))
     labels = spread_labels(samples, bundle.gpt.num_classes)
-    for i, pipe in enumerate(pipelines(bundle, method, recorder).values()):
+    every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
+    for i, pipe in enumerate(every):  # the graphs of every batch size see calls
         generate(pipe, labels, sampling, seed=seed, progress=progress, start_index=i * samples)
     missing = [name for name, calls in recorder.calls.items() if not calls]
     if missing:
