@@ -185,6 +185,11 @@ def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "--batch-size 1,2,3" in r.output
     assert not out.exists()
+    bench = tmp_path / "bench"
+    for extra in (["--batch-size", "1,2"], ["--baseline", "torch-batched"]):  # refused before any work
+        args = ["bench", "--bundle", str(batched_bundle.path), "--no-quality", "--out", str(bench), *extra]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and not bench.exists(), r.output
 
 
 def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tmp_path):

@@ -602,6 +602,14 @@ def _bundle_for(
     return Bundle.open(cached_bundle(source, mc, batch_sizes=sizes))
 
 
+def check_baseline(name: str, source: ModelDir | Bundle) -> None:
+    """:class:`ConfigError` unless ``name`` is a baseline that can run ``source``."""
+    if name not in BASELINES:
+        raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    if not isinstance(source, ModelDir):
+        raise ConfigError(f"the {name} baseline runs a model directory: drop --bundle")
+
+
 def baseline_measurement(
     name: str, source: ModelDir | Bundle, sampling: SamplingConfig, seed: int, batch_size: int
 ) -> Measurement:
@@ -610,10 +618,7 @@ def baseline_measurement(
     ``batch_size``, as a configuration of the interleaved run."""
     from lantern_rt.eval.baseline import torch_batched_ar
 
-    if name not in BASELINES:
-        raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
-    if not isinstance(source, ModelDir):
-        raise ConfigError("the torch-batched baseline runs a model directory: drop --bundle")
+    assert isinstance(source, ModelDir)  # check_baseline
     model, vq = load_target(source), load_vq(source)
     grid, tokens = source.gpt.grid_size, source.gpt.block_size
 
@@ -660,11 +665,15 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     shape = (info.vq.out_channels, info.image_size, info.image_size)
     feature_fn = None if s.features is None else load_features(s.features, shape)
     reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
+    sizes = check_batch_sizes(list(s.batch_sizes))
+    if s.baseline is not None:
+        check_baseline(s.baseline, source)
+    for size in sizes if isinstance(source, Bundle) else ():
+        source.check_batch_size(size)
     out = output_dir(s.out)
     if s.threads:
         torch.set_num_threads(s.threads)
     started, load_start = datetime.now(timezone.utc), os.getloadavg()
-    sizes = check_batch_sizes(list(s.batch_sizes))
     runs = [
         Measurement.of_pipeline(
             make_pipeline(_bundle_for(source, b, mc, sizes), b, mc, "cpu", s.threads, batch_size=size),
