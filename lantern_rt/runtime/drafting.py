@@ -68,8 +68,6 @@ DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, Context], tuple[Tensor, Te
 Head = Callable[[Tensor], Tensor]
 
 
-# The sampling settings as one-element tensors: cfg scale, temperature, top-k, top-p
-# (sampling.filter_inputs).
 @dataclass(frozen=True)
 class LevelPlan:
     """Static index tables of one tree level below the root."""
