@@ -192,6 +192,7 @@ def test_pure_numbers():
     assert markdown_table(["a", "b"], [["1", "x|y"]]) == "| a | b |\n| --- | --- |\n| 1 | x\\|y |"
     row = {"method": "lantern++", "params": {"tree": "chain-3", "k": 5, "lambda": 10.0}, "tree": "chain-3"}
     assert row_label({**row, "backend": "torch"}) == "lantern++ k=5 lambda=10 [chain-3] / torch"
+    assert row_label({**row, "backend": "torch", "batch_size": 16}).endswith("/ torch B=16")
 
 
 # --- end to end ----------------------------------------------------------------------------

@@ -31,9 +31,10 @@ def params_text(params: dict[str, Any]) -> str:
 
 
 def row_label(row: Row) -> str:
-    """``lantern++ k=10 lambda=5 [naive_extend_57] / torch``."""
+    """``lantern++ k=10 lambda=5 [naive_extend_57] / torch`` (`` B=16`` after a batch size above 1)."""
     parts = [row["method"], params_text(row["params"]), f"[{row['tree']}]" if row["tree"] else ""]
-    return f"{' '.join(p for p in parts if p)} / {row['backend']}"
+    batch = row.get("batch_size", 1)
+    return f"{' '.join(p for p in parts if p)} / {row['backend']}" + (f" B={batch}" if batch != 1 else "")
 
 
 def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
