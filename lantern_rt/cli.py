@@ -280,6 +280,183 @@ def generate(
     )
 
 
+@main.command("generate-set")
+@model_option
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Folder for the shards (shard-FIRST-LAST.npz), settings.json and summary.json; rerun to resume.",
+)
+@click.option(
+    "--class",
+    "--classes",
+    "classes",
+    multiple=True,
+    help="Class ids or names, comma-separated or repeated. Default: every class.",
+)
+@click.option(
+    "--num-images", "-n", type=click.IntRange(min=1), default=4, show_default=True, help="Images per class."
+)
+@click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 means greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--greedy", is_flag=True, help="Same as --temperature 0.")
+@click.option("--seed", type=int, default=0, show_default=True, help="The same as 'lantern generate --seed'.")
+@click.option("--method", type=click.Choice(METHODS), default=None, help="As for 'lantern generate'.")
+@click.option("--tree", default=None, help="As for 'lantern generate'.")
+@click.option("--lantern-k", type=int, default=10, show_default=True)
+@click.option("--lantern-delta", type=float, default=0.1, show_default=True)
+@click.option("--lantern-lambda", type=float, default=5.0, show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default=None, help="As for 'lantern generate'.")
+@click.option(
+    "--bundle",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Run an exported bundle (on every worker).",
+)
+@click.option(
+    "--device", default="cpu", show_default=True, help="torch device (cuda: one GPU per Ray actor)."
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=0),
+    default=0,
+    help="CPU threads per worker (0: the library default locally, 1 per Ray actor).",
+)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1, max=256),
+    default=1,
+    show_default=True,
+    help="Images decoded together per step (the tokens do not depend on it).",
+)
+@click.option(
+    "--unit-size",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Images per work unit and shard (within one class).",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    help="Run on Ray: --ray alone starts a local cluster for the run, --ray auto (or an address) "
+    "joins one. Default: one local process, no Ray.",
+)
+@click.option(
+    "--actors",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ray actors, one pipeline each. Default: one per GPU (CUDA device), else one per CPU.",
+)
+@click.option(
+    "--fid-npz",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write every image as one uint8 array 'arr_0' (.npz), as LlamaGen's and ADM's FID evaluators read.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@reports_errors
+def generate_set_cmd(
+    model_path,
+    out,
+    classes,
+    num_images,
+    cfg_scale,
+    temperature,
+    top_k,
+    top_p,
+    greedy,
+    seed,
+    method,
+    tree,
+    lantern_k,
+    lantern_delta,
+    lantern_lambda,
+    backend,
+    bundle,
+    device,
+    threads,
+    cuda_graphs,
+    batch_size,
+    unit_size,
+    ray_address,
+    actors,
+    fid_npz,
+    quiet,
+):
+    """Generate a labelled image set as shards, locally or on Ray; image for image what
+    'lantern generate' gives with the same classes, -n, seed and settings."""
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.generate import cached_bundle, model_fingerprint
+    from lantern_rt.image_sets import SetJob, generate_set, import_ray
+    from lantern_rt.runtime.sampling import SamplingConfig
+    from lantern_rt.settings import MethodConfig, run_defaults
+
+    if ray_address is not None:
+        import_ray()  # before any work: the install hint, not a traceback
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if fid_npz is not None:
+        if fid_npz.suffix != ".npz":
+            raise UserError(f"--fid-npz must end in .npz, got {fid_npz}")
+        try:
+            fid_npz.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create folder {fid_npz.parent} for --fid-npz: {exc.strerror}") from None
+        _writable_output(fid_npz, "FID images")
+    md, source = _source(model_path, bundle, backend, None)
+    run_settings = run_defaults(
+        source, backend=backend, method=method, tree=tree, cfg_scale=cfg_scale, device=device
+    )
+    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
+        str(i) for i in range(md.gpt.num_classes)
+    ]
+    class_ids = [md.class_id(s) for s in specs]
+    sampling = SamplingConfig(
+        cfg_scale=run_settings.cfg_scale,
+        temperature=0.0 if greedy else temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    mc = MethodConfig(run_settings.method, run_settings.tree, lantern_k, lantern_delta, lantern_lambda)
+    mc.relaxation()
+    if run_settings.backend != "torch" and not isinstance(source, Bundle):
+        source = Bundle.open(cached_bundle(source, mc, batch_sizes=(batch_size,)))  # before any worker
+    if isinstance(source, Bundle):
+        bundle_path, digest = str(source.path.resolve()), source.manifest_sha256
+    else:
+        bundle_path, digest = None, model_fingerprint(source)
+    job = SetJob(
+        model=None if model_path is None else str(model_path.resolve()),
+        bundle=bundle_path,
+        backend=run_settings.backend,
+        method=mc,
+        sampling=sampling,
+        seed=seed,
+        device=device,
+        threads=threads,
+        cuda_graphs=cuda_graphs,
+        batch_size=batch_size,
+    )
+    summary = generate_set(
+        out, job, digest, class_ids, num_images, unit_size, ray_address, actors, fid_npz, not quiet
+    )
+    rate = summary["images_per_second"]
+    click.echo(
+        f"{summary['images']} images in {summary['shards']} shards ({summary['made_this_run']} made now, "
+        f"{summary['mode']}, {summary['workers']} worker(s), "
+        f"{'-' if rate is None else f'{rate:.2f}'} images/s, tau {summary['tau']:.2f}) -> {out}",
+        err=True,
+    )
+
+
 @main.command("train-drafter")
 @model_option
 @click.option(
