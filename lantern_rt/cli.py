@@ -7,12 +7,20 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.settings import BACKENDS, CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, METHODS
+
+if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.models.model_dir import ModelDir
+    from lantern_rt.runtime.sampling import SamplingConfig
+    from lantern_rt.settings import MethodConfig, RunDefaults
 
 
 def _source(model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None):
@@ -59,6 +67,117 @@ model_option = click.option(
 )
 
 
+def run_options(command: Callable) -> Callable:
+    """The options ``generate`` and ``generate-set`` share: what to make and how (classes and
+    counts, sampling, method, backend, device, batch size), resolved by :func:`_run_request`."""
+    for option in reversed(_RUN_OPTIONS):
+        command = option(command)
+    return command
+
+
+_RUN_OPTIONS = [
+    click.option(
+        "--class",
+        "--classes",
+        "classes",
+        multiple=True,
+        help="Class ids or names, comma-separated or repeated. Default: every class.",
+    ),
+    click.option(
+        "--num-images",
+        "-n",
+        type=click.IntRange(min=1),
+        default=4,
+        show_default=True,
+        help="Images per class.",
+    ),
+    click.option(
+        "--cfg-scale",
+        type=float,
+        default=None,
+        help="Classifier-free guidance scale s in u + s*(c - u). Default: the model's (3.0 for the demo).",
+    ),
+    click.option(
+        "--temperature",
+        type=float,
+        default=1.0,
+        show_default=True,
+        help="Sampling temperature; 0 means greedy.",
+    ),
+    click.option(
+        "--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."
+    ),
+    click.option(
+        "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1]."
+    ),
+    click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Random seed; the same seed and settings give the same tokens.",
+    ),
+    click.option(
+        "--method",
+        type=click.Choice(METHODS),
+        default=None,
+        help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++). "
+        "Default: lantern++ when the model has a drafter, else ar.",
+    ),
+    click.option(
+        "--tree",
+        default=None,
+        help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
+        f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
+        f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
+    ),
+    click.option(
+        "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
+    ),
+    click.option(
+        "--lantern-delta", type=float, default=0.1, show_default=True, help="LANTERN TV budget in [0, 1]."
+    ),
+    click.option(
+        "--lantern-lambda", type=float, default=5.0, show_default=True, help="LANTERN++ cap lambda >= 1."
+    ),
+    click.option(
+        "--backend",
+        type=click.Choice(BACKENDS),
+        default=None,
+        help="Runtime backend. Default on a CPU: onnxruntime (a model directory is exported once into "
+        "$LANTERN_CACHE or ~/.cache/lantern-rt); torch for another --device or a --drafter override. "
+        "tensorrt runs a bundle's plans from 'lantern build-engines'.",
+    ),
+    click.option(
+        "--cuda-graphs/--no-cuda-graphs",
+        default=True,
+        show_default=True,
+        help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
+    ),
+    click.option(
+        "--bundle",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Run an exported bundle (from 'lantern export') on onnxruntime instead of a model directory.",
+    ),
+    click.option("--device", default="cpu", show_default=True, help="torch device for the torch backend."),
+    click.option(
+        "--threads",
+        type=click.IntRange(min=0),
+        default=0,
+        help="CPU threads (0: the library default; generate-set: per worker, 1 per Ray actor by default).",
+    ),
+    click.option(
+        "--batch-size",
+        type=click.IntRange(min=1, max=256),
+        default=1,
+        show_default=True,
+        help="Images decoded together per step; the tokens do not depend on it (a bundle must hold graphs for it: lantern export --batch-size).",
+    ),
+]
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lantern-rt")
 def main() -> None:
@@ -67,60 +186,7 @@ def main() -> None:
 
 @main.command()
 @model_option
-@click.option(
-    "--class",
-    "--classes",
-    "classes",
-    multiple=True,
-    help="Class ids or names, comma-separated or repeated. Default: every class.",
-)
-@click.option(
-    "--num-images", "-n", type=click.IntRange(min=1), default=4, show_default=True, help="Images per class."
-)
-@click.option(
-    "--cfg-scale",
-    type=float,
-    default=None,
-    help="Classifier-free guidance scale s in u + s*(c - u). Default: the model's (3.0 for the demo).",
-)
-@click.option(
-    "--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature; 0 means greedy."
-)
-@click.option(
-    "--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."
-)
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
-@click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0).")
-@click.option(
-    "--seed",
-    type=int,
-    default=0,
-    show_default=True,
-    help="Random seed; the same seed and settings give the same tokens.",
-)
-@click.option(
-    "--method",
-    type=click.Choice(METHODS),
-    default=None,
-    help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++). "
-    "Default: lantern++ when the model has a drafter, else ar.",
-)
-@click.option(
-    "--tree",
-    default=None,
-    help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
-    f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
-    f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
-)
-@click.option(
-    "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
-)
-@click.option(
-    "--lantern-delta", type=float, default=0.1, show_default=True, help="LANTERN TV budget in [0, 1]."
-)
-@click.option(
-    "--lantern-lambda", type=float, default=5.0, show_default=True, help="LANTERN++ cap lambda >= 1."
-)
+@run_options
 @click.option(
     "--drafter",
     "drafter_path",
@@ -129,34 +195,10 @@ def main() -> None:
     help="Drafter folder (EAGLE layout: config.json + weights). Default: the model's own.",
 )
 @click.option(
-    "--backend",
-    type=click.Choice(BACKENDS),
-    default=None,
-    help="Runtime backend. Default on a CPU: onnxruntime (a model directory is exported once into "
-    "$LANTERN_CACHE or ~/.cache/lantern-rt); torch for another --device or a --drafter override. "
-    "tensorrt runs a bundle's plans from 'lantern build-engines'.",
-)
-@click.option(
-    "--cuda-graphs/--no-cuda-graphs",
-    default=True,
-    show_default=True,
-    help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
-)
-@click.option(
     "--profile",
     is_flag=True,
     help="NVTX ranges around prefill, draft, verify (with acceptance), KV compaction and VQ decode, and "
     "cudaProfilerStart/Stop around the images after the first (see README: nsys).",
-)
-@click.option(
-    "--bundle",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Run an exported bundle (from 'lantern export') on onnxruntime instead of a model directory.",
-)
-@click.option("--device", default="cpu", show_default=True, help="torch device for the torch backend.")
-@click.option(
-    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
 )
 @click.option(
     "-o",
@@ -178,13 +220,6 @@ def main() -> None:
     type=click.Path(path_type=Path),
     default=None,
     help="Write timings and acceptance statistics as JSON.",
-)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1, max=256),
-    default=1,
-    show_default=True,
-    help="Images decoded together per step (a bundle must have been exported for it).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
@@ -222,43 +257,34 @@ def generate(
     from lantern_rt.generate import generate as run
     from lantern_rt.generate import make_pipeline
     from lantern_rt.images import atomic_write, grid, save_png
-    from lantern_rt.runtime.sampling import SamplingConfig
-    from lantern_rt.settings import MethodConfig, run_defaults
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     md, source = _source(model_path, bundle, backend, drafter_path)
-    run_settings = run_defaults(
-        source,
-        backend=backend,
-        method=method,
-        tree=tree,
-        cfg_scale=cfg_scale,
-        device=device,
-        drafter_override=drafter_path is not None,
-    )
-    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
-        str(i) for i in range(md.gpt.num_classes)
-    ]
-    class_ids = [md.class_id(s) for s in specs]
-    sampling = SamplingConfig(
-        cfg_scale=run_settings.cfg_scale,
-        temperature=0.0 if greedy else temperature,
-        top_k=top_k,
-        top_p=top_p,
-    )
     for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_json, "stats")):
         _writable_output(path, what)
     if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
-
-    drafter = None if drafter_path is None else str(drafter_path)
-    mc = MethodConfig(
-        run_settings.method, run_settings.tree, lantern_k, lantern_delta, lantern_lambda, drafter
+    class_ids, sampling, mc, run_settings = _run_request(
+        md,
+        source,
+        classes,
+        cfg_scale,
+        temperature,
+        top_k,
+        top_p,
+        greedy,
+        method,
+        tree,
+        backend,
+        device,
+        lantern_k,
+        lantern_delta,
+        lantern_lambda,
+        drafter_path,
     )
-    mc.relaxation()  # validates k, delta and lambda before any work
     labels = [c for c in class_ids for _ in range(num_images)]
     pipe = make_pipeline(source, run_settings.backend, mc, device, threads, cuda_graphs, batch_size)
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
@@ -280,58 +306,64 @@ def generate(
     )
 
 
+def _run_request(
+    md: ModelDir,
+    source: ModelDir | Bundle,
+    classes: tuple[str, ...],
+    cfg_scale: float | None,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    greedy: bool,
+    method: str | None,
+    tree: str | None,
+    backend: str | None,
+    device: str,
+    lantern_k: int,
+    lantern_delta: float,
+    lantern_lambda: float,
+    drafter_path: Path | None = None,
+) -> tuple[list[int], SamplingConfig, MethodConfig, RunDefaults]:
+    """What :func:`run_options` ask for, validated before any work: (class ids, sampling,
+    method config, the run's settings from ``settings.run_defaults``)."""
+    from lantern_rt.runtime.sampling import SamplingConfig
+    from lantern_rt.settings import MethodConfig, run_defaults
+
+    run_settings = run_defaults(
+        source,
+        backend=backend,
+        method=method,
+        tree=tree,
+        cfg_scale=cfg_scale,
+        device=device,
+        drafter_override=drafter_path is not None,
+    )
+    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
+        str(i) for i in range(md.gpt.num_classes)
+    ]
+    class_ids = [md.class_id(s) for s in specs]
+    sampling = SamplingConfig(
+        cfg_scale=run_settings.cfg_scale,
+        temperature=0.0 if greedy else temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    drafter = None if drafter_path is None else str(drafter_path)
+    mc = MethodConfig(
+        run_settings.method, run_settings.tree, lantern_k, lantern_delta, lantern_lambda, drafter
+    )
+    mc.relaxation()  # validates k, delta and lambda before any work
+    return class_ids, sampling, mc, run_settings
+
+
 @main.command("generate-set")
 @model_option
+@run_options
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
     required=True,
     help="Folder for the shards (shard-FIRST-LAST.npz), settings.json and summary.json; rerun to resume.",
-)
-@click.option(
-    "--class",
-    "--classes",
-    "classes",
-    multiple=True,
-    help="Class ids or names, comma-separated or repeated. Default: every class.",
-)
-@click.option(
-    "--num-images", "-n", type=click.IntRange(min=1), default=4, show_default=True, help="Images per class."
-)
-@click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 means greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--greedy", is_flag=True, help="Same as --temperature 0.")
-@click.option("--seed", type=int, default=0, show_default=True, help="The same as 'lantern generate --seed'.")
-@click.option("--method", type=click.Choice(METHODS), default=None, help="As for 'lantern generate'.")
-@click.option("--tree", default=None, help="As for 'lantern generate'.")
-@click.option("--lantern-k", type=int, default=10, show_default=True)
-@click.option("--lantern-delta", type=float, default=0.1, show_default=True)
-@click.option("--lantern-lambda", type=float, default=5.0, show_default=True)
-@click.option("--backend", type=click.Choice(BACKENDS), default=None, help="As for 'lantern generate'.")
-@click.option(
-    "--bundle",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Run an exported bundle (on every worker).",
-)
-@click.option(
-    "--device", default="cpu", show_default=True, help="torch device (cuda: one GPU per Ray actor)."
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=0),
-    default=0,
-    help="CPU threads per worker (0: the library default locally, 1 per Ray actor).",
-)
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1, max=256),
-    default=1,
-    show_default=True,
-    help="Images decoded together per step (the tokens do not depend on it).",
 )
 @click.option(
     "--unit-size",
@@ -396,8 +428,6 @@ def generate_set_cmd(
     from lantern_rt.bundle import Bundle
     from lantern_rt.generate import cached_bundle, model_fingerprint
     from lantern_rt.image_sets import SetJob, generate_set, import_ray
-    from lantern_rt.runtime.sampling import SamplingConfig
-    from lantern_rt.settings import MethodConfig, run_defaults
 
     if ray_address is not None:
         import_ray()  # before any work: the install hint, not a traceback
@@ -412,21 +442,23 @@ def generate_set_cmd(
             raise UserError(f"cannot create folder {fid_npz.parent} for --fid-npz: {exc.strerror}") from None
         _writable_output(fid_npz, "FID images")
     md, source = _source(model_path, bundle, backend, None)
-    run_settings = run_defaults(
-        source, backend=backend, method=method, tree=tree, cfg_scale=cfg_scale, device=device
+    class_ids, sampling, mc, run_settings = _run_request(
+        md,
+        source,
+        classes,
+        cfg_scale,
+        temperature,
+        top_k,
+        top_p,
+        greedy,
+        method,
+        tree,
+        backend,
+        device,
+        lantern_k,
+        lantern_delta,
+        lantern_lambda,
     )
-    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
-        str(i) for i in range(md.gpt.num_classes)
-    ]
-    class_ids = [md.class_id(s) for s in specs]
-    sampling = SamplingConfig(
-        cfg_scale=run_settings.cfg_scale,
-        temperature=0.0 if greedy else temperature,
-        top_k=top_k,
-        top_p=top_p,
-    )
-    mc = MethodConfig(run_settings.method, run_settings.tree, lantern_k, lantern_delta, lantern_lambda)
-    mc.relaxation()
     if run_settings.backend != "torch" and not isinstance(source, Bundle):
         source = Bundle.open(cached_bundle(source, mc, batch_sizes=(batch_size,)))  # before any worker
     if isinstance(source, Bundle):
