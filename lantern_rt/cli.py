@@ -13,8 +13,18 @@ from typing import TYPE_CHECKING
 
 import click
 
-from lantern_rt.errors import UserError, reports_errors
-from lantern_rt.settings import BACKENDS, CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, METHODS
+from lantern_rt.errors import OneLineErrors, UserError, reports_errors
+from lantern_rt.settings import (
+    BACKENDS,
+    CPU_DEFAULT_TREE,
+    GPU_DEFAULT_TREE,
+    MAX_IMAGES_PER_CLASS,
+    MAX_SEED,
+    METHODS,
+)
+
+SEED = click.IntRange(min=0, max=MAX_SEED)
+IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
 
 if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
     from lantern_rt.bundle import Bundle
@@ -86,7 +96,7 @@ _RUN_OPTIONS = [
     click.option(
         "--num-images",
         "-n",
-        type=click.IntRange(min=1),
+        type=IMAGES_PER_CLASS,
         default=4,
         show_default=True,
         help="Images per class.",
@@ -113,7 +123,7 @@ _RUN_OPTIONS = [
     click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
     click.option(
         "--seed",
-        type=int,
+        type=SEED,
         default=0,
         show_default=True,
         help="Random seed; the same seed and settings give the same tokens.",
@@ -178,7 +188,7 @@ _RUN_OPTIONS = [
 ]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lantern-rt")
 def main() -> None:
     """lantern-rt: fast LANTERN++ speculative decoding for visual autoregressive models."""
@@ -327,8 +337,9 @@ def _run_request(
     """What :func:`run_options` ask for, validated before any work: (class ids, sampling,
     method config, the run's settings from ``settings.run_defaults``)."""
     from lantern_rt.runtime.sampling import SamplingConfig
-    from lantern_rt.settings import MethodConfig, run_defaults
+    from lantern_rt.settings import MethodConfig, check_device, run_defaults
 
+    check_device(device)
     run_settings = run_defaults(
         source,
         backend=backend,
@@ -507,7 +518,7 @@ def generate_set_cmd(
 @click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--cfg-scale",
     type=click.FloatRange(min=0),
@@ -755,13 +766,13 @@ def _polygraphy_view(path: Path) -> None:
 @click.option(
     "--num-images",
     "-n",
-    type=click.IntRange(min=1),
+    type=IMAGES_PER_CLASS,
     default=4,
     show_default=True,
     help="Images per class and configuration (FD wants many: 50+ per class for figures that mean something).",
 )
 @click.option("--class", "--classes", "classes", multiple=True, help="Class ids or names. Default: all.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--warmup",
     type=click.IntRange(min=0),

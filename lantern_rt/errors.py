@@ -28,6 +28,30 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+class OneLineErrors(click.Group):
+    """A command group whose usage errors (an unknown option, a value of the wrong type or out of
+    range) are one line ``error: ...`` with exit code 2, as every other bad input is, rather than
+    click's usage, hint and error lines."""
+
+    def main(self, *args, **kwargs):
+        standalone = kwargs.pop("standalone_mode", True)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            lines = exc.format_message().strip().splitlines()  # names the option, as str(exc) does not
+            click.echo(f"error: {lines[0] if lines else 'invalid command line'}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        if not standalone:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 def reports_errors(fn):
     """Turn the package's errors into ``error: ...`` on stderr and exit code 2."""
 

@@ -27,6 +27,24 @@ BACKENDS = ("onnxruntime", "tensorrt", "torch")
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
 MAX_BATCH_SIZE = 256  # images per decode step
+MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no negative entropy)
+MAX_IMAGES_PER_CLASS = 1_000_000
+
+
+def check_device(device: str) -> None:
+    """:class:`ConfigError` unless ``device`` names a torch device this machine has."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {device}: this machine has no CUDA device (torch sees none); use --device cpu"
+        )
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def check_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:

@@ -276,3 +276,38 @@ def test_a_bundle_with_a_model_or_drafter_is_one_line_exit_2(tiny_model_dir, tmp
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and says in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["generate", "--seed", "-1"], "'--seed'"),
+        (["bench", "--seed", "-3", "--out", "unused"], "'--seed'"),
+        (["generate", "-n", "100000000000"], "'--num-images'"),
+        (["generate", "--temperature", "abc"], "'--temperature'"),
+        (["generate", "--bogus"], "No such option '--bogus'"),
+        (["export"], "Missing option '--out'"),
+        (["no-such-command"], "No such command"),
+        (["generate", "--device", "bogus"], "--device 'bogus' is not a torch device"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2_before_any_work(args, says, tmp_path):
+    """click's usage errors too (not its usage, hint and error lines), and a device that does
+    not exist; nothing is written."""
+    out = tmp_path / "g.png"
+    result = CliRunner().invoke(main, [*args, *(["-o", str(out)] if args[0] == "generate" else [])])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("error: ") and says in result.output
+    assert not out.exists() and not (tmp_path / "unused").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_device_without_cuda_is_refused():
+    result = CliRunner().invoke(main, ["generate", "--device", "cuda", "-q"])
+    assert result.exit_code == 2 and "no CUDA device" in result.output and result.output.count("\n") == 1
+
+
+def test_help_and_version_still_exit_0():
+    for args in (["--help"], ["generate", "--help"], ["--version"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0 and result.output.strip(), args

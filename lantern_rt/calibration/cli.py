@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from lantern_rt.errors import UserError, reports_errors
-from lantern_rt.settings import METHODS
+from lantern_rt.settings import MAX_SEED, METHODS
 
 
 @click.command("calibrate")
@@ -30,7 +30,13 @@ from lantern_rt.settings import METHODS
     help="Speculative method that drives the drafter and verify graphs. Default: lantern++ when "
     "the bundle has a drafter, else ar.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the calibration images.")
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0, max=MAX_SEED),
+    default=0,
+    show_default=True,
+    help="Seed of the calibration images.",
+)
 @click.option(
     "--validate",
     type=click.IntRange(min=1),
