@@ -29,25 +29,17 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("model") / "tiny", tiny_gpt(3), tiny_vq(3))
 
 
+def same_images(tiny_dir: Path) -> list[str]:
+    """The options that make the same images in ``generate`` and ``generate-set``."""
+    return ["-q", "--backend", "torch", "--model", str(tiny_dir), "--classes", CLASSES, "-n", str(N)]
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_dir, tmp_path_factory) -> np.ndarray:
     """The tokens of ``lantern generate`` for the set's classes, -n and seed."""
     path = tmp_path_factory.mktemp("ref") / "tokens.npy"
     r = cli(
-        "generate",
-        "-q",
-        "--backend",
-        "torch",
-        "--model",
-        str(tiny_dir),
-        "--classes",
-        CLASSES,
-        "-n",
-        str(N),
-        "-o",
-        str(path.with_suffix(".png")),
-        "--save-tokens",
-        str(path),
+        "generate", *same_images(tiny_dir), "-o", str(path.with_suffix(".png")), "--save-tokens", str(path)
     )
     assert r.exit_code == 0, r.output
     return np.load(path)
@@ -64,15 +56,7 @@ def ray_cluster():
 def make_set(tiny_dir: Path, out: Path, *extra: str):
     return cli(
         "generate-set",
-        "-q",
-        "--backend",
-        "torch",
-        "--model",
-        str(tiny_dir),
-        "--classes",
-        CLASSES,
-        "-n",
-        str(N),
+        *same_images(tiny_dir),
         "--unit-size",
         "2",
         "--out",
