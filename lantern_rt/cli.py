@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,15 +46,27 @@ def _source(model_path: Path | None, bundle: Path | None, backend: str | None, d
 
 
 def _writable_output(path: Path | None, what: str) -> None:
+    """:class:`UserError` unless ``path`` can take a new regular file (written atomically at the
+    end): its folder exists and takes files, and it is not a folder, a link or a device."""
     if path is None:
         return
-    parent = path.resolve().parent
+    parent = path.absolute().parent
     if not parent.is_dir():
         raise UserError(f"cannot write {what} {path}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UserError(f"cannot write {what} {path}: permission denied")
     if path.is_dir():
         raise UserError(f"cannot write {what} {path}: it is a folder")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UserError(
+            f"cannot write {what} {path}: it is a link or a device, not a file; choose another path"
+        )
+    try:  # a file system that refuses new files (/proc, a read-only mount) says so now
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise UserError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _save_tokens(path: Path, result) -> None:

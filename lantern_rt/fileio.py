@@ -9,16 +9,29 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from lantern_rt.errors import LanternError
+
+
+class WriteError(LanternError, OSError):
+    """A file could not be written (a full disk, a file system that refuses it): one line."""
+
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: no partial file on failure."""
+    """Call ``write(tmp_path)`` then rename over ``path``: no partial file on failure; an OS
+    error (no space left, a file system that refuses the file) is a :class:`WriteError`."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
     os.close(fd)
     try:
         write(Path(tmp))
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

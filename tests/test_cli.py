@@ -311,3 +311,33 @@ def test_help_and_version_still_exit_0():
     for args in (["--help"], ["generate", "--help"], ["--version"]):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0 and result.output.strip(), args
+
+
+def test_outputs_that_are_links_devices_or_on_a_refusing_file_system_are_refused(tmp_path):
+    """Refused in one line before any work, and nothing at the path is replaced."""
+    target = tmp_path / "target.png"
+    target.write_bytes(b"mine")
+    link = tmp_path / "link.png"
+    link.symlink_to(target)
+    for out in (link, Path("/dev/null"), Path("/proc/x.png")):
+        result = CliRunner().invoke(main, ["generate", "-q", "-o", str(out)])
+        assert result.exit_code == 2 and result.output.count("\n") == 1, (out, result.output)
+        assert result.output.startswith(f"error: cannot write image {out}")
+    assert link.is_symlink() and target.read_bytes() == b"mine"
+    assert Path("/dev/null").is_char_device()
+
+
+def test_a_write_that_fails_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk (ENOSPC while the file is written) is a WriteError: no partial file, no
+    temporary file left behind."""
+    import errno
+
+    from lantern_rt.fileio import WriteError, atomic_write
+
+    def full(tmp: Path) -> None:
+        tmp.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(WriteError, match="cannot write .*out.json: No space left on device"):
+        atomic_write(tmp_path / "out.json", full)
+    assert list(tmp_path.iterdir()) == []
