@@ -19,6 +19,7 @@ from lantern_rt.settings import (
     BACKENDS,
     CPU_DEFAULT_TREE,
     GPU_DEFAULT_TREE,
+    MAX_BATCH_SIZE,
     MAX_IMAGES_PER_CLASS,
     MAX_SEED,
     METHODS,
@@ -193,7 +194,7 @@ _RUN_OPTIONS = [
     ),
     click.option(
         "--batch-size",
-        type=click.IntRange(min=1, max=256),
+        type=click.IntRange(min=1, max=MAX_BATCH_SIZE),
         default=1,
         show_default=True,
         help="Images decoded together per step; the tokens do not depend on it (a bundle must hold graphs for it: lantern export --batch-size).",

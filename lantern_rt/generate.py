@@ -246,8 +246,7 @@ def bundle_pipeline(
     bundle: Bundle, method: MethodConfig, runner: RunnerFactory, backend: str, batch_size: int = 1
 ) -> Pipeline:
     """A bundle run by an engine's graph runners, ``batch_size`` images per step (graphs the
-    bundle was exported for); no torch model is built."""
-    bundle.check_batch_size(batch_size)
+    bundle was exported for: :class:`BundleTarget` refuses others); no torch model is built."""
     info = bundle.model_info()
     if info.gpt.model_type != "c2i":
         raise ConfigError("the command line runs class-conditional bundles; use the Python API for captions")
