@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -20,15 +24,24 @@ class CheckpointError(LanternError, ValueError):
 WRAPPER_KEYS = ("model", "module", "state_dict")
 
 
+# LlamaGen's train_c2i.py/train_t2i.py save {"model", "optimizer", "steps", "args": argparse.Namespace}
+SAFE_GLOBALS = [argparse.Namespace]
+_REFUSED = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """Tensors from a ``.safetensors`` file or a torch checkpoint (read with ``weights_only``).
+    """Tensors from a ``.safetensors`` file, a torch checkpoint (read with ``weights_only``) or a
+    sharded HF checkpoint's ``*.index.json``.
 
     A torch checkpoint may hold the state dict itself or wrap it under ``model``, ``module``
-    or ``state_dict`` (LlamaGen's released files use ``model``).
+    or ``state_dict`` (LlamaGen's released files use ``model``; its training checkpoints add
+    ``optimizer``, ``steps`` and ``args``, an ``argparse.Namespace``, the one class allowed).
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if path.name.endswith(".index.json"):
+        return _read_sharded(path)
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -37,10 +50,14 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with allow(SAFE_GLOBALS) if allow else contextlib.nullcontext():
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {str(exc).splitlines()[0]}") from exc
+        refused = _REFUSED.search(str(exc))
+        why = f"it holds a {refused[1]}, which weights-only loading refuses" if refused else str(exc)
+        raise CheckpointError(f"cannot read {path}: {(why.splitlines() or [type(exc).__name__])[0]}") from exc
     if isinstance(obj, dict):
         for key in WRAPPER_KEYS:
             if key in obj and isinstance(obj[key], dict):
@@ -51,6 +68,30 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
             f"{path} holds no state dict (expected tensors, optionally under {WRAPPER_KEYS})"
         )
     return obj
+
+
+def _read_sharded(index: Path) -> dict[str, Tensor]:
+    """Every shard an HF ``model.safetensors.index.json``/``pytorch_model.bin.index.json`` names."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"cannot read {index}: not an HF index with a weight_map ({exc})") from exc
+    folder = index.parent.resolve()
+    state: dict[str, Tensor] = {}
+    for name in shards:
+        shard = (folder / str(name)).resolve()
+        if not shard.is_relative_to(folder):
+            raise CheckpointError(f"{index} names shard {name!r} outside its folder")
+        if shard.name.endswith(".index.json"):
+            raise CheckpointError(f"{index} names shard {name!r}, an index itself")
+        if not shard.is_file():
+            raise CheckpointError(f"{index} names shard {name}, which is missing")
+        state.update(read_state_dict(shard))
+    absent = sorted(set(weight_map) - set(state))
+    if absent:
+        raise CheckpointError(f"{index} maps {_listing(absent, 3)} to shards that lack them")
+    return state
 
 
 def _listing(keys: list[str], limit: int = 5) -> str:

@@ -19,6 +19,7 @@ import torch
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict, read_json
 from lantern_rt.models.drafter import Drafter, DrafterConfig, clean_eagle_state
+from lantern_rt.models.hf_layout import read_target_state, resolve_gpt_section
 from lantern_rt.models.neighbors import latent_neighbors, load_neighbors_file
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
@@ -79,7 +80,7 @@ def open_model_dir(path: str | Path | None = None) -> ModelDir:
     for key in ("gpt", "vq", "files"):
         if not isinstance(raw.get(key), dict):
             raise ConfigError(f"{root / 'config.json'} lacks a '{key}' object")
-    gpt = config_from_dict(GPTConfig, raw["gpt"])
+    gpt = config_from_dict(GPTConfig, resolve_gpt_section(root, raw["gpt"]))
     vq = config_from_dict(VQConfig, raw["vq"])
     if gpt.vocab_size != vq.codebook_size:
         raise ConfigError(f"target vocabulary {gpt.vocab_size} != tokenizer codebook {vq.codebook_size}")
@@ -97,7 +98,9 @@ def load_target(
 ) -> Transformer:
     """The target with its weights, in eval mode."""
     model = Transformer(md.gpt)
-    load_strict(model, read_state_dict(md.path("gpt")), f"target checkpoint {md.path('gpt')}")
+    load_strict(
+        model, read_target_state(md.path("gpt"), md.gpt.n_layer), f"target checkpoint {md.path('gpt')}"
+    )
     return model.to(device=device, dtype=dtype).eval()
 
 
