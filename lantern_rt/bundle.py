@@ -33,8 +33,10 @@ FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
 # graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If);
 # 6: the target's step graphs accept on the device (a verify graph per tree, one AR step graph);
-# 7: B images per call, the graphs of each exported batch size reading one shared weight file
-BUNDLE_VERSION = 7
+# 7: B images per call, the graphs of each exported batch size reading one shared weight file;
+# 8: captions: a prefix-visibility input, every prefix hidden state out of the prefill, the
+# drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer
+BUNDLE_VERSION = 8
 MANIFEST = "manifest.json"
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
@@ -44,6 +46,8 @@ DRAFT_GRAPH_PREFIX = "draft_tree_"
 VERIFY_GRAPH_PREFIX = "target_verify_"
 AR_STEP_GRAPH = "target_ar_step"  # AR: one token verified as the root-only tree (its sampling step)
 PREFILL_GRAPH = "target_prefill"
+DRAFTER_PREFILL_GRAPH = "drafter_prefill"  # the drafter over a multi-slot prefix (captions)
+TEXT_ENCODER_GRAPH = "text_encoder"  # prompt token ids -> caption features (text-conditional)
 VQ_DECODE_GRAPH = "vq_decode"
 
 
@@ -161,6 +165,8 @@ class Bundle:
         }
         self.gpt: GPTConfig = config_from_dict(GPTConfig, manifest["gpt"])
         self.vq: VQConfig = config_from_dict(VQConfig, manifest["vq"])
+        text = manifest.get("text_encoder")
+        self.text_max_length: int | None = text["max_length"] if text else None
         self.manifest_sha256 = sha256(path / MANIFEST)
         self._neighbors: Tensor | None = None
 
@@ -375,7 +381,14 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
     sizes = c["batch_sizes"]
     if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
         raise BundleError(f"{where}: constants.batch_sizes must list batch sizes >= 1")
-    needed = [VQ_DECODE_GRAPH] + [batched_name(g, b) for g in (PREFILL_GRAPH, AR_STEP_GRAPH) for b in sizes]
+    per_batch = [PREFILL_GRAPH, AR_STEP_GRAPH]
+    if c["drafter"] and c["cls_token_num"] > 1:
+        per_batch.append(DRAFTER_PREFILL_GRAPH)
+    needed = [VQ_DECODE_GRAPH] + [batched_name(g, b) for g in per_batch for b in sizes]
+    text = manifest.get("text_encoder")
+    if text is not None:
+        check(text, {"max_length": _INT}, "text_encoder.")
+        needed.append(TEXT_ENCODER_GRAPH)
     for tree in manifest["trees"].values():
         needed += [batched_name(tree[key], b) for key in ("graph", "verify") if tree[key] for b in sizes]
     for graph in needed:

@@ -76,7 +76,9 @@ def _save_tokens(path: Path, result) -> None:
     import numpy as np
 
     codes = result.tokens.numpy()
-    if path.suffix == ".npz":
+    if path.suffix == ".npz" and any(isinstance(x, str) for x in result.labels):
+        np.savez(path, codes=codes, prompts=np.asarray(result.labels, dtype=str))
+    elif path.suffix == ".npz":
         np.savez(path, codes=codes, labels=np.asarray(result.labels, dtype=np.int64))
     else:
         np.save(path, codes)
@@ -202,6 +204,41 @@ _RUN_OPTIONS = [
 ]
 
 
+def prompt_options(command: Callable) -> Callable:
+    """``--prompt`` and ``--prompts``, for text-to-image models (read by :func:`_prompts`)."""
+    command = click.option(
+        "--prompts",
+        "prompts_file",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Text file of prompts, one per line (UTF-8; blank lines skipped), for a text-to-image model.",
+    )(command)
+    return click.option(
+        "--prompt",
+        "prompt_texts",
+        multiple=True,
+        help="A prompt for a text-to-image model (repeatable). Prompts over the model's caption "
+        "length (120 T5 tokens for LlamaGen) are truncated with a warning, as LlamaGen does.",
+    )(command)
+
+
+def _prompts(texts: tuple[str, ...], file: Path | None) -> list[str]:
+    """The --prompt texts, then the --prompts file's non-blank lines."""
+    prompts = list(texts)
+    if file is not None:
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise UserError(f"--prompts file not found: {file}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read --prompts {file}: {exc}") from None
+        found = [line.strip() for line in lines if line.strip()]
+        if not found:
+            raise UserError(f"--prompts {file} holds no prompt (one per line)")
+        prompts += found
+    return prompts
+
+
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lantern-rt")
 def main() -> None:
@@ -211,6 +248,7 @@ def main() -> None:
 @main.command()
 @model_option
 @run_options
+@prompt_options
 @click.option(
     "--drafter",
     "drafter_path",
@@ -230,7 +268,7 @@ def main() -> None:
     type=click.Path(path_type=Path),
     default=Path("lantern.png"),
     show_default=True,
-    help="PNG grid, one row per class.",
+    help="PNG grid, one row per class (or prompt).",
 )
 @click.option(
     "--save-tokens",
@@ -250,6 +288,8 @@ def main() -> None:
 def generate(
     model_path,
     classes,
+    prompt_texts,
+    prompts_file,
     num_images,
     cfg_scale,
     temperature,
@@ -275,7 +315,8 @@ def generate(
     batch_size,
     quiet,
 ):
-    """Generate images and write them as a PNG grid (one row per class)."""
+    """Generate images and write them as a PNG grid (one row per class, or per prompt for a
+    text-to-image model)."""
     t0 = time.perf_counter()
 
     from lantern_rt.generate import generate as run
@@ -295,6 +336,7 @@ def generate(
         md,
         source,
         classes,
+        _prompts(prompt_texts, prompts_file),
         cfg_scale,
         temperature,
         top_k,
@@ -334,6 +376,7 @@ def _run_request(
     md: ModelDir,
     source: ModelDir | Bundle,
     classes: tuple[str, ...],
+    prompts: list[str],
     cfg_scale: float | None,
     temperature: float,
     top_k: int,
@@ -347,9 +390,11 @@ def _run_request(
     lantern_delta: float,
     lantern_lambda: float,
     drafter_path: Path | None = None,
-) -> tuple[list[int], SamplingConfig, MethodConfig, RunDefaults]:
-    """What :func:`run_options` ask for, validated before any work: (class ids, sampling,
-    method config, the run's settings from ``settings.run_defaults``)."""
+) -> tuple[list[int | str], SamplingConfig, MethodConfig, RunDefaults]:
+    """What :func:`run_options` ask for, validated before any work: (class ids, or the prompts
+    of a text-to-image model; sampling, method config, the run's settings from
+    ``settings.run_defaults``)."""
+    from lantern_rt.generate import requested_conditions
     from lantern_rt.runtime.sampling import SamplingConfig
     from lantern_rt.settings import MethodConfig, check_device, run_defaults
 
@@ -363,10 +408,7 @@ def _run_request(
         device=device,
         drafter_override=drafter_path is not None,
     )
-    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
-        str(i) for i in range(md.gpt.num_classes)
-    ]
-    class_ids = [md.class_id(s) for s in specs]
+    class_ids = requested_conditions(md, classes, prompts)
     sampling = SamplingConfig(
         cfg_scale=run_settings.cfg_scale,
         temperature=0.0 if greedy else temperature,
@@ -467,10 +509,15 @@ def generate_set_cmd(
             raise UserError(f"cannot create folder {fid_npz.parent} for --fid-npz: {exc.strerror}") from None
         _writable_output(fid_npz, "FID images")
     md, source = _source(model_path, bundle, backend, None)
+    if md.gpt.model_type == "t2i":
+        raise UserError(
+            "generate-set makes class-conditional image sets; for prompts use 'lantern generate --prompts'"
+        )
     class_ids, sampling, mc, run_settings = _run_request(
         md,
         source,
         classes,
+        [],
         cfg_scale,
         temperature,
         top_k,
@@ -726,6 +773,8 @@ def inspect_cmd(bundle, graph):
     size = sum(f.stat().st_size for f in files)
     click.echo(f"size     {size / 2**20:.1f} MiB on disk in {len(files)} files (TensorRT plans not counted)")
     click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call")
+    if b.text_max_length is not None:
+        click.echo(f"text     prompts of {b.text_max_length} tokens, encoded by the text_encoder graph")
     for name, tree in b.trees.items():
         drafted = f", drafted by {tree.graph}, verified by {tree.verify}" if tree.graph else ""
         click.echo(f"tree     {name}: {len(tree.paths)} nodes{drafted}")
@@ -786,6 +835,7 @@ def _polygraphy_view(path: Path) -> None:
     help="Images per class and configuration (FD wants many: 50+ per class for figures that mean something).",
 )
 @click.option("--class", "--classes", "classes", multiple=True, help="Class ids or names. Default: all.")
+@prompt_options
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--warmup",
@@ -849,6 +899,8 @@ def bench_cmd(
     trees,
     num_images,
     classes,
+    prompt_texts,
+    prompts_file,
     seed,
     warmup,
     batch_sizes,
@@ -877,6 +929,7 @@ def bench_cmd(
         trees=trees,
         num_images=num_images,
         classes=tuple(s for c in classes for s in c.split(",") if s.strip()),
+        prompts=tuple(_prompts(prompt_texts, prompts_file)),
         seed=seed,
         warmup=warmup,
         cfg_scale=cfg_scale,

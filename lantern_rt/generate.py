@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, Bundle
+from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, TEXT_ENCODER_GRAPH, Bundle
+from lantern_rt.captions import left_pad, load_tokenizer, tokenize
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import (
@@ -28,6 +29,7 @@ from lantern_rt.models.model_dir import (
     open_model_dir,
 )
 from lantern_rt.models.target import Transformer
+from lantern_rt.models.text_encoder import encode, load_text_encoder
 from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
 from lantern_rt.runtime.backends.bundle_graphs import (
@@ -38,7 +40,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     bundle_trees,
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import ImageResult, Speculation, decode_images
+from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, decode_images
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
@@ -72,7 +74,7 @@ def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -
 
 
 def condition_rows(model: Transformer, cond: int | torch.Tensor) -> torch.Tensor:
-    """The two CFG rows (conditional, unconditional) for a class id or caption features."""
+    """The two CFG rows (conditional, unconditional) for a class id or caption features [T, C]."""
     device = model.output.weight.device
     if model.config.model_type == "c2i":
         return torch.tensor([int(cond), model.config.num_classes], device=device)
@@ -80,15 +82,73 @@ def condition_rows(model: Transformer, cond: int | torch.Tensor) -> torch.Tensor
     return torch.stack([caption, model.null_condition])
 
 
+# prompt token ids [1, L] and attention mask [1, L] -> caption features [1, L, C] (fp32)
+TextEncode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def prompt_condition(
+    prompt: str, tokenizer, encode: TextEncode, null: torch.Tensor, warn: Callable[[str], None] | None = None
+) -> Condition:
+    """A prompt's condition as LlamaGen's ``sample_t2i.py`` builds it (docs/method.md §9): the
+    cleaned prompt tokenised, right-padded to the T prefix slots of the null caption ``null``
+    [T, C], encoded, then rotated so that its valid features come last with the padding zeroed;
+    the padding is hidden from every later token, in both CFG rows. A prompt over T tokens
+    keeps its first T - 1 and the end-of-sequence token (``warn`` is told)."""
+    slots = null.shape[0]
+    ids, mask, truncated = tokenize(tokenizer, [prompt], slots)
+    if truncated[0] and warn is not None:
+        warn(
+            f"prompt {prompt[:40]!r}... is over {slots} tokens: its first {slots - 1} and the end token are kept"
+        )
+    features = encode(ids.to(null.device), mask.to(null.device)).float()
+    features, prefix = left_pad(features, mask.to(null.device))
+    return Condition(torch.stack([features[0].to(null.dtype), null]), prefix[0])
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:
+    """What a run makes, validated against the model's kind: class ids (``classes``: ids or
+    names; every class when empty) for a class-conditional model, ``prompts`` for a
+    text-conditional one (at least one, none of them blank); :class:`ConfigError` otherwise."""
+    if info.gpt.model_type == "t2i":
+        if classes:
+            raise ConfigError(
+                f"{info.name} is a text-to-image model: give --prompt or --prompts, not --class"
+            )
+        if not prompts:
+            raise ConfigError(f"{info.name} is a text-to-image model: give --prompt TEXT or --prompts FILE")
+        if any(not p.strip() for p in prompts):
+            raise ConfigError("a prompt is empty: give some text (an empty caption is LlamaGen's null row)")
+        return list(prompts)
+    if prompts:
+        raise ConfigError(f"{info.name} is a class-conditional model: give --class, not --prompt/--prompts")
+    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
+        str(i) for i in range(info.gpt.num_classes)
+    ]
+    return [info.class_id(s) for s in specs]
+
+
+def check_text_encoder(md: ModelDir) -> None:
+    """:class:`ConfigError` for a text-conditional model directory that names no T5 folder."""
+    if md.gpt.model_type == "t2i" and "t5" not in md.files:
+        raise ConfigError(
+            f"{md.root / 'config.json'} is a text-to-image model without a text encoder: name its "
+            'flan-t5-xl folder in "files", e.g. "t5": "flan-t5-xl"'
+        )
+
+
 @dataclass
 class Pipeline:
-    """Everything that turns class labels into images on one backend."""
+    """Everything that turns class labels (or prompts) into images on one backend."""
 
     info: ModelDir  # names, classes and geometry (for a bundle: rebuilt from its manifest)
     backend: str
     target: TargetBackend
     spec: Speculation | None
-    condition: Callable[[int], torch.Tensor]  # label -> the two CFG condition rows
+    condition: Callable[[int | str], Condition]  # class id or prompt -> the image's condition
     decode_codes: Callable[[torch.Tensor], torch.Tensor]  # codes [N, T] -> images [N, C, H, W]
     method: MethodConfig
     device: str = "cpu"
@@ -117,7 +177,7 @@ def torch_pipeline(
     spec = None
     if method.method != "ar":
         drafter = load_drafter(md, method.drafter, device)
-        capacity = drafter_capacity(md.gpt.block_size)
+        capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
         spec = speculation(
             TorchDrafter(drafter, target_model.output, capacity, batch_size),
             load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
@@ -130,12 +190,29 @@ def torch_pipeline(
     def decode_codes(codes: torch.Tensor) -> torch.Tensor:
         return vq.decode_code(codes.to(device), grid)
 
+    if md.gpt.model_type == "t2i":
+        check_text_encoder(md)
+        encoder, tokenizer = load_text_encoder(md.path("t5"), device), load_tokenizer(md.path("t5"))
+        if encoder.config.d_model != md.gpt.caption_dim:
+            raise ConfigError(
+                f"text encoder {md.path('t5')} makes {encoder.config.d_model}-wide features; "
+                f"the target reads caption_dim {md.gpt.caption_dim}"
+            )
+        null = target_model.null_condition
+
+        def condition(prompt: int | str) -> Condition:
+            return prompt_condition(str(prompt), tokenizer, lambda i, m: encode(encoder, i, m), null, _warn)
+    else:
+
+        def condition(label: int | str) -> Condition:
+            return Condition(condition_rows(target_model, int(label)))
+
     return Pipeline(
         info=md,
         backend="torch",
         target=TorchTarget(target_model, batch_size),
         spec=spec,
-        condition=lambda label: condition_rows(target_model, label),
+        condition=condition,
         decode_codes=decode_codes,
         method=method,
         device=device,
@@ -170,6 +247,7 @@ def make_pipeline(
 
         require_tensorrt()  # before any export: without TensorRT there is nothing to build for
     if isinstance(source, ModelDir):
+        check_text_encoder(source)  # before the export it would otherwise finish first
         if method.drafter is not None:
             raise ConfigError(
                 "a --drafter override runs on the torch backend (bundles hold the model's own "
@@ -248,8 +326,6 @@ def bundle_pipeline(
     """A bundle run by an engine's graph runners, ``batch_size`` images per step (graphs the
     bundle was exported for: :class:`BundleTarget` refuses others); no torch model is built."""
     info = bundle.model_info()
-    if info.gpt.model_type != "c2i":
-        raise ConfigError("the command line runs class-conditional bundles; use the Python API for captions")
     target = BundleTarget(bundle, runner, backend, batch_size)
     spec = None
     if method.method != "ar":
@@ -265,17 +341,46 @@ def bundle_pipeline(
         drafter = BundleDrafter(bundle, runner, backend, batch_size)
         spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
-    null = bundle.constants.null_class_id
+    if info.gpt.model_type == "t2i":
+        condition = _bundle_prompts(bundle, runner, target.cache.k.device)
+    else:
+        null_id = bundle.constants.null_class_id
+
+        def condition(label: int | str) -> Condition:
+            return Condition(torch.tensor([int(label), null_id]))
+
     return Pipeline(
         info=info,
         backend=backend,
         target=target,
         spec=spec,
-        condition=lambda label: torch.tensor([int(label), null]),
+        condition=condition,
         decode_codes=decoder.decode,
         method=method,
         device=str(target.cache.k.device),
     )
+
+
+def _bundle_prompts(
+    bundle: Bundle, runner: RunnerFactory, device: torch.device
+) -> Callable[[int | str], Condition]:
+    """Prompt -> condition on a bundle's text encoder graph and tokenizer (loaded on first use:
+    a bundle exported without a text encoder still decodes conditions built elsewhere)."""
+    loaded: list = []
+
+    def condition(prompt: int | str) -> Condition:
+        if not loaded:
+            if bundle.text_max_length is None:
+                raise ConfigError(
+                    f"bundle {bundle.path} has no text encoder: export it from a model directory whose "
+                    "config.json names a T5 folder (files.t5)"
+                )
+            encoder = runner(bundle, bundle.graph(TEXT_ENCODER_GRAPH))
+            null = torch.from_numpy(bundle.null_caption()).to(device)
+            loaded.extend([load_tokenizer(bundle.path), lambda i, m: encoder(i, m)[0], null])
+        return prompt_condition(str(prompt), *loaded, _warn)
+
+    return condition
 
 
 def onnxruntime_pipeline(
@@ -289,7 +394,7 @@ def onnxruntime_pipeline(
 
 @dataclass
 class Generation:
-    labels: list[int]
+    labels: list[int | str]  # class ids, or prompts for a text-conditional model
     tokens: torch.Tensor  # [N, T] int64
     images: np.ndarray  # [N, H, W, C] uint8
     stats: GenerationStats
@@ -297,14 +402,15 @@ class Generation:
 
 def generate(
     pipe: Pipeline,
-    labels: Iterable[int],
+    labels: Iterable[int | str],
     sampling: SamplingConfig,
     seed: int = 0,
     progress: bool = True,
     start_index: int = 0,
     profile: bool = False,
 ) -> Generation:
-    """Generate one image per entry of ``labels``; timings and acceptance stats in ``stats``.
+    """Generate one image per entry of ``labels`` (class ids, or prompts for a text-conditional
+    model); timings and acceptance stats in ``stats``.
 
     Image ``i`` draws from the random stream ``(seed, start_index + i)``, so a run split into
     pieces gives the same images as one run. ``profile`` records NVTX ranges (see

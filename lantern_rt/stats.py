@@ -36,7 +36,7 @@ class GenerationStats:
     total_seconds: float
     seed: int
     sampling: SamplingConfig
-    labels: list[int]
+    labels: list[int | str]  # class ids, or prompts
     batch_size: int = 1  # images per decode call
     extra: dict[str, Any] = field(default_factory=dict)  # added by the caller (e.g. the output path)
 
@@ -90,6 +90,10 @@ class GenerationStats:
             "total_seconds": self.total_seconds,
             "seed": self.seed,
             "sampling": dataclasses.asdict(self.sampling),
-            "labels": list(self.labels),
+            **(
+                {"prompts": list(self.labels)}
+                if any(isinstance(x, str) for x in self.labels)
+                else {"labels": list(self.labels)}
+            ),
             **self.extra,
         }

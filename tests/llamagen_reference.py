@@ -39,8 +39,12 @@ def rms(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
-def reference_logits(sd: dict, cfg, idx: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-    """Logits [B, cls + T, V] (float64) of a causal forward over prefix + ``idx``."""
+def reference_logits(
+    sd: dict, cfg, idx: torch.Tensor, cond: torch.Tensor, emb_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits [B, cls + T, V] (float64) of a causal forward over prefix + ``idx``; with
+    ``emb_mask`` [B, cls] (LlamaGen's ``generate``): the prefix columns it zeroes are masked for
+    every query, then the diagonal is put back (``causal_mask * (1 - eye) + eye``)."""
     sd = {k: v.double() for k, v in sd.items()}
     if cfg.model_type == "c2i":
         prefix = sd["cls_embedding.embedding_table.weight"][cond][:, None]
@@ -53,7 +57,12 @@ def reference_logits(sd: dict, cfg, idx: torch.Tensor, cond: torch.Tensor) -> to
     hd = cfg.dim // cfg.n_head
     kvh = cfg.n_kv_head or cfg.n_head
     rot = rope_2d_complex(cfg, s)
-    causal = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1)
+    allowed = torch.ones(s, s).tril()[None].repeat(b, 1, 1)
+    if emb_mask is not None:
+        allowed[:, :, : cfg.cls_token_num] *= emb_mask[:, None, :].double()
+        eye = torch.eye(s)[None]
+        allowed = allowed * (1 - eye) + eye
+    causal = torch.zeros(b, 1, s, s, dtype=torch.float64).masked_fill(allowed[:, None] == 0, float("-inf"))
     for i in range(cfg.n_layer):
         p = f"layers.{i}."
         a = rms(x, sd[p + "attention_norm.weight"], cfg.norm_eps)

@@ -83,9 +83,11 @@ def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     return path
 
 
-def graph_names(trees: list[str], with_drafter: bool) -> set[str]:
-    """The graphs a bundle of these trees holds."""
+def graph_names(trees: list[str], with_drafter: bool, prefix_slots: int = 1) -> set[str]:
+    """The graphs a bundle of these trees holds (a drafter over a longer prefix: its prefill)."""
     names = {"target_prefill", "target_ar_step", "vq_decode"}
+    if with_drafter and prefix_slots > 1:
+        names.add("drafter_prefill")
     drafting = {
         f(i) for i in range(len(trees)) for f in (draft_graph_name, verify_graph_name) if with_drafter
     }
@@ -106,8 +108,8 @@ def opened(bundles) -> dict[str, Bundle]:
 @pytest.mark.parametrize("name", BUNDLES)
 def test_every_graph_passes_the_checks(opened, name):
     bundle = opened[name]
-    _, _, trees, with_drafter = BUNDLES[name]
-    assert set(bundle.graphs) == graph_names(trees, with_drafter)
+    overrides, _, trees, with_drafter = BUNDLES[name]
+    assert set(bundle.graphs) == graph_names(trees, with_drafter, overrides.get("cls_token_num", 1))
     for entry in bundle.graphs.values():
         assert check_graph(bundle.file(entry)) == []
 
@@ -175,8 +177,9 @@ def test_declared_shapes_and_dtypes(opened):
     kv = [2, 2, 2]  # n_layer, CFG rows, kv heads
     assert shapes["target_prefill"] == {
         "cond": ([2, 3, 12], "float32"),
+        "prefix": ([1, 3], "bool"),
         "logits": ([2, 64], "float32"),
-        "hidden": ([2, 32], "float16"),
+        "hidden": ([2, 3, 32], "float16"),
         "new_k": ([*kv, 3, 8], "float16"),
         "new_v": ([*kv, 3, 8], "float16"),
     }
@@ -195,6 +198,7 @@ def test_declared_shapes_and_dtypes(opened):
     assert shapes["target_ar_step"] == {
         "node_tokens": ([1, 1], "int64"),
         "cache_length": ([1], "int64"),
+        "prefix": ([1, 3], "bool"),
         "valid": ([1, 1], "bool"),
         "q": ([1, 1, 64], "float32"),
         "noise": ([1, 1], "float32"),
@@ -227,11 +231,16 @@ def test_declared_shapes_and_dtypes(opened):
         "temperature": ([1], "float32"),
         "top_k": ([1], "int64"),
         "top_p": ([1], "float32"),
-        "past_k_0": ([2, 2, 16, 8], "float16"),
-        "past_v_0": ([2, 2, 16, 8], "float16"),
+        "past_k_0": ([2, 2, 18, 8], "float16"),  # the caption's first 2 pairs, 16 image tokens
+        "past_v_0": ([2, 2, 18, 8], "float16"),
         "node_tokens": ([1, 2], "int64"),
         "valid": ([1, 2], "bool"),
         "q": ([1, 2, 64], "float32"),
+        "new_k": ([*drafter_kv, 2, 8], "float16"),
+        "new_v": ([*drafter_kv, 2, 8], "float16"),
+    }
+    assert shapes["drafter_prefill"] == {
+        "hidden": ([2, 2, 32], "float16"),
         "new_k": ([*drafter_kv, 2, 8], "float16"),
         "new_v": ([*drafter_kv, 2, 8], "float16"),
     }
@@ -247,7 +256,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 7
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 8
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
@@ -256,7 +265,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert bundle.sampling_defaults == {"cfg_scale": 2.0}
     constants = bundle.constants
     assert constants.cache_capacity == 19
-    assert constants.drafter and constants.drafter_capacity == 16 and constants.max_draft_width == 10
+    assert constants.drafter and constants.drafter_capacity == 18 and constants.max_draft_width == 10
     assert bundle.has_drafter
     chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "verify": "target_verify_0"}
     assert manifest["trees"] == {"chain-1": chain}
@@ -430,7 +439,8 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     count = sum(1 for f in path.iterdir() if f.is_file())
     assert f"size     {size / 2**20:.1f} MiB on disk in {count} files (TensorRT plans not counted)" in lines
-    rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(("target_", "draft_", "vq_"))}
+    prefixes = ("target_", "draft_", "drafter_", "vq_")
+    rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(prefixes)}
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 1, 64]") in rows
     assert "batches  1 image(s) per call" in lines
     assert ("target_ar_step", "out", "hidden", "float16", "[2, 1, 32]") in rows

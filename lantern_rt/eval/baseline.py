@@ -80,11 +80,13 @@ def decode_chunk(
     model: Transformer, labels: Tensor, sampling: SamplingConfig, generator: torch.Generator | None
 ) -> Tensor:
     """Tokens [b, block_size] for class ids ``labels`` [b]: prefill the condition prefix of 2b
-    rows, then one token per row per step into a static KV cache of cls_token_num + block_size."""
+    rows (b when ``cfg_scale <= 1``: LlamaGen runs no unconditional row then), then one token
+    per row per step into a static KV cache of cls_token_num + block_size."""
     cfg = model.config
     b, t, n = len(labels), cfg.cls_token_num, cfg.block_size
+    guided = sampling.cfg_scale > 1.0
     device, capacity = labels.device, cfg.cls_token_num + cfg.block_size
-    shape = (cfg.n_layer, 2 * b, cfg.kv_heads, capacity, cfg.head_dim)
+    shape = (cfg.n_layer, 2 * b if guided else b, cfg.kv_heads, capacity, cfg.head_dim)
     cache_k = torch.zeros(shape, dtype=model.output.weight.dtype, device=device)
     cache_v = torch.zeros_like(cache_k)
     # Row p: the slots committed before position p, then the new token itself (LlamaGen's causal_mask).
@@ -92,21 +94,22 @@ def decode_chunk(
     step_masks[:, -1] = True
     positions = torch.arange(capacity, device=device)
 
-    cond = torch.cat([labels, torch.full_like(labels, cfg.num_classes)])
+    cond = torch.cat([labels, torch.full_like(labels, cfg.num_classes)]) if guided else labels
     causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     mask = torch.cat([torch.zeros(t, capacity, dtype=torch.bool, device=device), causal], dim=1)
     logits, _, k, v = model.step(
         model.embed_condition(cond), positions[:t], mask[None, None], cache_k, cache_v
     )
     cache_k[:, :, :, :t], cache_v[:, :, :, :t] = k, v
-    token = sample(cfg_mixed(logits[:, -1], sampling.cfg_scale), sampling, generator)
+    mix = (lambda x: cfg_mixed(x, sampling.cfg_scale)) if guided else (lambda x: x)
+    token = sample(mix(logits[:, -1]), sampling, generator)
     tokens = [token]
     for pos in range(t, t + n - 1):
-        h = model.tok_embeddings(torch.cat([token, token])).unsqueeze(1)
+        h = model.tok_embeddings(torch.cat([token, token]) if guided else token).unsqueeze(1)
         mask = step_masks[pos].view(1, 1, 1, -1)
         logits, _, k, v = model.step(h, positions[pos : pos + 1], mask, cache_k, cache_v)
         cache_k[:, :, :, pos], cache_v[:, :, :, pos] = k[:, :, :, 0], v[:, :, :, 0]
-        token = sample(cfg_mixed(logits[:, -1], sampling.cfg_scale), sampling, generator)
+        token = sample(mix(logits[:, -1]), sampling, generator)
         tokens.append(token)
     return torch.stack(tokens, dim=1)
 

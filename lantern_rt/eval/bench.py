@@ -39,7 +39,15 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
-from lantern_rt.generate import Generation, Pipeline, cached_bundle, generate, make_pipeline, open_source
+from lantern_rt.generate import (
+    Generation,
+    Pipeline,
+    cached_bundle,
+    generate,
+    make_pipeline,
+    open_source,
+    requested_conditions,
+)
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
@@ -365,6 +373,8 @@ def quality_reference(
     """
     if not enabled:
         return None, "speed only (--no-quality)"
+    if info.gpt.model_type == "t2i":
+        return None, "the quality metrics score class-conditional images; a text-to-image run is speed only"
     mismatch = fashion_mismatch(info)
     if mismatch is not None and (feature_fn is None or reference is None):
         return None, f"{mismatch} (--features with --reference scores any model)"
@@ -486,6 +496,7 @@ class BenchSettings:
     trees: tuple[str, ...] = ()  # () = the tree `lantern generate` would use (settings.run_defaults)
     num_images: int = 4  # per class
     classes: tuple[str, ...] = ()  # ids or names; () = every class
+    prompts: tuple[str, ...] = ()  # a text-to-image model's prompts (instead of classes)
     seed: int = 0
     warmup: int = 1
     cfg_scale: float | None = None  # None = the model's default
@@ -659,7 +670,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     backends = resolve_backends(s.backends, md is None)
     trees = s.trees or tuple(dict.fromkeys(run_defaults(source, backend=b).tree for b in backends))
     configs = expand_configs(s.configs, trees)
-    classes = [info.class_id(c) for c in s.classes] or list(range(info.gpt.num_classes))
+    classes = requested_conditions(info, s.classes, s.prompts)
     labels = [c for c in classes for _ in range(s.num_images)]
     sampling = sampling_config(source, s)
     shape = (info.vq.out_channels, info.image_size, info.image_size)

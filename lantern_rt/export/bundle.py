@@ -33,6 +33,7 @@ from lantern_rt.bundle import (
 )
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.export.graphs import (
+    DrafterPrefill,
     DrafterTree,
     GraphModule,
     TargetPrefill,
@@ -40,12 +41,14 @@ from lantern_rt.export.graphs import (
     VQDecode,
     cache_capacity,
 )
+from lantern_rt.export.text_encoder import TextEncoderGraph, copy_tokenizer
 from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph
 from lantern_rt.models.config import to_dict
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
+from lantern_rt.models.text_encoder import load_text_encoder
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
 from lantern_rt.settings import check_batch_sizes
@@ -90,6 +93,9 @@ def export_bundle(
     graphs = [pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b)]
     decode = VQDecode(vq, target.config.grid_size)
     graphs.append((decode, decode))
+    text = _text_encoder(model_dir, target)
+    if text is not None:
+        graphs.append((text, text))
     neighbors = load_neighbors(model_dir, k, vq)[:, :k]
     with staged_bundle(out) as tmp:
         entries = {}
@@ -98,10 +104,29 @@ def export_bundle(
         share_weights([tmp / entry["file"] for entry in entries.values()], tmp / WEIGHTS)
         if target.config.model_type == "t2i":
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
+        if text is not None:
+            copy_tokenizer(model_dir.path("t5"), tmp)
         save_neighbors(neighbors, tmp / NEIGHBORS)
         manifest = _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes)
+        if text is not None:
+            manifest["text_encoder"] = {"max_length": target.config.cls_token_num}
         write_manifest(tmp, manifest)
     return out
+
+
+def _text_encoder(md: ModelDir, target: Transformer) -> TextEncoderGraph | None:
+    """The graph of a text-conditional model's T5 encoder (files.t5), always fp32; None for a
+    class-conditional model or one without a text encoder (its bundle then decodes caption
+    features given through the Python API only)."""
+    if target.config.model_type != "t2i" or "t5" not in md.files:
+        return None
+    encoder = load_text_encoder(md.path("t5"))
+    if encoder.config.d_model != target.config.caption_dim:
+        raise ExportError(
+            f"text encoder {md.path('t5')} makes {encoder.config.d_model}-wide features; the target "
+            f"reads caption_dim {target.config.caption_dim}"
+        )
+    return TextEncoderGraph(encoder, target.config.cls_token_num)
 
 
 def neighbors_k(md: ModelDir) -> int:
@@ -149,7 +174,11 @@ def _graphs(
     ar = (ROOT_ONLY, 1, AR_STEP_GRAPH, batch)
     pairs.append((TargetVerify(low, *ar), TargetVerify(target, *ar)))
     if drafter is not None:
-        low_drafter, cap = _cast(drafter, dtype), drafter_capacity(target.config.block_size)
+        c = target.config
+        low_drafter, cap = _cast(drafter, dtype), drafter_capacity(c.cls_token_num, c.block_size)
+        if c.cls_token_num > 1:
+            prefill = (c.cls_token_num, batch)
+            pairs.append((DrafterPrefill(low_drafter, *prefill), DrafterPrefill(drafter, *prefill)))
         for i, tree in enumerate(trees):
             verify = (tree, neighbors_k, verify_graph_name(i), batch)
             drafting = (tree, cap, draft_graph_name(i), batch)
@@ -217,6 +246,8 @@ def _quiet_exporter() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
+            # constant folding of T5's relative-position buckets takes log(0) behind a Where
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module="onnx.reference")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
@@ -266,7 +297,7 @@ def _manifest(
         "vocab_size": c.vocab_size,
         "hidden_size": c.dim,
         "drafter": has_drafter,
-        "drafter_capacity": drafter_capacity(c.block_size),
+        "drafter_capacity": drafter_capacity(c.cls_token_num, c.block_size),
         "max_draft_width": MAX_DRAFT_WIDTH,
         "batch_sizes": batch_sizes,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},

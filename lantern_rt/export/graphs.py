@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.bundle import PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
+from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
 from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
@@ -29,7 +29,9 @@ from lantern_rt.runtime.drafting import (
     draft_plan,
     draft_tree,
     noise_rows,
+    prefix_pairs,
 )
+from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import StaticTree
 
@@ -115,59 +117,104 @@ def _random_cache(g: torch.Generator, specs: tuple[TensorSpec, ...]) -> tuple[Te
 
 
 class TargetPrefill(nn.Module):
-    """The 2B condition rows of B images -> logits and hidden at the last prefix slot, and the
-    prefix K/V."""
+    """The 2B condition rows of B images and which prefix slots are visible -> logits at the
+    last prefix slot, the hidden states at every prefix slot (the drafter's prefix pairs and
+    first catch-up need them) and the prefix K/V."""
 
     def __init__(self, model: Transformer, batch: int = 1):
         super().__init__()
         self.model, self.blocks, self.batch = model, Blocks.of_target(model), batch
         c = model.config
         dtype = model.output.weight.dtype
-        rows = 2 * batch
+        rows, t = 2 * batch, c.cls_token_num
         cond = (
             TensorSpec("cond", (rows,), torch.int64)
             if c.model_type == "c2i"
-            else TensorSpec("cond", (rows, c.cls_token_num, c.caption_dim), torch.float32)
+            else TensorSpec("cond", (rows, t, c.caption_dim), torch.float32)
         )
         self.spec = GraphSpec(
             batched_name(PREFILL_GRAPH, batch),
-            (cond,),
+            (cond, TensorSpec("prefix", (batch, t), torch.bool)),
             (
                 TensorSpec("logits", (rows, c.vocab_size), torch.float32),
-                TensorSpec("hidden", (rows, c.dim), dtype),
-                _kv_spec("new_k", _target_kv(model), batch, c.cls_token_num, dtype),
-                _kv_spec("new_v", _target_kv(model), batch, c.cls_token_num, dtype),
+                TensorSpec("hidden", (rows, t, c.dim), dtype),
+                _kv_spec("new_k", _target_kv(model), batch, t, dtype),
+                _kv_spec("new_v", _target_kv(model), batch, t, dtype),
             ),
             dtype,
         )
 
-    def forward(self, cond: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(self, cond: Tensor, prefix: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if cond.is_floating_point():
             cond = cond.to(self.spec.compute_dtype)
         h = self.model.embed_condition(cond)
-        t = h.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None]
-        h, k, v = self.blocks(h, torch.arange(t, device=h.device), causal, None)
-        hidden = rms_norm(h[:, -1], self.model.norm)
-        return self.model.output(hidden).float(), hidden, k, v
+        positions = torch.arange(h.shape[1], device=h.device)
+        h, k, v = self.blocks(h, positions, prefill_mask(prefix), None)
+        hidden = rms_norm(h, self.model.norm)
+        return self.model.output(hidden[:, -1]).float(), hidden, k, v
 
-    def reference_forward(self, cond: Tensor) -> tuple[Tensor, ...]:
+    def reference_forward(self, cond: Tensor, prefix: Tensor) -> tuple[Tensor, ...]:
         """The same outputs from the model's own ``step`` (what the graph is checked against)."""
         h = self.model.embed_condition(cond)
-        t = h.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
-        logits, hidden, k, v = self.model.step(h, torch.arange(t), causal, None, None)
-        return logits[:, -1], hidden[:, -1], k, v
+        positions = torch.arange(h.shape[1])
+        logits, hidden, k, v = self.model.step(h, positions, prefill_mask(prefix), None, None)
+        return logits[:, -1], hidden, k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random condition rows plus the null conditions."""
+        """Random condition rows plus the null conditions; for captions, a random number of
+        leading padding slots per image (LlamaGen's left padding)."""
         c, b = self.model.config, self.batch
         if c.model_type == "c2i":
-            return (
-                torch.cat([torch.randint(c.num_classes, (b,), generator=g), torch.full((b,), c.num_classes)]),
+            cond = torch.cat(
+                [torch.randint(c.num_classes, (b,), generator=g), torch.full((b,), c.num_classes)]
             )
+            return cond, torch.ones(b, 1, dtype=torch.bool)
         captions = torch.randn(b, c.cls_token_num, c.caption_dim, generator=g)
-        return (torch.cat([captions, self.model.null_condition.float().cpu().expand(b, -1, -1)]),)
+        null = self.model.null_condition.float().cpu().expand(b, -1, -1)
+        return torch.cat([captions, null]), random_prefix(g, b, c.cls_token_num)
+
+
+def random_prefix(g: torch.Generator, batch: int, slots: int) -> Tensor:
+    """[B, slots] bool: per image a random number of leading False (padding) slots, the last
+    one always visible (a caption has at least its end-of-sequence token)."""
+    padding = torch.randint(slots, (batch, 1), generator=g)
+    return torch.arange(slots)[None, :] >= padding
+
+
+class DrafterPrefill(nn.Module):
+    """The drafter's K/V over a condition prefix of P > 1 slots
+    (:func:`~lantern_rt.runtime.drafting.prefix_pairs`): the target's hidden states at its first
+    P - 1 slots -> new K/V for the drafter cache."""
+
+    def __init__(self, drafter: Drafter, cls_token_num: int, batch: int = 1):
+        super().__init__()
+        self.drafter, self.batch = drafter, batch
+        self.blocks = Blocks.of_drafter(drafter)
+        c = drafter.config
+        dtype = drafter.fc.weight.dtype
+        kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
+        count = cls_token_num - 1
+        self.spec = GraphSpec(
+            batched_name(DRAFTER_PREFILL_GRAPH, batch),
+            (TensorSpec("hidden", (2 * batch, count, c.hidden_size), dtype),),
+            (_kv_spec("new_k", kv, batch, count, dtype), _kv_spec("new_v", kv, batch, count, dtype)),
+            dtype,
+        )
+
+    def _step(self, tokens, hidden, positions, mask, context):
+        d = self.drafter
+        h = d.fc(torch.cat([d.embed_tokens(cfg_rows(tokens)), hidden.to(d.fc.weight.dtype)], dim=-1))
+        return self.blocks(h, positions, mask, context)
+
+    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        return prefix_pairs(self._step, hidden)
+
+    def reference_forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """The same outputs with the drafter's own ``step``."""
+        return prefix_pairs(drafter_step(self.drafter), hidden)
+
+    def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
+        return (torch.randn(self.spec.inputs[0].shape, generator=g).to(self.spec.compute_dtype),)
 
 
 class TargetVerify(nn.Module):
@@ -194,6 +241,7 @@ class TargetVerify(nn.Module):
             (
                 TensorSpec("node_tokens", (b, s), torch.int64),
                 TensorSpec("cache_length", (b,), torch.int64),
+                TensorSpec("prefix", (b, c.cls_token_num), torch.bool),
                 TensorSpec("valid", (b, s), torch.bool),
                 TensorSpec("q", (b, s, v), torch.float32),
                 TensorSpec("noise", (b, s), torch.float32),
@@ -218,26 +266,29 @@ class TargetVerify(nn.Module):
             dtype,
         )
 
+    def _inputs(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
+        """Embedded nodes, positions and mask of the step, and the per-layer past inputs."""
+        tokens, length, prefix = inputs[:3]
+        capacity = cache_capacity(self.model)
+        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, capacity, prefix)
+        return self.model.tok_embeddings(cfg_rows(tokens)), positions, mask, inputs[16:]
+
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        tokens, length = inputs[:2]
-        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, cache_capacity(self.model))
-        h = self.model.tok_embeddings(cfg_rows(tokens))
-        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(inputs[15:])))
+        h, positions, mask, past = self._inputs(inputs)
+        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(past)))
         hidden = rms_norm(h, self.model.norm)
         return self._accept(self.model.output(hidden).float(), hidden, k, v, inputs)
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         """The same outputs from the model's own ``step``."""
-        tokens, length = inputs[:2]
-        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, cache_capacity(self.model))
-        h = self.model.tok_embeddings(cfg_rows(tokens))
-        past_k, past_v = _split_past(inputs[15:])
+        h, positions, mask, past = self._inputs(inputs)
+        past_k, past_v = _split_past(past)
         logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
         return self._accept(logits, hidden, k, v, inputs)
 
     def _accept(self, logits: Tensor, hidden: Tensor, k: Tensor, v: Tensor, inputs) -> tuple[Tensor, ...]:
-        tokens, _, valid, q, noise, bonus_noise = inputs[:6]
-        sampling, relax = inputs[6:10], RelaxInputs(*inputs[10:15])
+        tokens, valid, q, noise, bonus_noise = inputs[0], *inputs[3:7]
+        sampling, relax = inputs[7:11], RelaxInputs(*inputs[11:16])
         return tuple(
             verify_tree(
                 self.plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, sampling, relax
@@ -257,13 +308,14 @@ class TargetVerify(nn.Module):
         q = torch.softmax(torch.randn(b, s, v, generator=g), dim=-1)
         bonus_noise = torch.zeros(b, v)
         bonus_noise[torch.arange(b), torch.randint(v, (b,), generator=g)] = 1.0 - 2.0**-24
-        k = self.spec.inputs[10].shape[1]
+        k = self.spec.inputs[11].shape[1]
         neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
         relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
         return (
             tokens,
             length,
+            random_prefix(g, b, c.cls_token_num),
             torch.ones(b, s, dtype=torch.bool),
             q,
             torch.zeros(b, s),
@@ -271,7 +323,7 @@ class TargetVerify(nn.Module):
             *sampling,
             neighbors,
             *relax,
-            *_random_cache(g, self.spec.inputs[15:]),
+            *_random_cache(g, self.spec.inputs[16:]),
         )
 
 
@@ -382,4 +434,4 @@ class VQDecode(nn.Module):
         return (torch.randint(self.vq.config.codebook_size, self.spec.inputs[0].shape, generator=g),)
 
 
-GraphModule = TargetPrefill | TargetVerify | DrafterTree | VQDecode
+GraphModule = TargetPrefill | TargetVerify | DrafterPrefill | DrafterTree | VQDecode  # and TextEncoderGraph

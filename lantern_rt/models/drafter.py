@@ -155,18 +155,26 @@ class Drafter(nn.Module):
         )
 
     def step(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor, past_v: Tensor
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        past_k: Tensor | None,
+        past_v: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Pairs (token [B, S], previous target hidden [B, S, H]) at ``positions`` [S].
 
-        ``past_k``/``past_v`` [n_layer, B, Hkv, P, D], ``mask`` bool [B or 1, 1, S, P + S].
+        ``past_k``/``past_v`` [n_layer, B, Hkv, P, D] (None: P = 0), ``mask`` bool [B or 1, 1,
+        S, P + S].
         Returns the predicted hidden states [B, S, H] and the new K/V [n_layer, B, Hkv, S, D].
         """
         h = self.fc(torch.cat([self.embed_tokens(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
         rope = self.freqs_cis[positions]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, rope, mask, past_k[i], past_v[i])
+            past = (None, None) if past_k is None or past_v is None else (past_k[i], past_v[i])
+            h, k, v = layer(h, rope, mask, *past)
             new_k.append(k)
             new_v.append(v)
         return h, torch.stack(new_k), torch.stack(new_v)

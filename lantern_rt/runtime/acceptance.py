@@ -368,13 +368,14 @@ def target_probabilities(logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor,
 
 
 def tree_step_inputs(
-    depth: Tensor, tree_mask: Tensor, length: Tensor, capacity: int
+    depth: Tensor, tree_mask: Tensor, length: Tensor, capacity: int, prefix: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Positions [2B, N+1] and mask [2B, 1, N+1, capacity + N+1] of a verify step over a tree
     (its ``depth`` and ``tree_mask``, on the device) after ``length`` [B] committed cache
     entries per image (of ``capacity``): each node at its image's length + its depth, seeing
-    every committed entry of its image and its ancestors (docs/method.md §3, §7)."""
-    return cfg_rows(length[:, None] + depth), cache_mask(length, capacity, tree_mask)
+    every committed entry of its image but the prefix slots ``prefix`` [B, P] hides, and its
+    ancestors (docs/method.md §3, §7, §9)."""
+    return cfg_rows(length[:, None] + depth), cache_mask(length, capacity, tree_mask, prefix)
 
 
 class Verified(NamedTuple):

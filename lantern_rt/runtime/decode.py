@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -108,9 +109,17 @@ class DecodeStep:
         return out.length, out.tokens, out.hidden
 
 
-# One image to decode: its two condition rows (cond, uncond: class ids [2] or captions
-# [2, T, C]) and its random stream.
-Job = tuple[Tensor, "torch.Generator | None"]
+class Condition(NamedTuple):
+    """One image's condition: its two CFG rows (conditional, unconditional: class ids [2] or
+    caption features [2, T, C]) and which of the T prefix slots its tokens see (``prefix`` [T]
+    bool, the same for both rows: a caption's padding is hidden, docs/method.md §9; None: all)."""
+
+    rows: Tensor
+    prefix: Tensor | None = None
+
+
+# One image to decode: its condition (or just its two condition rows) and its random stream.
+Job = tuple["Condition | Tensor", "torch.Generator | None"]
 
 
 @dataclass
@@ -118,7 +127,7 @@ class _Slot:
     """An image being decoded in one of the batch's B slots."""
 
     index: int
-    cond: Tensor
+    cond: Condition
     generator: torch.Generator | None
     tokens: list[int]
     accepted: list[int]
@@ -175,6 +184,7 @@ def decode_images(
                     exhausted = True
                 else:
                     index, (cond, generator) = job
+                    cond = cond if isinstance(cond, Condition) else Condition(cond)
                     slots[b] = _Slot(index, cond, generator, [], [])
                     fresh.append(b)
         if fresh:
@@ -241,13 +251,18 @@ def _prefill(
     first token from its generator and make it its pending pair; -> the updated state."""
     some = next(slot for slot in slots if slot is not None)
     conds = [(slot or some).cond for slot in slots]
-    cond = torch.cat([torch.stack([c[0] for c in conds]), torch.stack([c[1] for c in conds])])
+    cond = torch.cat([torch.stack([c.rows[0] for c in conds]), torch.stack([c.rows[1] for c in conds])])
     batch = len(slots)
     flags = [b in fresh for b in range(batch)]
     device = target.cache.length.device
     is_fresh = torch.tensor(flags, device=device)
+    everything = torch.ones(target.cls_token_num, dtype=torch.bool)
+    prefix = torch.stack([everything if c.prefix is None else c.prefix.cpu() for c in conds]).to(device)
     with span("prefill"):
-        logits, hidden = target.prefill(cond.to(device), is_fresh)
+        logits, hidden = target.prefill(cond.to(device), prefix, is_fresh)
+        if spec:
+            spec.drafter.prefill(hidden[:, :-1], is_fresh)
+    hidden = hidden[:, -1]
     vocab = logits.shape[-1]
     if state is None:
         check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
@@ -277,8 +292,6 @@ def _prefill(
         cfg_rows(is_fresh)[:, None, None], F.pad(hidden[:, None], (0, 0, 0, rows - 1)), state.hidden
     )
     state.m = torch.where(is_fresh, 1, state.m)
-    if spec:
-        spec.drafter.cache.length.masked_fill_(is_fresh, 0)
     for b, token in zip(fresh, first[fresh].tolist(), strict=True):
         slots[b].tokens.append(token)
     return state

@@ -61,9 +61,9 @@ class Context:
 
 
 # A drafter step: pairs (tokens [B, S], target hidden [2B, S, D]) at positions [2B, S] under a
-# mask [2B, 1, S, P + S] over the context (P slots in all) and the new rows -> predicted hidden
-# states [2B, S, D] and new K/V [n_layer, 2B, Hkv, S, D].
-DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, Context], tuple[Tensor, Tensor, Tensor]]
+# mask [2B, 1, S, P + S] over the context (P slots in all; None: no context, P = 0) and the new
+# rows -> predicted hidden states [2B, S, D] and new K/V [n_layer, 2B, Hkv, S, D].
+DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, "Context | None"], tuple[Tensor, Tensor, Tensor]]
 # The target's LM head (affine): hidden [..., D] -> fp32 logits [..., V].
 Head = Callable[[Tensor], Tensor]
 
@@ -125,9 +125,24 @@ def catch_up_rows(tree: StaticTree) -> int:
     return tree.max_depth + 1
 
 
-def drafter_capacity(block_size: int) -> int:
-    """Slots in the drafter's KV cache: one committed pair per image token at most."""
-    return block_size
+def drafter_capacity(cls_token_num: int, block_size: int) -> int:
+    """Slots in the drafter's KV cache: the condition prefix's pairs but the last (see
+    :func:`prefix_pairs`), then one committed pair per image token at most."""
+    return cls_token_num - 1 + block_size
+
+
+def prefix_pairs(step: DraftStep, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """The drafter's K/V [n_layer, 2B, Hkv, P - 1, D] over a condition prefix of P slots: the
+    target's hidden states at its first P - 1 slots (``hidden`` [2B, P - 1, D]), each paired
+    with token 0 at the next slot's (zero-rotation) position, causal among themselves, as the
+    authors' ``initialize_tree`` feeds a caption; the last slot's state pairs with the first
+    image token in the first catch-up (docs/method.md §9). None for a one-slot prefix."""
+    rows, count = hidden.shape[:2]
+    positions = torch.arange(1, count + 1, device=hidden.device).expand(rows, -1)
+    causal = torch.ones(count, count, dtype=torch.bool, device=hidden.device).tril()
+    tokens = torch.zeros(rows // 2, count, dtype=torch.long, device=hidden.device)
+    _, k, v = step(tokens, hidden, positions, causal.expand(rows, 1, -1, -1), None)
+    return k, v
 
 
 def noise_rows(tree: StaticTree) -> int:

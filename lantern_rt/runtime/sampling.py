@@ -48,9 +48,12 @@ class SamplingConfig:
 def cfg_mix(logits: Tensor, scale: float | Tensor) -> Tensor:
     """Mix the CFG rows of a batch: logits [2B, ..., V] (the B images' conditional rows, then
     their unconditional rows: :func:`cfg_rows`) -> [B, ..., V], u + s * (c - u) (written out:
-    ``torch.lerp`` exports as two formulas and a Where)."""
+    ``torch.lerp`` exports as two formulas and a Where); for a scale of at most 1 the
+    conditional rows alone, as LlamaGen guides only above 1 (docs/method.md §2)."""
     cond, uncond = logits.unflatten(0, (2, -1))
-    return uncond + scale * (cond - uncond)
+    if isinstance(scale, Tensor):
+        return torch.where(scale > 1, uncond + scale * (cond - uncond), cond)
+    return uncond + scale * (cond - uncond) if scale > 1 else cond
 
 
 def cfg_rows(per_image: Tensor) -> Tensor:

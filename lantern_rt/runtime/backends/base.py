@@ -52,10 +52,14 @@ class TargetBackend(Protocol):
     cache: KVCache
     cls_token_num: int
 
-    def prefill(self, cond: Tensor, fresh: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Condition rows (class ids [2B] or captions [2B, T, C]) -> logits [2B, V] and hidden
-        [2B, D] at the last prefix slot; the ``fresh`` [B] images' caches (all when None)
-        restart with their prefix K/V, the others keep theirs."""
+    def prefill(
+        self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Condition rows (class ids [2B] or captions [2B, T, C]) and the prefix slots each
+        image's tokens see (``prefix`` [B, T] bool: all but a caption's padding; None: all) -> logits
+        [2B, V] at the last prefix slot and the hidden states [2B, T, D] at every one; the
+        ``fresh`` [B] images' caches (all when None) restart with their prefix K/V and
+        visibility, the others keep theirs."""
         ...
 
     def verify(
@@ -85,6 +89,12 @@ class DrafterBackend(Protocol):
     name: str
     cache: KVCache
     vocab_size: int
+
+    def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
+        """Restart the ``fresh`` [B] images' caches with the pairs of their condition prefix
+        (:func:`~lantern_rt.runtime.drafting.prefix_pairs`, from the target's hidden states
+        ``hidden`` [2B, T - 1, D] at all but its last slot; nothing for a one-slot prefix)."""
+        ...
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         """``runtime.drafting.draft_tree`` over this backend's cache: catch-up ``rows``, uniform

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lantern_rt.bundle import (
     AR_STEP_GRAPH,
+    DRAFTER_PREFILL_GRAPH,
     PREFILL_GRAPH,
     VQ_DECODE_GRAPH,
     Bundle,
@@ -79,11 +80,13 @@ def kv_layers(entry: GraphEntry) -> int:
     return sum(spec.name.startswith("past_k_") for spec in entry.inputs)
 
 
-def cache_for(entry: GraphEntry, device: torch.device) -> KVCache:
-    """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs (2B rows), on ``device``."""
+def cache_for(entry: GraphEntry, device: torch.device, prefix: int = 0) -> KVCache:
+    """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs (2B rows), on
+    ``device``, keeping the visibility of ``prefix`` condition slots (a target's)."""
     past = entry.input("past_k_0")
     rows, heads, capacity, head_dim = past.shape
-    return KVCache(kv_layers(entry), rows // 2, heads, capacity, head_dim, torch_dtype(past.dtype), device)
+    dtype = torch_dtype(past.dtype)
+    return KVCache(kv_layers(entry), rows // 2, heads, capacity, head_dim, dtype, device, prefix)
 
 
 class BundleTarget:
@@ -102,11 +105,14 @@ class BundleTarget:
             paths: runner(bundle, bundle.graph(batched_name(name, batch))) for paths, name in names.items()
         }
         ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
-        self.cache = cache_for(ar, self._verify[ROOT_ONLY.paths].device)
+        self.cache = cache_for(ar, self._verify[ROOT_ONLY.paths].device, self.cls_token_num)
 
-    def prefill(self, cond: Tensor, fresh: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        logits, hidden, k, v = self._prefill(cond)
-        self.cache.restart(k, v, fresh)
+    def prefill(
+        self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        prefix = self.cache.visible(prefix)
+        logits, hidden, k, v = self._prefill(cond, prefix)
+        self.cache.restart(k, v, fresh, prefix)
         return logits, hidden
 
     def verify(
@@ -123,10 +129,21 @@ class BundleTarget:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        past = (*self.cache.layers_k, *self.cache.layers_v)
-        length = self.cache.length
+        cache = self.cache
+        past = (*cache.layers_k, *cache.layers_v)
         return Verified(
-            *graph(draft.tokens, length, draft.valid, draft.q, noise, bonus_noise, *sampling, *relax, *past)
+            *graph(
+                draft.tokens,
+                cache.length,
+                cache.prefix,
+                draft.valid,
+                draft.q,
+                noise,
+                bonus_noise,
+                *sampling,
+                *relax,
+                *past,
+            )
         )
 
 
@@ -148,6 +165,14 @@ class BundleDrafter:
         graphs = {tree.paths: bundle.graph(batched_name(tree.graph, batch)) for tree in trees}
         self._graphs = {paths: runner(bundle, entry) for paths, entry in graphs.items()}
         self.cache = cache_for(next(iter(graphs.values())), next(iter(self._graphs.values())).device)
+        prefill = batched_name(DRAFTER_PREFILL_GRAPH, batch)
+        self._prefill = runner(bundle, bundle.graph(prefill)) if bundle.constants.cls_token_num > 1 else None
+
+    def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
+        self.cache.length.masked_fill_(fresh, 0)
+        if self._prefill is not None:
+            k, v = self._prefill(hidden)
+            self.cache.write(k, v, hidden.shape[1] * fresh)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)

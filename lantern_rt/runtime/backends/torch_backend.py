@@ -22,8 +22,9 @@ from lantern_rt.runtime.drafting import (
     Head,
     draft_plan,
     draft_tree,
+    prefix_pairs,
 )
-from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.kv_cache import KVCache, prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import StaticTree
 
@@ -48,17 +49,20 @@ class TorchTarget:
             cfg.head_dim,
             weight.dtype,
             weight.device,
+            prefix=cfg.cls_token_num,
         )
         self._tables: dict[StaticTree, tuple[TreePlan, Tensor, Tensor]] = {}  # plan, depth, mask
 
     @torch.inference_mode()
-    def prefill(self, cond: Tensor, fresh: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def prefill(
+        self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         h = self.model.embed_condition(cond)
-        t = h.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None]
-        logits, hidden, k, v = self.model.step(h, torch.arange(t, device=h.device), causal, None, None)
-        self.cache.restart(k, v, fresh)
-        return logits[:, -1], hidden[:, -1]
+        prefix = self.cache.visible(prefix)
+        positions = torch.arange(h.shape[1], device=h.device)
+        logits, hidden, k, v = self.model.step(h, positions, prefill_mask(prefix), None, None)
+        self.cache.restart(k, v, fresh, prefix)
+        return logits[:, -1], hidden
 
     @torch.inference_mode()
     def verify(
@@ -79,7 +83,8 @@ class TorchTarget:
                 tree.mask.to(device),
             )
         plan, depth, tree_mask = tables
-        positions, mask = tree_step_inputs(depth, tree_mask, self.cache.length, self.cache.capacity)
+        cache = self.cache
+        positions, mask = tree_step_inputs(depth, tree_mask, cache.length, cache.capacity, cache.prefix)
         h = self.model.tok_embeddings(cfg_rows(draft.tokens))
         logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
         return verify_tree(
@@ -103,9 +108,11 @@ def drafter_step(drafter: Drafter) -> DraftStep:
     this is the reference the graphs are checked against)."""
 
     def step(
-        tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context
+        tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         pairs = cfg_rows(tokens)
+        if context is None:
+            return drafter.step(pairs, hidden, positions, mask, None, None)
         past_k = torch.stack([torch.cat(blocks, dim=2) for blocks in context.keys])
         past_v = torch.stack([torch.cat(blocks, dim=2) for blocks in context.values])
         return drafter.step(pairs, hidden, positions, mask, past_k, past_v)
@@ -133,6 +140,12 @@ class TorchDrafter:
             c.num_hidden_layers, batch, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
         )
         self._step, self._head = drafter_step(drafter), lm_head(head)
+
+    @torch.inference_mode()
+    def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
+        self.cache.length.masked_fill_(fresh, 0)
+        if hidden.shape[1]:
+            self.cache.write(*prefix_pairs(self._step, hidden), hidden.shape[1] * fresh)
 
     @torch.inference_mode()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:

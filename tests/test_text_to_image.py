@@ -1,0 +1,364 @@
+"""Text-conditional decoding against LlamaGen's t2i sampling, written out independently here:
+padded captions hidden in attention (both CFG rows), the learned null caption, guidance only
+above a scale of 1, the drafter's view of the caption prefix as the authors' code feeds it, and
+the exported graphs against torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from lantern_rt.bundle import Bundle
+from lantern_rt.export.bundle import export_bundle
+from lantern_rt.generate import onnxruntime_pipeline
+from lantern_rt.models.checkpoint import save_safetensors
+from lantern_rt.models.drafter import Drafter, DrafterConfig
+from lantern_rt.models.model_dir import open_model_dir
+from lantern_rt.models.target import rope_table_2d
+from lantern_rt.runtime.acceptance import Relaxation
+from lantern_rt.runtime.backends.base import CatchUp
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import Condition, Speculation, decode_image, decode_images
+from lantern_rt.runtime.drafting import drafter_capacity, noise_rows
+from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, filter_inputs
+from lantern_rt.runtime.tree import load_tree
+from tests.conftest import randomize, tiny_gpt, tiny_vq, write_model_dir
+from tests.llamagen_reference import reference_logits
+
+PREFIX, CAPTION_DIM = 6, 12
+
+
+def t2i_gpt(seed: int = 0, block_size: int = 16, **overrides):
+    return tiny_gpt(
+        seed,
+        model_type="t2i",
+        cls_token_num=PREFIX,
+        caption_dim=CAPTION_DIM,
+        block_size=block_size,
+        **overrides,
+    )
+
+
+def caption(valid: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caption features [T, C] as LlamaGen's left padding leaves them (``valid`` features last,
+    the padding zeroed) and their mask [T]."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(PREFIX) >= PREFIX - valid
+    return torch.randn(PREFIX, CAPTION_DIM, generator=g) * mask[:, None], mask
+
+
+def llamagen_t2i_greedy(model, features, mask, cfg_scale: float, count: int) -> list[int]:
+    """LlamaGen's ``generate`` for one caption, greedy, by full forwards: the null caption row
+    only when ``cfg_scale > 1``, both rows under the caption's mask."""
+    sd, cfg = model.state_dict(), model.config
+    null = sd["cls_embedding.uncond_embedding"]
+    guided = cfg_scale > 1.0
+    cond = torch.stack([features, null]) if guided else features[None]
+    masks = torch.stack([mask, mask]) if guided else mask[None]
+    seq: list[int] = []
+    for _ in range(count):
+        idx = torch.tensor([seq] * len(cond), dtype=torch.long).view(len(cond), len(seq))
+        logits = reference_logits(sd, cfg, idx, cond, masks)[:, -1]
+        mixed = logits[1] + (logits[0] - logits[1]) * cfg_scale if guided else logits[0]
+        seq.append(int(mixed.argmax()))
+    return seq
+
+
+def ours(model, features, mask, cfg_scale: float, count: int, spec=None) -> list[int]:
+    null = model.null_condition
+    cond = Condition(torch.stack([features, null]), mask)
+    sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
+    return decode_image(TorchTarget(model), cond, count, sampling, None, spec).tokens.tolist()
+
+
+@pytest.mark.parametrize("valid", [PREFIX, 3, 1])
+@pytest.mark.parametrize("cfg_scale", [4.0, 1.0, 0.5])
+def test_greedy_tokens_equal_llamagens_t2i_loop(valid, cfg_scale):
+    model = t2i_gpt(3)
+    features, mask = caption(valid, seed=valid)
+    want = llamagen_t2i_greedy(model, features, mask, cfg_scale, model.config.block_size)
+    assert ours(model, features, mask, cfg_scale, model.config.block_size) == want
+
+
+def test_stage_ii_geometry_32x32():
+    """A 1024-token grid: positions, RoPE rows and caches sized from the config (first tokens)."""
+    model = t2i_gpt(4, block_size=1024)
+    features, mask = caption(4, seed=1)
+    want = llamagen_t2i_greedy(model, features, mask, 3.0, 12)
+    assert ours(model, features, mask, 3.0, 12) == want
+    assert TorchTarget(model).cache.capacity == PREFIX + 1024
+
+
+def test_padding_changes_the_tokens():
+    """The mask matters: the same features seen unmasked give other tokens (else the tests above
+    could not tell a masked prefix from an unmasked one)."""
+    model = t2i_gpt(3)
+    features, mask = caption(2, seed=2)
+    masked = ours(model, features, mask, 4.0, 16)
+    assert masked != ours(model, features, torch.ones_like(mask), 4.0, 16)
+
+
+def random_drafter(model, seed: int = 5) -> Drafter:
+    torch.manual_seed(seed)
+    return randomize(Drafter(DrafterConfig.for_target(model.config), model.config), seed)
+
+
+def test_drafter_sees_the_caption_prefix_as_the_authors_feed_it():
+    """After the prefill, the drafter's distribution for the first tree's root children equals
+    the authors' ``initialize_tree``: one causal pass over (token 0, h_i) for the first T - 1
+    prefix slots and (x_0, h_{T-1}), at positions 0..T-1 of a RoPE table with T - 1 zero rows."""
+    model = t2i_gpt(6)
+    drafter = random_drafter(model)
+    features, mask = caption(3, seed=3)
+    target = TorchTarget(model)
+    backend = TorchDrafter(drafter, model.output, drafter_capacity(PREFIX, model.config.block_size))
+    logits, hidden = target.prefill(torch.stack([features, model.null_condition]), mask[None])
+    backend.prefill(hidden[:, :-1], torch.tensor([True]))
+    x0 = int(cfg_mix(logits, 2.0).argmax())
+    tree = load_tree("chain-1")
+    rows = 2  # catch_up_rows(chain-1)
+    pending = torch.tensor([[x0, 0]])
+    pending_hidden = torch.cat([hidden[:, -1:], torch.zeros_like(hidden[:, -1:])], 1)
+    noise = torch.rand(1, noise_rows(tree), model.config.vocab_size)
+    catch_up = CatchUp(pending, pending_hidden, torch.tensor([1]), target.cache.length, backend.cache.length)
+    sampling = filter_inputs(SamplingConfig(cfg_scale=2.0, temperature=1.0), torch.device("cpu"))
+    q_root = backend.draft(tree, catch_up, noise, sampling)[2][:, 0]
+    assert rows == catch_up.tokens.shape[1]
+
+    theirs = rope_table_2d(model.config.grid_size, model.config.head_dim, model.config.rope_base, PREFIX - 1)
+    drafter.freqs_cis = theirs
+    tokens = torch.tensor([[0] * (PREFIX - 1) + [x0]] * 2)
+    with torch.no_grad():
+        out = drafter(tokens, hidden, torch.arange(PREFIX))[:, -1]
+        want = torch.softmax(cfg_mix(model.output(out).float(), 2.0), -1)
+    torch.testing.assert_close(q_root, want, atol=1e-5, rtol=1e-5)
+
+
+def test_exact_speculation_keeps_the_greedy_tokens():
+    """Exact speculative decoding over a padded caption: LlamaGen's greedy tokens, whatever the
+    (random) drafter proposes, with the drafter's caption prefix committed first."""
+    model = t2i_gpt(3)
+    drafter = random_drafter(model)
+    features, mask = caption(3, seed=3)
+    backend = TorchDrafter(drafter, model.output, drafter_capacity(PREFIX, model.config.block_size))
+    spec = Speculation(backend, load_tree("mc_sim_7b_63"), Relaxation("exact"))
+    want = llamagen_t2i_greedy(model, features, mask, 4.0, 16)
+    assert ours(model, features, mask, 4.0, 16, spec) == want
+
+
+def test_batch_of_different_captions_equals_one_at_a_time():
+    """Images of one batch keep their own prefix masks (and slots refilled with new captions)."""
+    model = t2i_gpt(3)
+    null = model.null_condition
+    conds = [Condition(torch.stack([f, null]), m) for f, m in (caption(v, seed=v) for v in (6, 1, 3, 2, 5))]
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
+    alone = [decode_image(TorchTarget(model), c, 16, sampling, None).tokens for c in conds]
+    batched = dict(decode_images(TorchTarget(model, 2), [(c, None) for c in conds], 16, sampling))
+    for i, tokens in enumerate(alone):
+        assert torch.equal(batched[i].tokens, tokens), i
+
+
+@pytest.fixture(scope="module")
+def t2i_bundle(tmp_path_factory):
+    """A fp32 t2i bundle with a drafter (its prefill graph), exported from a model directory."""
+    root = tmp_path_factory.mktemp("t2i")
+    model = t2i_gpt(3)
+    md = write_model_dir(root / "model", model, tiny_vq())
+    drafter = random_drafter(model)
+    (md / "drafter").mkdir()
+    save_safetensors(drafter, md / "drafter" / "drafter.safetensors")
+    (md / "drafter" / "config.json").write_text(json.dumps(dataclasses.asdict(drafter.config)))
+    config = json.loads((md / "config.json").read_text())
+    config["files"]["drafter"] = "drafter"
+    (md / "config.json").write_text(json.dumps(config))
+    out = export_bundle(open_model_dir(md), root / "bundle", trees=[load_tree("chain-2")])
+    return model, Bundle.open(out)
+
+
+@pytest.mark.parametrize("method", ["ar", "exact"])
+def test_onnxruntime_tokens_equal_torch(t2i_bundle, method):
+    model, bundle = t2i_bundle
+    assert "drafter_prefill" in bundle.graphs
+    from lantern_rt.settings import MethodConfig
+
+    pipe = onnxruntime_pipeline(bundle, MethodConfig(method, "chain-2"), threads=1)
+    features, mask = caption(2, seed=4)
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
+    cond = Condition(torch.stack([features, model.null_condition]), mask)
+    got = decode_image(pipe.target, cond, 16, sampling, None, pipe.spec).tokens.tolist()
+    assert got == llamagen_t2i_greedy(model, features, mask, 4.0, 16)
+
+
+# -- prompts end to end: a tiny T5 folder beside a t2i model ------------------------------------
+
+PROMPT_SLOTS = 12  # caption slots of the prompt models (a short prompt is padded, a long one cut)
+
+
+@pytest.fixture(scope="module")
+def prompt_model(tmp_path_factory):
+    """A t2i model directory whose config.json names a tiny T5 folder (files.t5)."""
+    from tests.t5_fixtures import TINY_T5, tiny_t5
+
+    root = tmp_path_factory.mktemp("prompts")
+    model = tiny_gpt(8, model_type="t2i", cls_token_num=PROMPT_SLOTS, caption_dim=TINY_T5["d_model"])
+    md = write_model_dir(root / "model", model, tiny_vq())
+    tiny_t5(md / "t5")
+    config = json.loads((md / "config.json").read_text())
+    config["files"]["t5"] = "t5"
+    config["class_names"] = []
+    (md / "config.json").write_text(json.dumps(config))
+    return md
+
+
+def reference_condition(md, prompt: str):
+    """LlamaGen's sample_t2i.py on our tiny T5, with transformers directly: clean twice, tokenize
+    right-padded (max_length, truncation), encode, rotate the valid features last, zero the rest."""
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    from lantern_rt.captions import preprocess
+
+    tokenizer = AutoTokenizer.from_pretrained(md / "t5")
+    t = tokenizer(
+        [preprocess(prompt)],
+        max_length=PROMPT_SLOTS,
+        padding="max_length",
+        truncation=True,
+        return_attention_mask=True,
+        add_special_tokens=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        emb = T5EncoderModel.from_pretrained(md / "t5")(**t).last_hidden_state[0]
+    mask = t["attention_mask"][0]
+    valid = int(mask.sum())
+    rotated = torch.cat([emb[valid:], emb[:valid]])
+    flipped = torch.flip(mask, dims=[-1])
+    return rotated * flipped[:, None], flipped.bool()
+
+
+def run_cli(*args: str):
+    from click.testing import CliRunner
+
+    from lantern_rt.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_generate_with_prompts(prompt_model, tmp_path, monkeypatch, backend):
+    """`lantern generate --prompt` on both backends: greedy tokens equal LlamaGen's loop on the
+    reference condition; one PNG row per prompt; the stats JSON names the prompts."""
+    import numpy as np
+    from PIL import Image
+
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    long = " ".join(["a red apple on a table"] * 6)
+    prompts = ["A red apple", long]
+    args = ["generate", "--model", str(prompt_model), "--backend", backend, "--greedy", "-n", "2", "-q"]
+    args += ["--prompt", prompts[0], "--prompt", long, "--method", "ar", "--cfg-scale", "4"]
+    args += ["-o", str(tmp_path / "apple.png"), "--save-tokens", str(tmp_path / "t.npz")]
+    result = run_cli(*args, "--stats-json", str(tmp_path / "s.json"))
+    assert result.exit_code == 0, result.output
+    assert "is over 12 tokens: its first 11 and the end token are kept" in result.output
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["prompts"] == [prompts[0]] * 2 + [long] * 2 and "labels" not in stats
+    image = Image.open(tmp_path / "apple.png")
+    assert image.size[1] == 2 * image.size[0] // 2  # two rows of two images (square tiles)
+    saved = np.load(tmp_path / "t.npz")
+    model = open_model_dir(prompt_model)
+    from lantern_rt.models.model_dir import load_target
+
+    target = load_target(model)
+    for i, prompt in enumerate(prompts):
+        features, mask = reference_condition(prompt_model, prompt)
+        want = llamagen_t2i_greedy_with_null(target, features, mask, 4.0, 16)
+        assert saved["codes"][2 * i].tolist() == want, prompt
+        assert saved["prompts"][2 * i] == prompt
+
+
+def llamagen_t2i_greedy_with_null(model, features, mask, cfg_scale, count):
+    return llamagen_t2i_greedy(model, features.to(model.null_condition.dtype), mask, cfg_scale, count)
+
+
+def test_bundle_text_encoder_equals_transformers(prompt_model, tmp_path):
+    """The exported encoder graph (fp32 in an fp16 bundle) against T5EncoderModel on the same
+    ids and mask, and its tokenizer files beside it."""
+    import numpy as np
+    import onnxruntime as ort
+    from transformers import T5EncoderModel
+
+    out = export_bundle(open_model_dir(prompt_model), tmp_path / "b", dtype="fp16")
+    bundle = Bundle.open(out)
+    entry = bundle.graph("text_encoder")
+    assert bundle.text_max_length == PROMPT_SLOTS and entry.outputs[0].dtype == "float32"
+    assert {"tokenizer_config.json", "tokenizer.json"} <= set(bundle.files)
+    ids = torch.tensor([[5, 17, 40, 1] + [0] * (PROMPT_SLOTS - 4)])
+    mask = (torch.arange(PROMPT_SLOTS) < 4).long()[None]
+    session = ort.InferenceSession(str(bundle.file(entry)), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"ids": ids.numpy(), "mask": mask.numpy()})
+    with torch.no_grad():
+        want = T5EncoderModel.from_pretrained(prompt_model / "t5")(input_ids=ids, attention_mask=mask)
+    np.testing.assert_allclose(got, want.last_hidden_state.numpy(), atol=1e-4)
+    inspected = run_cli("inspect", str(out))
+    assert f"text     prompts of {PROMPT_SLOTS} tokens, encoded by the text_encoder graph" in inspected.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--class", "1"], "is a text-to-image model: give --prompt or --prompts, not --class"),
+        ([], "is a text-to-image model: give --prompt TEXT or --prompts FILE"),
+        (["--prompt", "  "], "a prompt is empty"),
+        (["--prompts", "missing.txt"], "--prompts file not found: missing.txt"),
+    ],
+)
+def test_bad_prompt_input_is_one_line(prompt_model, tmp_path, args, message):
+    result = run_cli(
+        "generate", "--model", str(prompt_model), "--backend", "torch", "-o", str(tmp_path / "x.png"), *args
+    )
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert message in result.output and not (tmp_path / "x.png").exists()
+
+
+def test_prompts_for_a_class_model_are_refused(tmp_path):
+    result = run_cli("generate", "--prompt", "a shoe", "-o", str(tmp_path / "x.png"))
+    assert (
+        result.exit_code == 2 and "is a class-conditional model: give --class, not --prompt" in result.output
+    )
+
+
+def test_prompts_file(prompt_model, tmp_path):
+    (tmp_path / "p.txt").write_text("a red apple\n\n  a blue car  \n")
+    out = tmp_path / "x.png"
+    args = ["generate", "--model", str(prompt_model), "--backend", "torch", "--method", "ar", "-n", "1", "-q"]
+    result = run_cli(
+        *args, "--prompts", str(tmp_path / "p.txt"), "-o", str(out), "--stats-json", str(tmp_path / "s.json")
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "s.json").read_text())["prompts"] == ["a red apple", "a blue car"]
+    (tmp_path / "empty.txt").write_text("\n \n")
+    result = run_cli(*args, "--prompts", str(tmp_path / "empty.txt"), "-o", str(out))
+    assert result.exit_code == 2 and "holds no prompt" in result.output
+
+
+def test_bench_with_prompts(prompt_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    args = ["bench", "--model", str(prompt_model), "--prompt", "a red apple", "--prompt", "a blue car"]
+    result = run_cli(*args, "--config", "ar", "-n", "1", "--warmup", "0", "--out", str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["settings"]["classes"] == ["a red apple", "a blue car"]
+    assert {row["backend"] for row in results["rows"]} == {"torch", "onnxruntime"}
+    assert "speed only" in results["quality_note"]
+
+
+def test_a_t2i_model_without_a_text_encoder_is_refused_before_any_export(tmp_path, monkeypatch):
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    md = write_model_dir(tmp_path / "m", t2i_gpt(1), tiny_vq())
+    for backend in ("torch", "onnxruntime"):
+        result = run_cli("generate", "--model", str(md), "--backend", backend, "--prompt", "a cat")
+        assert result.exit_code == 2 and "without a text encoder" in result.output, result.output
+    assert not (tmp_path / "cache").exists()
