@@ -27,6 +27,16 @@ def test_step_costs_and_report_run_on_a_cpu(monkeypatch):
         assert f"| tiny | float32 | chain-3 | {batch} |" in text and "Projections (not measurements)" in text
 
 
+def test_text_conditional_step_costs_run_on_a_cpu(monkeypatch):
+    """The T2I row: a caption prefix (mostly padding) and the drafter's caption pairs."""
+    tiny = {**TINY_GPT, "block_size": 256, "model_type": "t2i", "cls_token_num": 12, "caption_dim": 16}
+    monkeypatch.setattr(gpu_check, "gpt_config", lambda preset, **kw: GPTConfig(**tiny))
+    costs = gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, 1, text=True)
+    assert costs["preset"] == "tiny T2I" and all(
+        costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")
+    )
+
+
 def test_a_demo_path_runs_on_a_cpu():
     """One path of the demo table (torch eager, AR, one image): the fields the report reads."""
     row = gpu_check.run_path("torch", False, gpu_check.MethodConfig("ar"), "cpu", [3])

@@ -5,7 +5,8 @@
    seconds per image, mean accepted length, speedup over AR on the same path, and greedy token
    agreement between paths.
 2. Per-step costs for LlamaGen-B and -XL shaped targets with random weights (fp16, CUDA
-   graphs) at batch sizes 1, 4 and 16: an AR step, a tree verify (acceptance included, one
+   graphs) at batch sizes 1, 4 and 16, and for LlamaGen-XL T2I Stage I's shape (a 120-slot
+   caption prefix, partly padding): an AR step, a tree verify (acceptance included, one
    call) and a whole speculative step as the decode loop runs it (draft, verify, commit, host
    work): the ratios that decide the speedup at real sizes, and images/s projected from them
    with the demo's tau (labelled as projections).
@@ -33,7 +34,8 @@ from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
 from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import Speculation, decode_images
+from lantern_rt.runtime.decode import Condition, Speculation, decode_images
+from lantern_rt.runtime.drafting import drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig
@@ -90,15 +92,20 @@ def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]
     return rows
 
 
+T2I = dict(model_type="t2i", cls_token_num=120, caption_dim=2048)  # LlamaGen-XL T2I's prefix
+
+
 def step_costs(
-    preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int, batch: int = 1
+    preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int, batch: int = 1, text: bool = False
 ) -> dict[str, Any]:
     """Milliseconds, random weights, sampled LANTERN++ settings, a half-full cache, ``batch``
     images per call: an AR step (one token per image verified and drawn), a tree verify (target
     step and acceptance, one call), and a whole speculative step as the decode loop runs it
     (draft, verify with acceptance, commit, its host work and one read), from images decoded
-    with a random one-layer drafter."""
-    config = gpt_config(preset, vocab_size=16384, block_size=256, num_classes=1000)
+    with a random one-layer drafter. ``text``: a text-conditional target (``T2I``'s caption
+    prefix, five sixths of it padding) whose drafter first commits the caption's pairs."""
+    extra = T2I if text else {"num_classes": 1000}
+    config = gpt_config(preset, vocab_size=16384, block_size=256, **extra)
     model = Transformer(config).to(device, dtype).eval()
     graphs = device.startswith("cuda")
     verify = load_tree(tree)
@@ -106,12 +113,20 @@ def step_costs(
     neighbors = torch.randint(vocab, (vocab, 10), device=device)
     relax = relax_inputs(RELAX, neighbors, vocab, False, torch.device(device))
     filters = filter_inputs(SAMPLING, torch.device(device))
-    out = {"preset": preset, "tree": tree, "dtype": str(dtype).removeprefix("torch."), "batch": batch}
-    labels = torch.arange(batch, device=device) % config.num_classes
-    cond = torch.cat([labels, torch.full_like(labels, config.num_classes)])
+    name = f"{preset} T2I" if text else preset
+    out = {"preset": name, "tree": tree, "dtype": str(dtype).removeprefix("torch."), "batch": batch}
+    if text:
+        captions = torch.randn(batch, config.cls_token_num, config.caption_dim, device=device, dtype=dtype)
+        cond = torch.cat([captions, model.null_condition.expand(batch, -1, -1)])
+        padding = config.cls_token_num * 5 // 6  # 100 of LlamaGen's 120 slots: a 20-token prompt
+        prefix = (torch.arange(config.cls_token_num, device=device) >= padding).expand(batch, -1)
+    else:
+        labels = torch.arange(batch, device=device) % config.num_classes
+        cond = torch.cat([labels, torch.full_like(labels, config.num_classes)])
+        prefix = None
     for name, t in (("ar_step", ROOT_ONLY), ("verify", verify)):
         target = TorchTarget(model, batch)
-        target.prefill(cond)
+        target.prefill(cond, prefix)
         target.cache.length.fill_(128)  # a half-full cache
         s = t.num_nodes + 1
 
@@ -128,16 +143,21 @@ def step_costs(
         )
         out[f"ms_{name}"] = _timed(partial(run, *args), repeats, graphs)
     drafter = Drafter(DrafterConfig.for_target(config), config).to(device, dtype).eval()
-    spec = Speculation(
-        TorchDrafter(drafter, model.output, config.block_size, batch), verify, RELAX, neighbors
-    )
+    capacity = drafter_capacity(config.cls_token_num, config.block_size)
+    spec = Speculation(TorchDrafter(drafter, model.output, capacity, batch), verify, RELAX, neighbors)
     target = TorchTarget(model, batch)
     tokens = 8 if repeats < 10 else 128
     step_graphs = {} if graphs else None  # one CUDA graph per whole decode step
     steps = [0]
 
     def images() -> None:
-        jobs = [(cond[[b, batch + b]], torch.Generator(device=device).manual_seed(b)) for b in range(batch)]
+        jobs = [
+            (
+                Condition(cond[[b, batch + b]], None if prefix is None else prefix[b]),
+                torch.Generator(device=device).manual_seed(b),
+            )
+            for b in range(batch)
+        ]
         results = [r for _, r in decode_images(target, jobs, tokens, SAMPLING, spec, step_graphs)]
         steps[0] += max(len(r.accepted) for r in results)  # the batch steps until its last image is done
 
@@ -226,11 +246,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     demo = demo_rows(args.device, "naive_extend_57" if cuda else "chain-4", labels)
     tau = next(r["tau"] for r in demo if r["method"] == "lantern++")
     dtype = torch.float16 if cuda else torch.float32
+    repeats = 2 if args.quick else 50
     costs = [
-        step_costs(p, "naive_extend_57", args.device, dtype, 2 if args.quick else 50, b)
-        for p in presets
-        for b in batches
+        step_costs(p, "naive_extend_57", args.device, dtype, repeats, b) for p in presets for b in batches
     ]
+    costs += [step_costs(presets[-1], "naive_extend_57", args.device, dtype, repeats, 1, text=True)]
     result = {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
