@@ -362,3 +362,54 @@ def test_a_t2i_model_without_a_text_encoder_is_refused_before_any_export(tmp_pat
         result = run_cli("generate", "--model", str(md), "--backend", backend, "--prompt", "a cat")
         assert result.exit_code == 2 and "without a text encoder" in result.output, result.output
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_authors_t2i_layout_runs_prompts(prompt_model, tmp_path):
+    """Their converted target (HF key names, their config.json named by gpt.hf_config) and their
+    drafter folder (their llamagen_t2i_config.json fields + pytorch_model.bin): the model loads
+    strictly and `lantern generate --prompt` with LANTERN++ gives exact speculation's greedy
+    tokens equal to AR's, on torch."""
+    import shutil
+
+    import numpy as np
+
+    from lantern_rt.models.model_dir import load_target
+    from tests.test_hf_layout import hf_config, to_hf
+
+    root = tmp_path / "authors"
+    shutil.copytree(prompt_model, root)
+    target = load_target(open_model_dir(prompt_model))
+    (root / "LlamaGen-T2I").mkdir()
+    torch.save(to_hf(target), root / "LlamaGen-T2I" / "pytorch_model.bin")
+    (root / "LlamaGen-T2I" / "config.json").write_text(json.dumps(hf_config(target.config)))
+    drafter = random_drafter(target)
+    theirs = {  # data/configs/llamagen_t2i_config.json, sizes of the tiny target
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": target.config.dim,
+        "caption_dim": target.config.caption_dim,
+        "class_dropout_p": 0.0,
+        "intermediate_size": drafter.config.intermediate_size,
+        "num_attention_heads": target.config.n_head,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": target.config.n_head,
+        "rms_norm_eps": drafter.config.rms_norm_eps,
+        "vocab_size": target.config.vocab_size,
+        "input_type": "t2i",
+        "torch_dtype": "float16",
+    }
+    (root / "drafter").mkdir()
+    (root / "drafter" / "config.json").write_text(json.dumps(theirs))
+    torch.save(drafter.state_dict(), root / "drafter" / "pytorch_model.bin")
+    config = json.loads((root / "config.json").read_text())
+    config["gpt"] = {"hf_config": "LlamaGen-T2I/config.json"}
+    config["files"] |= {"gpt": "LlamaGen-T2I/pytorch_model.bin", "drafter": "drafter"}
+    (root / "config.json").write_text(json.dumps(config))
+    codes = []
+    for method in ("ar", "exact"):
+        args = ["generate", "--model", str(root), "--backend", "torch", "--greedy", "-n", "1", "-q"]
+        args += ["--method", method, "--tree", "mc_sim_7b_63", "--prompt", "a red apple"]
+        out = tmp_path / f"{method}.npz"
+        result = run_cli(*args, "-o", str(tmp_path / f"{method}.png"), "--save-tokens", str(out))
+        assert result.exit_code == 0, result.output
+        codes.append(np.load(out)["codes"])
+    np.testing.assert_array_equal(codes[0], codes[1])
