@@ -502,6 +502,9 @@ RULES = [
     Rule(  # but the errors module, which imports nothing itself: a failed write is one line
         "fileio-imports-only-errors", lambda m: m == f"{PKG}.fileio", lambda t: t != f"{PKG}.errors"
     ),
+    Rule(  # prompts are cleaned and tokenised the same way for torch and bundles, below both
+        "captions-import-only-errors", lambda m: m == f"{PKG}.captions", lambda t: t != f"{PKG}.errors"
+    ),
     Rule(
         "bundle-is-lean",
         lambda m: m == f"{PKG}.bundle",
