@@ -7,13 +7,15 @@ import contextlib
 import json
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.errors import LanternError
+from lantern_rt.errors import LanternError, first_line
 from lantern_rt.fileio import atomic_write
 
 
@@ -50,14 +52,7 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
-    try:
-        with allow(SAFE_GLOBALS) if allow else contextlib.nullcontext():
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
-        refused = _REFUSED.search(str(exc))
-        why = f"it holds a {refused[1]}, which weights-only loading refuses" if refused else str(exc)
-        raise CheckpointError(f"cannot read {path}: {(why.splitlines() or [type(exc).__name__])[0]}") from exc
+    obj = torch_load(path)
     if isinstance(obj, dict):
         for key in WRAPPER_KEYS:
             if key in obj and isinstance(obj[key], dict):
@@ -70,12 +65,46 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return obj
 
 
+def torch_load(path: Path) -> Any:
+    """A torch file read with ``weights_only`` (tensors, containers, numbers, strings and
+    :data:`SAFE_GLOBALS`); any other Python object, or an unreadable file, is a one-line
+    :class:`CheckpointError` (never torch's advice to unpickle with ``weights_only=False``)."""
+    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
+    try:
+        with allow(SAFE_GLOBALS) if allow else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the error says enough
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # an unpickler fed arbitrary bytes raises anything (KeyError, ...)
+        raise CheckpointError(f"cannot read {path}: {_load_failure(exc)}") from None
+
+
+_ADVICE = (
+    "for safety it is not unpickled: save a state dict of tensors (torch.save(model.state_dict(), path))"
+    " or convert it to .safetensors"
+)
+
+
+def _load_failure(exc: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in one line and in our words."""
+    refused = _REFUSED.search(str(exc))
+    if refused:
+        return (
+            f"it holds Python objects that are not tensors ({refused[1]}), which weights-only loading refuses;"
+            f" {_ADVICE}"
+        )
+    if isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc):
+        return f"it is a pickle of Python objects, not tensors, or a corrupt file; {_ADVICE}"
+    if isinstance(exc, (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile)):
+        return first_line(exc).split(". ")[0]  # torch's next sentences guess at causes
+    return f"not a torch checkpoint ({type(exc).__name__}: {first_line(exc)})"
+
+
 def _read_sharded(index: Path) -> dict[str, Tensor]:
     """Every shard an HF ``model.safetensors.index.json``/``pytorch_model.bin.index.json`` names."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         shards = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"cannot read {index}: not an HF index with a weight_map ({exc})") from exc
     folder = index.parent.resolve()
     state: dict[str, Tensor] = {}
@@ -118,6 +147,11 @@ def load_strict(module: nn.Module, state: dict[str, Tensor], what: str) -> None:
         problems.append(f"shape mismatches (checkpoint vs config): {_listing(shapes, 3)}")
     if problems:
         raise CheckpointError(f"{what} does not match its config: " + "; ".join(problems))
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()), None)
+    if bad is not None:
+        raise CheckpointError(
+            f"{what} holds NaN or infinite values (first in {bad}): the weights are corrupt"
+        )
     module.load_state_dict(state, strict=True)
 
 

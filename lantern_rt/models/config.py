@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from lantern_rt.errors import LanternError
@@ -45,6 +47,7 @@ class GPTConfig:
     block_size: int = 256
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         if self.model_type not in ("c2i", "t2i"):
             raise ConfigError(f"model_type must be 'c2i' or 't2i', not {self.model_type!r}")
         if self.dim % self.n_head:
@@ -55,7 +58,9 @@ class GPTConfig:
         if grid * grid != self.block_size:
             raise ConfigError(f"block_size {self.block_size} is not a square token grid")
         if self.n_head % self.kv_heads:
-            raise ConfigError(f"n_head {self.n_head} is not a multiple of n_kv_head")
+            raise ConfigError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
+        if self.ffn_hidden < 1:
+            raise ConfigError(f"ffn_dim_multiplier {self.ffn_dim_multiplier} leaves no FFN hidden units")
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +101,9 @@ class VQConfig:
     in_channels: int = 3
     out_channels: int = 3
 
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
     @property
     def downsample(self) -> int:
         return 2 ** (len(self.decoder_ch_mult) - 1)
@@ -120,18 +128,18 @@ VQ_PRESETS: dict[str, dict[str, list[int]]] = {
 
 def gpt_config(preset: str | None = None, **overrides: Any) -> GPTConfig:
     """A target config from a LlamaGen preset name (or none) plus field overrides."""
-    return _build(GPTConfig, _preset_values("GPT", GPT_PRESETS, preset) | overrides)
+    return build_config(GPTConfig, _preset_values("GPT", GPT_PRESETS, preset) | overrides)
 
 
 def vq_config(preset: str | None = None, **overrides: Any) -> VQConfig:
     """A tokenizer config from a LlamaGen preset name (or none) plus field overrides."""
-    return _build(VQConfig, _preset_values("VQ", VQ_PRESETS, preset) | overrides)
+    return build_config(VQConfig, _preset_values("VQ", VQ_PRESETS, preset) | overrides)
 
 
 def _preset_values(kind: str, presets: dict[str, dict[str, Any]], preset: str | None) -> dict[str, Any]:
     if preset is None:
         return {}
-    if preset not in presets:
+    if not isinstance(preset, str) or preset not in presets:
         raise ConfigError(f"unknown {kind} preset {preset!r}; choose from {', '.join(presets)}")
     return dict(presets[preset])
 
@@ -140,19 +148,59 @@ def _is_number(value: Any, kinds: tuple[type, ...]) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool)
 
 
-# a field's annotation -> whether a JSON value fits it
+def _is_real(value: Any) -> bool:
+    return _is_number(value, (int, float)) and math.isfinite(value)
+
+
+# a field's annotation -> whether a JSON value fits it (a float is finite: JSON's NaN is refused)
 _FITS = {
     "int": lambda v: _is_number(v, (int,)),
     "int | None": lambda v: v is None or _is_number(v, (int,)),
-    "float": lambda v: _is_number(v, (int, float)),
-    "float | None": lambda v: v is None or _is_number(v, (int, float)),
+    "float": _is_real,
+    "float | None": lambda v: v is None or _is_real(v),
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "list[int]": lambda v: isinstance(v, list) and all(_is_number(x, (int,)) for x in v),
 }
 
 
-def _build(cls: type, values: dict[str, Any]) -> Any:
+_AT_LEAST_1 = ("an integer >= 1", lambda v: v >= 1)
+_POSITIVE = ("a number > 0", lambda v: v > 0)
+_NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
+_PROBABILITY = ("a probability in 0..1", lambda v: 0 <= v <= 1)
+_FACTORS = ("a non-empty list of integers >= 1", lambda v: len(v) > 0 and min(v) >= 1)
+
+# fields that count or size something (in GPTConfig, VQConfig and DrafterConfig)
+_SIZES = (
+    *("dim", "n_layer", "n_head", "n_kv_head", "multiple_of", "num_classes", "caption_dim", "vocab_size"),
+    *("cls_token_num", "block_size", "codebook_size", "codebook_embed_dim", "z_channels", "ch"),
+    *("num_res_blocks", "in_channels", "out_channels", "hidden_size", "num_attention_heads"),
+    *("num_key_value_heads", "intermediate_size", "num_hidden_layers"),
+)
+# the range of every numeric config field, by field name: (what it must be, whether a value is);
+# a None value (a field's "unset") is not checked
+_RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **dict.fromkeys(_SIZES, _AT_LEAST_1),
+    **dict.fromkeys(("ffn_dim_multiplier", "rope_base"), _POSITIVE),
+    **dict.fromkeys(("norm_eps", "rms_norm_eps", "commit_loss_beta", "entropy_loss_ratio"), _NON_NEGATIVE),
+    **dict.fromkeys(("token_dropout_p", "attn_dropout_p", "resid_dropout_p", "ffn_dropout_p"), _PROBABILITY),
+    **dict.fromkeys(("class_dropout_prob", "dropout_p"), _PROBABILITY),
+    **dict.fromkeys(("encoder_ch_mult", "decoder_ch_mult"), _FACTORS),
+}
+
+
+def check_ranges(config: Any) -> None:
+    """:class:`ConfigError` naming the first field of the dataclass ``config`` out of its range."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in _RANGES and value is not None and not _RANGES[f.name][1](value):
+            what = _RANGES[f.name][0]
+            raise ConfigError(f"{type(config).__name__}.{f.name} must be {what}, got {value!r}"[:300])
+
+
+def build_config(cls: type, values: dict[str, Any]) -> Any:
+    """``cls(**values)`` for a config dataclass, each value checked against its field's type
+    (:data:`_FITS`), then its range (:data:`_RANGES`): a :class:`ConfigError` names the field."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
@@ -165,6 +213,18 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
         return cls(**values)
     except TypeError as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def relative_path(file: Path, field: str, name: Any) -> str:
+    """``name`` (the ``field`` of config ``file``) as a path inside the file's folder: a
+    non-empty string, neither absolute nor with '..'; :class:`ConfigError` otherwise."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"{file}: {field} must be a file name, got {name!r}"[:300])
+    if PurePath(name).is_absolute() or ".." in PurePath(name).parts:
+        raise ConfigError(
+            f"{file}: {field} {name!r} is outside the model directory; give a path relative to it, without '..'"
+        )
+    return name
 
 
 def config_from_dict(cls: type, values: dict[str, Any]) -> Any:
@@ -181,9 +241,20 @@ def to_dict(config: GPTConfig | VQConfig) -> dict[str, Any]:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in the config file ``path``; anything else is a :class:`ConfigError`."""
     try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file not found: {path}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        raw = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not text (not UTF-8): is it a JSON file?") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        why = exc if isinstance(exc, json.JSONDecodeError) else "it nests too deeply"
+        raise ConfigError(f"config file {path} is not valid JSON: {why}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} holds a JSON {type(raw).__name__}, not an object {{...}}")
+    return raw

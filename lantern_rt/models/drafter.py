@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.config import ConfigError, GPTConfig, build_config, check_ranges
 from lantern_rt.models.target import RMSNorm, apply_rope, rope_table_2d
 
 
@@ -37,10 +37,17 @@ class DrafterConfig:
     bias: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_hidden_layers < 1:
-            raise ConfigError("a drafter needs at least one layer")
+        check_ranges(self)
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError("drafter hidden_size is not divisible by num_attention_heads")
+            raise ConfigError(
+                f"drafter hidden_size {self.hidden_size} is not divisible by"
+                f" num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(
+                f"drafter num_attention_heads {self.num_attention_heads} is not a multiple of"
+                f" num_key_value_heads {self.kv_heads}"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -52,12 +59,12 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
-        """From our config or an EAGLE/HF ``config.json`` (unknown keys are ignored)."""
+        """From our config or an EAGLE/HF ``config.json`` (unknown keys are ignored); each field's
+        type and range is checked (a :class:`ConfigError` names it)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a drafter config is a JSON object, got {type(raw).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        try:
-            return cls(**{k: v for k, v in raw.items() if k in names})
-        except TypeError as exc:
-            raise ConfigError(f"drafter config: {exc}") from exc
+        return build_config(cls, {k: v for k, v in raw.items() if k in names})
 
     @classmethod
     def for_target(cls, target: GPTConfig, num_hidden_layers: int = 1) -> DrafterConfig:

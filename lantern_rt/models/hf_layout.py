@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor, cat
 
 from lantern_rt.models.checkpoint import CheckpointError, read_state_dict
-from lantern_rt.models.config import ConfigError, find_multiple, read_json
+from lantern_rt.models.config import ConfigError, find_multiple, read_json, relative_path
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv]_proj)\.weight")
@@ -167,6 +167,5 @@ def resolve_gpt_section(root: Path, section: dict[str, Any]) -> dict[str, Any]:
     name = section.pop("hf_config", None)
     if name is None:
         return section
-    if not isinstance(name, str):
-        raise ConfigError(f"gpt.hf_config must be a path relative to {root}, got {name!r}")
+    name = relative_path(root / "config.json", "gpt.hf_config", name)
     return gpt_config_from_hf(read_json(root / name)) | section

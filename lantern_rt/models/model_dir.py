@@ -10,6 +10,7 @@ checkpoints writes a ``config.json`` beside them, for example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,14 @@ from typing import Any
 import torch
 
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
-from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict, read_json
+from lantern_rt.models.config import (
+    ConfigError,
+    GPTConfig,
+    VQConfig,
+    config_from_dict,
+    read_json,
+    relative_path,
+)
 from lantern_rt.models.drafter import Drafter, DrafterConfig, clean_eagle_state
 from lantern_rt.models.hf_layout import read_target_state, resolve_gpt_section
 from lantern_rt.models.neighbors import latent_neighbors, load_neighbors_file
@@ -67,30 +75,77 @@ class ModelDir:
 
 
 def open_model_dir(path: str | Path | None = None) -> ModelDir:
-    """Parse ``path``/config.json (the built-in demo when ``path`` is None)."""
+    """Parse ``path``/config.json (the built-in demo when ``path`` is None); every field is
+    checked, and a :class:`ConfigError` names the file and the field."""
     root = DEMO_DIR if path is None else Path(path)
     if not root.is_dir():
         raise ConfigError(f"model directory not found: {root}")
-    raw = read_json(root / "config.json")
+    file = root / "config.json"
+    raw = read_json(file)
     version = raw.get("format_version", FORMAT_VERSION)
+    if not _is_int(version):
+        raise ConfigError(f"{file}: format_version must be an integer, got {version!r}"[:300])
     if version != FORMAT_VERSION:
         raise ConfigError(
             f"{root} uses model format version {version}; this lantern-rt reads version {FORMAT_VERSION}"
         )
     for key in ("gpt", "vq", "files"):
         if not isinstance(raw.get(key), dict):
-            raise ConfigError(f"{root / 'config.json'} lacks a '{key}' object")
-    gpt = config_from_dict(GPTConfig, resolve_gpt_section(root, raw["gpt"]))
-    vq = config_from_dict(VQConfig, raw["vq"])
+            raise ConfigError(f"{file} lacks a '{key}' object")
+    try:
+        gpt = config_from_dict(GPTConfig, resolve_gpt_section(root, raw["gpt"]))
+        vq = config_from_dict(VQConfig, raw["vq"])
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from None
     if gpt.vocab_size != vq.codebook_size:
-        raise ConfigError(f"target vocabulary {gpt.vocab_size} != tokenizer codebook {vq.codebook_size}")
-    image_size = int(raw.get("image_size", gpt.grid_size * vq.downsample))
+        raise ConfigError(
+            f"{file}: target vocabulary {gpt.vocab_size} != tokenizer codebook {vq.codebook_size}"
+        )
+    image_size = raw.get("image_size", gpt.grid_size * vq.downsample)
+    if not _is_int(image_size):
+        raise ConfigError(f"{file}: image_size must be an integer, got {image_size!r}"[:300])
     if image_size != gpt.grid_size * vq.downsample:
         raise ConfigError(
-            f"image_size {image_size} != token grid {gpt.grid_size} x VQ downsampling {vq.downsample}"
+            f"{file}: image_size {image_size} != token grid {gpt.grid_size} x VQ downsampling {vq.downsample}"
         )
-    names = list(raw.get("class_names", []))
-    return ModelDir(root, raw, gpt, vq, dict(raw["files"]), image_size, names)
+    _sampling_defaults(file, raw)
+    return ModelDir(root, raw, gpt, vq, _files(file, raw["files"]), image_size, _class_names(file, raw, gpt))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _files(file: Path, files: dict[str, Any]) -> dict[str, str]:
+    """The ``files`` section: each entry a path relative to the model directory, inside it."""
+    return {key: relative_path(file, f"files.{key}", name) for key, name in files.items()}
+
+
+SAMPLING_KEYS = {"cfg_scale", "temperature", "top_k", "top_p"}
+
+
+def _sampling_defaults(file: Path, raw: dict[str, Any]) -> None:
+    """The optional ``sampling_defaults``: an object of finite numbers under SAMPLING_KEYS."""
+    values = raw.get("sampling_defaults", {})
+    if not isinstance(values, dict):
+        raise ConfigError(f"{file}: sampling_defaults must be an object, got {values!r}"[:300])
+    for key, value in values.items():
+        if key not in SAMPLING_KEYS:
+            raise ConfigError(
+                f"{file}: sampling_defaults.{key} is unknown; use {', '.join(sorted(SAMPLING_KEYS))}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"{file}: sampling_defaults.{key} must be a finite number, got {value!r}"[:300])
+
+
+def _class_names(file: Path, raw: dict[str, Any], gpt: GPTConfig) -> list[str]:
+    """The optional ``class_names``: a list of strings, one per class (empty: no names)."""
+    names = raw.get("class_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{file}: class_names must be a list of strings, got {names!r}"[:300])
+    if names and len(names) != gpt.num_classes:
+        raise ConfigError(f"{file}: class_names has {len(names)} names for gpt.num_classes {gpt.num_classes}")
+    return names
 
 
 def load_target(
@@ -114,8 +169,9 @@ def load_vq(md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype
 EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "drafter.safetensors")
 
 
-def _drafter_source(md: ModelDir, path: str | Path | None) -> tuple[Path, dict]:
-    """(weights file, config dict) from an explicit path, or the model directory's entry."""
+def _drafter_source(md: ModelDir, path: str | Path | None) -> tuple[Path, dict, Path]:
+    """(weights file, config dict, the file that config comes from) from an explicit path, or the
+    model directory's entry."""
     if path is None:
         if "drafter" not in md.files:
             raise ConfigError(
@@ -123,13 +179,13 @@ def _drafter_source(md: ModelDir, path: str | Path | None) -> tuple[Path, dict]:
             )
         path = md.path("drafter")
         if not Path(path).is_dir():
-            return Path(path), md.raw.get("drafter", {})
+            return Path(path), md.raw.get("drafter", {}), md.root / "config.json"
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"drafter not found: {path} (give an EAGLE folder with config.json and weights)")
     for name in EAGLE_WEIGHT_FILES:
         if (path / name).is_file():
-            return path / name, read_json(path / "config.json")
+            return path / name, read_json(path / "config.json"), path / "config.json"
     raise ConfigError(f"{path} holds none of {', '.join(EAGLE_WEIGHT_FILES)}")
 
 
@@ -140,8 +196,12 @@ def load_drafter(
     dtype: torch.dtype = torch.float32,
 ) -> Drafter:
     """The drafter of ``md`` (or the EAGLE-layout folder ``path``), checked against the target."""
-    weights, raw = _drafter_source(md, path)
-    model = Drafter(DrafterConfig.from_dict(raw or DrafterConfig.for_target(md.gpt).__dict__), md.gpt)
+    weights, raw, source = _drafter_source(md, path)
+    try:
+        config = DrafterConfig.from_dict(raw or DrafterConfig.for_target(md.gpt).__dict__)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: drafter config: {exc}") from None
+    model = Drafter(config, md.gpt)
     load_strict(model, clean_eagle_state(read_state_dict(weights)), f"drafter checkpoint {weights}")
     return model.to(device=device, dtype=dtype).eval()
 
@@ -153,7 +213,7 @@ def load_neighbors(md: ModelDir, k: int, vq: VQModel | None = None) -> torch.Ten
             f"lantern k must be in 0..{md.vq.codebook_size - 1} (the codebook has {md.vq.codebook_size} codes), got {k}"
         )
     if "neighbors" in md.files and md.path("neighbors").is_file():
-        table = load_neighbors_file(md.path("neighbors"))
+        table = load_neighbors_file(md.path("neighbors"), md.vq.codebook_size)
         if table.shape[1] >= k:
             return table
     vq = vq if vq is not None else load_vq(md)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,6 +22,8 @@ from torch import Tensor
 from lantern_rt.errors import LanternError
 
 MAX_DEPTH = 32
+MAX_NODES = 1024  # the presets have under 60 nodes; a verify call scores N + 1 tokens
+MAX_TREE_FILE_BYTES = 1 << 20
 
 TreePath = tuple[int, ...]
 
@@ -51,7 +54,7 @@ PRESETS: dict[str, tuple[TreePath, ...]] = {
     ),
 }
 
-_CHAIN = re.compile(r"chain-(\d+)")
+_CHAIN = re.compile(r"chain-(\d{1,9})")  # more digits: an unknown tree, not a huge int()
 
 
 def _node_key(path: TreePath) -> tuple[int, TreePath]:
@@ -158,9 +161,9 @@ def _show(path: TreePath) -> str:
 
 def _as_path(raw: Any) -> TreePath:
     if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw:
-        raise TreeError(f"each path must be a non-empty list of sibling ranks, got {raw!r}")
+        raise TreeError(f"each path must be a non-empty list of sibling ranks, got {reprlib.repr(raw)}")
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in raw):
-        raise TreeError(f"ranks must be integers >= 0, got path {raw!r}")
+        raise TreeError(f"ranks must be integers >= 0, got path {reprlib.repr(raw)}")
     return tuple(raw)
 
 
@@ -202,6 +205,8 @@ def build_tree(
     parsed = [_as_path(raw) for raw in paths]
     if not parsed:
         raise TreeError("a tree needs at least one path, e.g. [[0]]")
+    if len(parsed) > MAX_NODES:
+        raise TreeError(f"a tree has at most {MAX_NODES} paths (nodes), got {len(parsed)}")
     _check_shape(parsed, max_width)
     _check_closed(set(parsed))
     return StaticTree(name=name, paths=tuple(sorted(parsed, key=_node_key)))
@@ -216,11 +221,17 @@ def chain_tree(n: int) -> StaticTree:
 
 def _read_json(file: Path) -> Any:
     try:
-        return json.loads(file.read_text())
+        if file.stat().st_size > MAX_TREE_FILE_BYTES:
+            raise TreeError(f"tree file {file} is over {MAX_TREE_FILE_BYTES >> 20} MiB: not a tree of paths")
+        return json.loads(file.read_bytes().decode("utf-8"))
     except OSError as err:
         raise TreeError(f"cannot read tree file {file}: {err.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError:
+        raise TreeError(f"tree file {file} is not text (not UTF-8): is it a JSON file?") from None
+    except json.JSONDecodeError as err:
         raise TreeError(f"tree file {file} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise TreeError(f"tree file {file} nests lists too deeply: a path is a flat list of ranks") from None
 
 
 def _tree_from_json(data: Any, default_name: str, max_width: int | None) -> StaticTree:
@@ -249,7 +260,11 @@ def load_tree(spec: str, max_width: int | None = None) -> StaticTree:
     if not file.is_file():
         known = ", ".join(PRESETS)
         raise TreeError(f"unknown tree {spec!r}: use {known}, chain-N or the path of a JSON file of paths")
-    return _tree_from_json(_read_json(file), file.stem, max_width)
+    data = _read_json(file)
+    try:
+        return _tree_from_json(data, file.stem, max_width)
+    except TreeError as err:
+        raise TreeError(f"tree file {file}: {err}") from None
 
 
 def tree_to_json(tree: StaticTree) -> dict[str, Any]:

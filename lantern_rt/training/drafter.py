@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lantern_rt.errors import LanternError, first_line
+from lantern_rt.models.checkpoint import load_strict, torch_load
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.sampling import cfg_mix
@@ -137,6 +139,35 @@ def _lr(step: int, cfg: DrafterTraining) -> float:
     return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+class TrainStateError(LanternError, ValueError):
+    """A saved training state cannot be resumed from."""
+
+
+def resume(path: Path, drafter: Drafter, opt: torch.optim.Optimizer) -> int:
+    """Load the training state at ``path`` (written by :func:`train_drafter`) into ``drafter`` and
+    ``opt`` and return its step; a file that is not such a state, does not fit this drafter or
+    holds NaN or infinite values is a one-line :class:`LanternError` naming the file."""
+    what = f"training state {path}"
+    state = torch_load(path)
+    if not isinstance(state, dict) or not {"model", "optim", "step"} <= state.keys():
+        raise TrainStateError(f"{what} is not a drafter training state (a dict of model, optim and step)")
+    step, model = state["step"], state["model"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TrainStateError(f"{what}: step must be an integer >= 0, got {step!r}"[:300])
+    if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+        raise TrainStateError(f"{what}: model is not a state dict of tensors")
+    load_strict(drafter, model, what)
+    try:
+        opt.load_state_dict(state["optim"])
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+        raise TrainStateError(f"{what}: optim does not fit this drafter ({first_line(exc)})") from None
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor) and ((v.dim() and v.shape != p.shape) or not v.isfinite().all()):
+                raise TrainStateError(f"{what}: optim holds moments of the wrong shape, or NaN or inf")
+    return step
+
+
 def train_drafter(
     target: Transformer,
     drafter: Drafter,
@@ -154,12 +185,7 @@ def train_drafter(
     drafter.embed_tokens.weight.data.copy_(target.tok_embeddings.weight.data)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    start = 0
-    if state_path is not None and state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-        drafter.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        start = int(state["step"])
+    start = 0 if state_path is None or not state_path.exists() else resume(state_path, drafter, opt)
     gen = torch.Generator().manual_seed(cfg.seed)
     all_codes = torch.from_numpy(codes.astype(np.int64))
     all_labels = torch.from_numpy(labels.astype(np.int64))
