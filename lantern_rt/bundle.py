@@ -3,8 +3,9 @@ between the exporter and every engine.
 
 The exporter (:mod:`lantern_rt.export`) and calibration write bundles through
 :func:`staged_bundle` and :func:`write_manifest`; everyone else reads one through
-:meth:`Bundle.open`, which checks the manifest against its schema, every file against its sha256
-and every graph's declared inputs and outputs against its ONNX file, once. The :class:`Bundle`
+:meth:`Bundle.open`, which checks the manifest against its schema, every file against its sha256,
+every graph's declared inputs and outputs against its ONNX file and the manifest against its own
+digest (``manifest_digest``: a hand-edited manifest is refused), once. The :class:`Bundle`
 it returns is passed down to backends, engines, calibration and the benchmark, which trust it.
 """
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -24,7 +27,7 @@ import numpy as np
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
-from lantern_rt.fileio import replace_folder, sha256
+from lantern_rt.fileio import held, remove_stale, replace_folder, sha256
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.neighbors import load_neighbors_file
@@ -38,6 +41,7 @@ FORMAT = "lantern-rt-bundle"
 # drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer
 BUNDLE_VERSION = 8
 MANIFEST = "manifest.json"
+DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
 NEIGHBORS = "neighbors.npy"
 WEIGHTS = "weights.bin"  # every graph's large initializers, once each (export.shared_weights)
@@ -173,15 +177,20 @@ class Bundle:
     @classmethod
     def open(cls, path: str | Path) -> Bundle:
         """Open the bundle at ``path`` after checking its manifest's schema and version, every
-        file's sha256 and every graph's declared I/O against its ONNX file; :class:`BundleError`
-        says what is wrong."""
+        file's sha256, every graph's declared I/O against its ONNX file and the manifest's own
+        digest; :class:`BundleError` says what is wrong."""
         path = Path(path).resolve()
-        manifest = parse_manifest(_read_manifest(path), path)
+        raw = _read_manifest(path)
+        edited = isinstance(raw, dict) and raw.get(DIGEST) != manifest_digest(raw)
+        manifest = parse_manifest(raw, path)
         _check_files(path, manifest)
         try:
-            return cls(path, manifest)
+            bundle = cls(path, manifest)
         except ConfigError as err:  # gpt/vq fields the configs refuse
             raise BundleError(f"{path}: {err}") from None
+        if edited:  # last: an edit the checks above catch is named by them
+            raise BundleError(f"{path}: {MANIFEST} was edited (its {DIGEST} does not match): re-export")
+        return bundle
 
     def manifest(self) -> dict[str, Any]:
         """A copy of the manifest as JSON data (for writers that derive a new bundle from this one)."""
@@ -222,7 +231,8 @@ class Bundle:
         """The latent-neighbour table [V, k] as int64 on the CPU: all its columns, or the first
         ``k`` (:class:`BundleError` when it stores fewer). Read once."""
         if self._neighbors is None:
-            self._neighbors = load_neighbors_file(self.path / self.constants.neighbors_file)
+            file = self.path / self.constants.neighbors_file
+            self._neighbors = load_neighbors_file(file, self.constants.vocab_size)
         table = self._neighbors
         if k is None:
             return table
@@ -376,6 +386,10 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
             _ints(p, f"trees.{name}.paths", where)
         for key in ("graph", "verify"):
             graph = tree.setdefault(key, None)
+            if graph is not None and not isinstance(graph, str):
+                raise BundleError(
+                    f"{where}: trees.{name}.{key} must be a graph name or null, got {graph!r}"[:300]
+                )
             if graph is not None and graph not in manifest["graphs"]:
                 raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
     sizes = c["batch_sizes"]
@@ -445,26 +459,70 @@ def _constants(c: dict[str, Any]) -> Constants:
 
 @contextlib.contextmanager
 def staged_bundle(out: Path) -> Iterator[Path]:
-    """A temporary folder beside ``out`` to write a bundle into; renamed to ``out`` (replacing an
-    existing one) when the block succeeds, removed when it fails."""
+    """A temporary folder ``.NAME.XXXXXXXX.tmp`` beside ``out`` to write a bundle into (held
+    locked while it lives; killed runs' ones are removed first); renamed to ``out`` (replacing
+    an existing bundle) when the block succeeds, removed when it fails."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    check_bundle_out(out)
     try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp made it private
-        replace_folder(tmp, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(out, ".tmp")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as err:
+        raise BundleError(f"cannot write bundle {out}: {err.strerror or err}") from None
+    try:
+        with held(tmp):
+            yield tmp
+            tmp.chmod(0o755)  # mkdtemp made it private
+            replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def is_bundle(path: Path) -> bool:
+    """Whether the folder ``path`` holds a ``manifest.json`` of this format (any version)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def check_bundle_out(out: Path) -> None:
+    """:class:`BundleError` unless a bundle can be written at ``out``: a new folder in a
+    writable one, or an existing bundle to replace (never a file nor a folder of the user's)."""
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise BundleError(f"cannot write bundle {out}: it is a file or a link, not a bundle folder")
+    if out.exists() and not is_bundle(out):
+        raise BundleError(
+            f"refusing to replace {out}: it is not a lantern-rt bundle (no {MANIFEST} of format {FORMAT}); "
+            "remove it yourself or choose another folder"
+        )
+    parent = next(p for p in out.absolute().parents if p.exists())
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(f"{parent} is not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))  # a probe
+    except OSError as err:
+        raise BundleError(f"cannot write bundle {out}: {err.strerror or err}") from None
+
+
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """Write ``manifest`` into the bundle ``folder`` with the sha256 of every other file in it,
-    after checking it against the schema (a writer's mistake fails here, not in a reader)."""
-    manifest = {**manifest, "format": FORMAT, "bundle_version": BUNDLE_VERSION}
+    """Write ``manifest`` into the bundle ``folder`` with the sha256 of every other file in it
+    and its own digest, after checking it against the schema (a writer's mistake fails here,
+    not in a reader)."""
+    manifest = json.loads(json.dumps({**manifest, "format": FORMAT, "bundle_version": BUNDLE_VERSION}))
     manifest["files"] = {
         p.name: sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
     }
     parse_manifest(copy.deepcopy(manifest), folder / MANIFEST)
+    manifest[DIGEST] = manifest_digest(manifest)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of ``manifest``'s canonical JSON (sorted keys, no spaces) without its digest."""
+    body = {key: value for key, value in manifest.items() if key != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from lantern_rt.errors import OneLineErrors, UserError, reports_errors
+from lantern_rt.errors import OneLineErrors, UserError, first_line, reports_errors
 from lantern_rt.settings import (
     BACKENDS,
     CPU_DEFAULT_TREE,
@@ -281,7 +282,7 @@ def main() -> None:
     "--stats-json",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write timings and acceptance statistics as JSON.",
+    help="Write timings and acceptance statistics as JSON ('-': to standard output).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
@@ -319,16 +320,21 @@ def generate(
     text-to-image model)."""
     t0 = time.perf_counter()
 
+    from lantern_rt.fileio import write_together
     from lantern_rt.generate import generate as run
     from lantern_rt.generate import make_pipeline
-    from lantern_rt.images import atomic_write, grid, save_png
+    from lantern_rt.images import grid, write_png
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     md, source = _source(model_path, bundle, backend, drafter_path)
-    for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_json, "stats")):
+    stats_out = None if stats_json is None or str(stats_json) == "-" else stats_json  # "-": stdout
+    files = [p for p in (output, save_tokens, stats_out) if p is not None]
+    if len({p.absolute() for p in files}) < len(files):
+        raise UserError("-o, --save-tokens and --stats-json must name different files")
+    for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_out, "stats")):
         _writable_output(path, what)
     if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
@@ -354,16 +360,19 @@ def generate(
     labels = [c for c in class_ids for _ in range(num_images)]
     pipe = make_pipeline(source, run_settings.backend, mc, device, threads, cuda_graphs, batch_size)
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
-    scale = max(1, 64 // md.image_size)
-    save_png(grid(result.images, rows=len(class_ids), scale=scale), output)
-    if save_tokens is not None:
-        atomic_write(save_tokens, lambda tmp: _save_tokens(tmp, result))
+    image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))
     stats = result.stats
     stats.total_seconds = time.perf_counter() - t0
     stats.extra["output"] = str(output)
-    if stats_json is not None:
-        body = json.dumps(stats.to_json(), indent=2) + "\n"
-        atomic_write(stats_json, lambda tmp: tmp.write_text(body))
+    body = json.dumps(stats.to_json(), indent=2) + "\n"
+    writes = {output: lambda tmp: write_png(image, tmp)}  # all or none of them (write_together)
+    if save_tokens is not None:
+        writes[save_tokens] = lambda tmp: _save_tokens(tmp, result)
+    if stats_out is not None:
+        writes[stats_out] = lambda tmp: tmp.write_text(body)
+    write_together(writes)
+    if stats_json is not None and stats_out is None:
+        click.echo(body, nl=False)
     per_image = stats.decode_seconds / max(1, stats.num_images)
     click.echo(
         f"{stats.num_images} images ({mc.method}, {pipe.backend}) in {stats.total_seconds:.1f}s: "
@@ -578,7 +587,7 @@ def generate_set_cmd(
 )
 @click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--cfg-scale",
@@ -610,6 +619,7 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     import numpy as np
     import torch
 
+    from lantern_rt.fileio import write_together
     from lantern_rt.models.checkpoint import save_safetensors
     from lantern_rt.models.drafter import Drafter, DrafterConfig
     from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
@@ -618,19 +628,35 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     if threads:
         torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
+    for option, value in (("--lr", lr), ("--cfg-scale", cfg_scale)):
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"{option} must be a finite number, got {value}")
     md = open_model_dir(model_path)
+    if md.gpt.model_type == "t2i":
+        raise UserError(
+            "train-drafter trains on class labels; for a text-to-image model use the authors' released "
+            "drafters (README: Text-to-image)"
+        )
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
     data = _drafter_data(md, codes, load_vq)
     target = load_target(md)
     config = DrafterConfig.for_target(md.gpt)
     drafter = Drafter(config, md.gpt)
     cfg = DrafterTraining(steps=steps, batch=batch, lr=lr, seed=seed, cfg_scale=cfg_scale, unroll=unroll)
+    try:  # only now that every input is checked: a failed run leaves no empty --out behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create --out {out}: {exc.strerror or exc}") from None
     t0 = time.perf_counter()
     losses = train_drafter(target, drafter, data["codes"], data["labels"], cfg, out / "train_state.pt")
-    save_safetensors(drafter, out / "drafter.safetensors")
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    body = json.dumps(dataclasses.asdict(config), indent=2) + "\n"
+    write_together(  # the weights and their config, both or neither
+        {
+            out / "drafter.safetensors": lambda tmp: save_safetensors(drafter, tmp),
+            out / "config.json": lambda tmp: tmp.write_text(body),
+        }
+    )
     tail = np.mean(losses[-50:]) if losses else float("nan")
     click.echo(
         f"drafter trained for {steps} steps in {time.perf_counter() - t0:.0f}s (final loss {tail:.4f}) -> {out}",
@@ -638,34 +664,59 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     )
 
 
-def _codes_file(path: Path) -> dict:
-    """One --codes file's codes [N, tokens] and labels [N]."""
+def _codes_file(path: Path, md: ModelDir | None = None) -> dict:
+    """One --codes file's codes [N, tokens] and labels [N], integers; with ``md``, codes of its
+    codebook and labels of its classes (the token count is :func:`_drafter_data`'s to check)."""
+    import zipfile
+
     import numpy as np
 
     if not path.is_file():
         raise UserError(f"codes file not found: {path}")
     try:
-        with np.load(path) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("it is one array, not an .npz archive")
+        with data:
             codes, labels = data["codes"], data["labels"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"cannot read {path}: expected an .npz with 'codes' and 'labels' ({exc})") from None
-    if codes.ndim != 2 or labels.shape != codes.shape[:1]:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        why = "it holds Python objects" if "allow_pickle" in str(exc) else first_line(exc)
+        raise UserError(f"cannot read {path}: expected an .npz with 'codes' and 'labels' ({why})") from None
+    for name, array, shape in (("codes", codes, "[N, tokens]"), ("labels", labels, "[N]")):
+        if array.dtype.kind not in "iu" or array.ndim != shape.count(",") + 1:
+            raise UserError(
+                f"{path}: '{name}' must be integers {shape}, got {array.dtype} {list(array.shape)}"
+            )
+    if len(codes) == 0 or labels.shape != codes.shape[:1]:
         raise UserError(
-            f"{path}: 'codes' must be [N, tokens] and 'labels' [N], got {codes.shape} and {labels.shape}"
+            f"{path}: 'codes' [N, tokens] and 'labels' [N] hold {len(codes)} and {len(labels)} images"
         )
+    if md is not None:
+        for name, array, limit in (
+            ("codes", codes, md.gpt.vocab_size),
+            ("labels", labels, md.gpt.num_classes),
+        ):
+            if array.min() < 0 or array.max() >= limit:
+                raise UserError(
+                    f"{path}: '{name}' holds {array.min()}..{array.max()}, outside 0..{limit - 1} of this model"
+                )
     return {"codes": codes, "labels": labels}
 
 
 def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
-    """Codes and labels to train on: the user's .npz files concatenated, or Fashion-MNIST
-    through the model's tokenizer."""
+    """Codes and labels to train on: the user's .npz files concatenated (checked against ``md``
+    when given), or Fashion-MNIST through the model's tokenizer."""
     import numpy as np
 
     if codes:
-        parts = [_codes_file(path) for path in codes]
+        parts = [_codes_file(path, md) for path in codes]
         lengths = {part["codes"].shape[1] for part in parts}
         if len(lengths) > 1:
             raise UserError(f"the --codes files hold images of different token counts: {sorted(lengths)}")
+        if md is not None and lengths != {md.gpt.block_size}:
+            raise UserError(
+                f"{codes[0]}: 'codes' holds images of {lengths.pop()} tokens; this model's are {md.gpt.block_size}"
+            )
         return {key: np.concatenate([part[key] for part in parts]) for key in ("codes", "labels")}
     from lantern_rt.training.data import DatasetMissing
     from lantern_rt.training.demo import encode_dataset

@@ -1,48 +1,115 @@
-"""Writing files and folders so that a failure never leaves a partial one behind."""
+"""Writing files and folders so that a failure never leaves a partial one behind.
+
+Every temporary file or folder is ``.NAME.XXXXXXXX<suffix>`` beside its destination and held
+with an ``flock`` while its writer lives, so a later writer of the same destination removes the
+ones a killed run left (:func:`remove_stale`) and never a live run's.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from lantern_rt.errors import LanternError
 
 
 class WriteError(LanternError, OSError):
-    """A file could not be written (a full disk, a file system that refuses it): one line."""
+    """A file could not be written (a full disk, a file system that refuses it): one line;
+    ``reason`` is the OS's word for why."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp_path)`` then rename over ``path``: no partial file on failure; an OS
     error (no space left, a file system that refuses the file) is a :class:`WriteError`."""
-    path = Path(path)
+    write_together({Path(path): write})
+
+
+def write_together(writes: Mapping[Path, Callable[[Path], object]]) -> None:
+    """Call each ``write(tmp)`` on a temporary file beside its path, then rename them all into
+    place: when any write or rename fails, none of the new files is left (those already renamed
+    are removed) nor any temporary file; an OS error is a :class:`WriteError` naming the file."""
+    staged: list[tuple[Path, Path, int]] = []  # (tmp, path, fd holding its lock)
+    done: list[Path] = []
+    path = Path()
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    except OSError as exc:
-        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for path, write in writes.items():
+            remove_stale(path, path.suffix)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+            staged.append((Path(tmp), path, fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            write(Path(tmp))
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+        for tmp, path, _ in staged:
+            os.replace(tmp, path)
+            done.append(path)
+    except BaseException as exc:
+        for new in done:
+            new.unlink(missing_ok=True)
+        for tmp, _, _ in staged:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # a nested atomic write names its own temporary file: name ours
+            reason = exc.reason if isinstance(exc, WriteError) else str(exc.strerror or exc)
+            raise WriteError(f"cannot write {path}: {reason}", reason) from None
         raise
+    finally:
+        for _, _, fd in staged:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def held(path: Path, create: bool = False, waiting: Callable[[], object] | None = None) -> Iterator[None]:
+    """An exclusive ``flock`` on the file or folder ``path`` (``create``: a lock file, made when
+    missing) for the block; ``waiting()`` is called first when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666) if create else os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale(dest: Path, suffix: str) -> None:
+    """Remove the temporary files and folders ``.NAME.XXXXXXXX<suffix>`` beside ``dest`` that no
+    live writer holds locked (left by a killed run); those it cannot remove stay."""
+    dest = Path(dest)
+    pattern = re.compile(rf"\.{re.escape(dest.name)}\.[a-z0-9_]{{8}}{re.escape(suffix)}")
+    with contextlib.suppress(OSError):
+        entries = [p for p in dest.parent.iterdir() if pattern.fullmatch(p.name)]
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                fd = os.open(entry, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+                finally:
+                    os.close(fd)
 
 
 def replace_folder(tmp: Path, dest: Path) -> None:
     """Rename the finished folder ``tmp`` to ``dest``; an existing ``dest`` is removed only after
     that succeeds (and put back when it fails)."""
     old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)  # a killed run's
     if dest.exists():
-        shutil.rmtree(old, ignore_errors=True)
         dest.rename(old)
     try:
         tmp.rename(dest)

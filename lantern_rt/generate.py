@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, TEXT_ENCODER_GRAPH, Bundle
 from lantern_rt.captions import left_pad, load_tokenizer, tokenize
+from lantern_rt.fileio import WriteError, held
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import (
@@ -295,7 +297,9 @@ def cached_bundle(
     md: ModelDir, method: MethodConfig, dtype: str = "fp32", batch_sizes: Sequence[int] = (1,)
 ) -> Path:
     """The bundle of ``md`` for ``method``'s tree and ``batch_sizes``, exported on first use into
-    the cache. Every method shares it: AR runs on the one-token step graph every bundle holds."""
+    the cache. Every method shares it: AR runs on the one-token step graph every bundle holds.
+    The export holds a lock (``.NAME-KEY.lock``): concurrent first runs export once, the others
+    wait and reuse it; :class:`WriteError` when the cache cannot be written."""
     from lantern_rt.export.bundle import export_bundle
 
     trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files else []
@@ -313,10 +317,35 @@ def cached_bundle(
             sort_keys=True,
         ).encode()
     ).hexdigest()[:16]
-    out = cache_root() / f"{md.name}-{key}"
-    if not (out / MANIFEST).is_file():
-        print(f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr)
-        export_bundle(md, out, trees=trees, dtype=dtype, overwrite=True, progress=True, batch_sizes=sizes)
+    root = cache_root()
+    out = root / f"{md.name}-{key}"
+    if (out / MANIFEST).is_file():
+        return out
+    with contextlib.ExitStack() as stack:  # one run exports; the others wait, then reuse its bundle
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            waiting = functools.partial(
+                print, f"waiting for another run exporting {md.name}", file=sys.stderr
+            )
+            stack.enter_context(held(root / f".{out.name}.lock", create=True, waiting=waiting))
+        except OSError as exc:
+            raise WriteError(
+                f"cannot write the export cache {root}: {exc.strerror or exc} (set LANTERN_CACHE to a "
+                "writable folder)"
+            ) from None
+        if not (out / MANIFEST).is_file():  # staged_bundle removes the .tmp folders of killed runs
+            export_bundle(
+                md,
+                out,
+                trees=trees,
+                dtype=dtype,
+                overwrite=True,
+                progress=True,
+                batch_sizes=sizes,
+                on_start=functools.partial(
+                    print, f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr
+                ),
+            )
     return out
 
 

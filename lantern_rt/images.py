@@ -33,7 +33,11 @@ def grid(images: np.ndarray, rows: int, pad: int = 2, scale: int = 1) -> np.ndar
     return out
 
 
+def write_png(array: np.ndarray, path: Path) -> None:
+    """Write uint8 [H, W, C] (C = 1 or 3) as a PNG at ``path`` (as it is: see :func:`save_png`)."""
+    Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(path, format="PNG")
+
+
 def save_png(array: np.ndarray, path: Path) -> None:
     """Write uint8 [H, W, C] (C = 1 or 3) as a PNG, atomically."""
-    img = Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
-    atomic_write(path, lambda tmp: img.save(tmp, format="PNG"))
+    atomic_write(path, lambda tmp: write_png(array, tmp))

@@ -413,3 +413,11 @@ def test_the_authors_t2i_layout_runs_prompts(prompt_model, tmp_path):
         assert result.exit_code == 0, result.output
         codes.append(np.load(out)["codes"])
     np.testing.assert_array_equal(codes[0], codes[1])
+
+
+def test_train_drafter_refuses_a_t2i_model(prompt_model, tmp_path):
+    result = run_cli(
+        "train-drafter", "--model", str(prompt_model), "--out", str(tmp_path / "d"), "--steps", "1"
+    )
+    assert result.exit_code == 2 and "train-drafter trains on class labels" in result.output
+    assert not (tmp_path / "d").exists()

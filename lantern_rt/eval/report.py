@@ -12,7 +12,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from lantern_rt.images import atomic_write
+from lantern_rt.fileio import write_together
 
 Row = dict[str, Any]
 Column = tuple[str, Callable[[Row], str]]
@@ -314,13 +314,20 @@ def accepted_lengths(rows: Sequence[Row]) -> Image.Image:
 def write_report(out: Path, results: dict[str, Any]) -> None:
     """results.json, results.md, quality_vs_speedup.png and accepted_lengths.png in ``out``."""
     rows = results["rows"]
-    atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
-    atomic_write(out / "results.md", lambda p: p.write_text(results_markdown(results)))
     plots = {
         "quality_vs_speedup.png": quality_vs_speedup(
             rows, results["quality_note"], bool(results["settings"].get("features"))
         ),
         "accepted_lengths.png": accepted_lengths(rows),
     }
-    for name, image in plots.items():
-        atomic_write(out / name, lambda p, image=image: image.save(p, format="PNG"))
+    body, table = json.dumps(results, indent=2) + "\n", results_markdown(results)
+    write_together(  # all four or none
+        {
+            out / "results.json": lambda p: p.write_text(body),
+            out / "results.md": lambda p: p.write_text(table),
+            **{
+                out / name: lambda p, image=image: image.save(p, format="PNG")
+                for name, image in plots.items()
+            },
+        }
+    )

@@ -11,7 +11,7 @@ import contextlib
 import copy
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from lantern_rt.bundle import (
     NEIGHBORS,
     NULL_CAPTION,
     WEIGHTS,
+    check_bundle_out,
     draft_graph_name,
     staged_bundle,
     verify_graph_name,
@@ -76,13 +77,15 @@ def export_bundle(
     overwrite: bool = False,
     progress: bool = False,
     batch_sizes: Sequence[int] = (1,),
+    on_start: Callable[[], object] | None = None,
 ) -> Path:
     """Export the target (prefill, the AR step and the verify step of each tree), the VQ
     decoder, the neighbour table and, when ``model_dir`` has a drafter, the drafting graph of
     each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
-    ``progress`` shows a progress bar over the graphs.
+    ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
+    have loaded, before the first graph (a model that fails to load is the only message).
     """
     out = Path(out)
     trees = _check_args(out, trees, dtype, opset, overwrite)
@@ -97,6 +100,8 @@ def export_bundle(
     if text is not None:
         graphs.append((text, text))
     neighbors = load_neighbors(model_dir, k, vq)[:, :k]
+    if on_start is not None:
+        on_start()
     with staged_bundle(out) as tmp:
         entries = {}
         for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
@@ -152,8 +157,9 @@ def _check_args(
             )
         if by_name.setdefault(tree.name, tree) != tree:
             raise ExportError(f"two different trees are named {tree.name}; give each a unique name")
-    if out.exists() and not overwrite:
+    if out.is_dir() and not out.is_symlink() and not overwrite:
         raise ExportError(f"{out} already exists; choose another folder or overwrite it")
+    check_bundle_out(out)  # a file, a folder of the user's, an unwritable place: refused now
     return list(by_name.values())
 
 
