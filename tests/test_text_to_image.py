@@ -353,6 +353,9 @@ def test_bench_with_prompts(prompt_model, tmp_path, monkeypatch):
     assert results["settings"]["classes"] == ["a red apple", "a blue car"]
     assert {row["backend"] for row in results["rows"]} == {"torch", "onnxruntime"}
     assert "speed only" in results["quality_note"]
+    result = run_cli(*args, "--baseline", "torch-batched", "--out", str(tmp_path / "c"))
+    assert result.exit_code == 2 and "baseline runs class-conditional models" in result.output
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_t2i_model_without_a_text_encoder_is_refused_before_any_export(tmp_path, monkeypatch):

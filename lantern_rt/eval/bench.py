@@ -619,6 +619,8 @@ def check_baseline(name: str, source: ModelDir | Bundle) -> None:
         raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     if not isinstance(source, ModelDir):
         raise ConfigError(f"the {name} baseline runs a model directory: drop --bundle")
+    if source.gpt.model_type != "c2i":
+        raise ConfigError(f"the {name} baseline runs class-conditional models (LlamaGen's c2i loop)")
 
 
 def baseline_measurement(
