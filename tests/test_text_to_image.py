@@ -174,7 +174,7 @@ def t2i_bundle(tmp_path_factory):
     config = json.loads((md / "config.json").read_text())
     config["files"]["drafter"] = "drafter"
     (md / "config.json").write_text(json.dumps(config))
-    out = export_bundle(open_model_dir(md), root / "bundle", trees=[load_tree("chain-2")])
+    out = export_bundle(open_model_dir(md), root / "bundle", trees=[load_tree("chain-2")], batch_sizes=[1, 2])
     return model, Bundle.open(out)
 
 
@@ -416,6 +416,31 @@ def test_the_authors_t2i_layout_runs_prompts(prompt_model, tmp_path):
         assert result.exit_code == 0, result.output
         codes.append(np.load(out)["codes"])
     np.testing.assert_array_equal(codes[0], codes[1])
+
+
+def test_onnxruntime_batch_of_different_captions_equals_one_at_a_time(t2i_bundle):
+    """B = 2 graphs (the drafter's caption prefill included): each image keeps its own padding,
+    slots refilled with new captions, the same tokens as alone."""
+    from lantern_rt.settings import MethodConfig
+
+    model, bundle = t2i_bundle
+    null = model.null_condition
+    conds = [Condition(torch.stack([f, null]), m) for f, m in (caption(v, seed=v) for v in (6, 1, 3))]
+    sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0)
+    method = MethodConfig("lantern++", "chain-2")
+    one, two = (onnxruntime_pipeline(bundle, method, threads=1, batch_size=b) for b in (1, 2))
+
+    def generators():
+        return [torch.Generator().manual_seed(i) for i in range(len(conds))]
+
+    alone = [
+        decode_image(one.target, c, 16, sampling, g, one.spec).tokens
+        for c, g in zip(conds, generators(), strict=True)
+    ]
+    jobs = list(zip(conds, generators(), strict=True))
+    batched = dict(decode_images(two.target, jobs, 16, sampling, two.spec))
+    for i, tokens in enumerate(alone):
+        assert torch.equal(batched[i].tokens, tokens), i
 
 
 def test_train_drafter_refuses_a_t2i_model(prompt_model, tmp_path):
