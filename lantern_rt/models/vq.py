@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from lantern_rt.models.config import VQConfig
 
 
-def _norm(channels: int) -> nn.GroupNorm:
+def group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
 
 
@@ -21,9 +21,9 @@ class ResnetBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, dropout: float = 0.0):
         super().__init__()
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.norm1 = _norm(in_channels)
+        self.norm1 = group_norm(in_channels)
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, 1, 1)
-        self.norm2 = _norm(out_channels)
+        self.norm2 = group_norm(out_channels)
         self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1)
         if in_channels != out_channels:
@@ -40,7 +40,7 @@ class ResnetBlock(nn.Module):
 class AttnBlock(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.norm = _norm(channels)
+        self.norm = group_norm(channels)
         self.q = nn.Conv2d(channels, channels, 1)
         self.k = nn.Conv2d(channels, channels, 1)
         self.v = nn.Conv2d(channels, channels, 1)
@@ -103,7 +103,7 @@ class Encoder(nn.Module):
                 ResnetBlock(block_in, block_in, c.dropout_p),
             ]
         )
-        self.norm_out = _norm(block_in)
+        self.norm_out = group_norm(block_in)
         self.conv_out = nn.Conv2d(block_in, c.z_channels, 3, 1, 1)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -147,7 +147,7 @@ class Decoder(nn.Module):
             if level != 0:
                 block.upsample = Upsample(block_in)
             self.conv_blocks.append(block)
-        self.norm_out = _norm(block_in)
+        self.norm_out = group_norm(block_in)
         self.conv_out = nn.Conv2d(block_in, c.out_channels, 3, 1, 1)
 
     def forward(self, z: Tensor) -> Tensor:
