@@ -169,10 +169,10 @@ class BundleDrafter:
         self._prefill = runner(bundle, bundle.graph(prefill)) if bundle.constants.cls_token_num > 1 else None
 
     def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
-        self.cache.length.masked_fill_(fresh, 0)
         if self._prefill is not None:
-            k, v = self._prefill(hidden)
-            self.cache.write(k, v, hidden.shape[1] * fresh)
+            self.cache.restart(*self._prefill(hidden), fresh)
+        else:
+            self.cache.length.masked_fill_(fresh, 0)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)

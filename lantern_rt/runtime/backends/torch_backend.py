@@ -143,9 +143,10 @@ class TorchDrafter:
 
     @torch.inference_mode()
     def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
-        self.cache.length.masked_fill_(fresh, 0)
         if hidden.shape[1]:
-            self.cache.write(*prefix_pairs(self._step, hidden), hidden.shape[1] * fresh)
+            self.cache.restart(*prefix_pairs(self._step, hidden), fresh)
+        else:
+            self.cache.length.masked_fill_(fresh, 0)
 
     @torch.inference_mode()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
