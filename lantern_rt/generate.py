@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -194,12 +195,8 @@ def torch_pipeline(
 
     if md.gpt.model_type == "t2i":
         check_text_encoder(md)
-        encoder, tokenizer = load_text_encoder(md.path("t5"), device), load_tokenizer(md.path("t5"))
-        if encoder.config.d_model != md.gpt.caption_dim:
-            raise ConfigError(
-                f"text encoder {md.path('t5')} makes {encoder.config.d_model}-wide features; "
-                f"the target reads caption_dim {md.gpt.caption_dim}"
-            )
+        encoder = load_text_encoder(md.path("t5"), device, md.gpt.caption_dim)
+        tokenizer = load_tokenizer(md.path("t5"))
         null = target_model.null_condition
 
         def condition(prompt: int | str) -> Condition:
@@ -395,19 +392,21 @@ def _bundle_prompts(
 ) -> Callable[[int | str], Condition]:
     """Prompt -> condition on a bundle's text encoder graph and tokenizer (loaded on first use:
     a bundle exported without a text encoder still decodes conditions built elsewhere)."""
-    loaded: list = []
+
+    @functools.cache
+    def text_side() -> tuple[Any, TextEncode, torch.Tensor]:
+        """(tokenizer, encode, null caption), once."""
+        if bundle.text_max_length is None:
+            raise ConfigError(
+                f"bundle {bundle.path} has no text encoder: export it from a model directory whose "
+                "config.json names a T5 folder (files.t5)"
+            )
+        encoder = runner(bundle, bundle.graph(TEXT_ENCODER_GRAPH))
+        null = torch.from_numpy(bundle.null_caption()).to(device)
+        return load_tokenizer(bundle.path), lambda i, m: encoder(i, m)[0], null
 
     def condition(prompt: int | str) -> Condition:
-        if not loaded:
-            if bundle.text_max_length is None:
-                raise ConfigError(
-                    f"bundle {bundle.path} has no text encoder: export it from a model directory whose "
-                    "config.json names a T5 folder (files.t5)"
-                )
-            encoder = runner(bundle, bundle.graph(TEXT_ENCODER_GRAPH))
-            null = torch.from_numpy(bundle.null_caption()).to(device)
-            loaded.extend([load_tokenizer(bundle.path), lambda i, m: encoder(i, m)[0], null])
-        return prompt_condition(str(prompt), *loaded, _warn)
+        return prompt_condition(str(prompt), *text_side(), _warn)
 
     return condition
 

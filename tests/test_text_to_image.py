@@ -449,3 +449,22 @@ def test_train_drafter_refuses_a_t2i_model(prompt_model, tmp_path):
     )
     assert result.exit_code == 2 and "train-drafter trains on class labels" in result.output
     assert not (tmp_path / "d").exists()
+
+
+def test_a_text_encoder_of_another_width_is_refused(tmp_path, monkeypatch):
+    """One check, for the torch pipeline and the export alike: T5's width is the target's caption_dim."""
+    from tests.t5_fixtures import tiny_t5
+
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    md = write_model_dir(tmp_path / "m", t2i_gpt(1), tiny_vq())  # caption_dim 12; the tiny T5 makes 32
+    tiny_t5(md / "t5")
+    config = json.loads((md / "config.json").read_text())
+    config["files"]["t5"] = "t5"
+    (md / "config.json").write_text(json.dumps(config))
+    for backend in ("torch", "onnxruntime"):
+        result = run_cli("generate", "--model", str(md), "--backend", backend, "--prompt", "a cat")
+        assert (
+            result.exit_code == 2
+            and "makes 32-wide features; the target reads caption_dim 12" in result.output
+        )
+    assert not list((tmp_path / "cache" / "bundles").glob("tiny-*"))

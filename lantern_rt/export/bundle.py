@@ -125,12 +125,7 @@ def _text_encoder(md: ModelDir, target: Transformer) -> TextEncoderGraph | None:
     features given through the Python API only)."""
     if target.config.model_type != "t2i" or "t5" not in md.files:
         return None
-    encoder = load_text_encoder(md.path("t5"))
-    if encoder.config.d_model != target.config.caption_dim:
-        raise ExportError(
-            f"text encoder {md.path('t5')} makes {encoder.config.d_model}-wide features; the target "
-            f"reads caption_dim {target.config.caption_dim}"
-        )
+    encoder = load_text_encoder(md.path("t5"), caption_dim=target.config.caption_dim)
     return TextEncoderGraph(encoder, target.config.cls_token_num)
 
 

@@ -19,10 +19,13 @@ from lantern_rt.captions import TextEncoderError, require
 from lantern_rt.errors import first_line
 
 
-def load_text_encoder(folder: Path, device: str | torch.device = "cpu") -> Any:
+def load_text_encoder(
+    folder: Path, device: str | torch.device = "cpu", caption_dim: int | None = None
+) -> Any:
     """The ``T5EncoderModel`` in ``folder``, fp32, eval mode, on ``device``. Raises
-    :class:`TextEncoderError` for a missing folder or config and for weights that do not load
-    (missing tensors included: transformers would leave them random)."""
+    :class:`TextEncoderError` for a missing folder or config, for weights that do not load
+    (missing tensors included: transformers would leave them random) and for features of
+    another width than the target's ``caption_dim`` (when given)."""
     folder = Path(folder)
     transformers = require("transformers")
     if not folder.is_dir():
@@ -40,6 +43,11 @@ def load_text_encoder(folder: Path, device: str | torch.device = "cpu") -> Any:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise TextEncoderError(f"{folder}: the T5 weights lack {missing[0]}{more}")
+    if caption_dim is not None and model.config.d_model != caption_dim:
+        raise TextEncoderError(
+            f"text encoder {folder} makes {model.config.d_model}-wide features; the target reads "
+            f"caption_dim {caption_dim}"
+        )
     return model.to(device).eval()
 
 
