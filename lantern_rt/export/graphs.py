@@ -181,6 +181,20 @@ def random_prefix(g: torch.Generator, batch: int, slots: int) -> Tensor:
     return torch.arange(slots)[None, :] >= padding
 
 
+def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:
+    """The drafter's step as its graphs compute it: the fused input ``fc(embed(x), h)``, then
+    ``blocks`` (its layers written for export); ``drafter_step`` is the torch reference."""
+
+    def step(
+        tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        embedded = drafter.embed_tokens(cfg_rows(tokens))
+        h = drafter.fc(torch.cat([embedded, hidden.to(drafter.fc.weight.dtype)], dim=-1))
+        return blocks(h, positions, mask, context)
+
+    return step
+
+
 class DrafterPrefill(nn.Module):
     """The drafter's K/V over a condition prefix of P > 1 slots
     (:func:`~lantern_rt.runtime.drafting.prefix_pairs`): the target's hidden states at its first
@@ -201,13 +215,8 @@ class DrafterPrefill(nn.Module):
             dtype,
         )
 
-    def _step(self, tokens, hidden, positions, mask, context):
-        d = self.drafter
-        h = d.fc(torch.cat([d.embed_tokens(cfg_rows(tokens)), hidden.to(d.fc.weight.dtype)], dim=-1))
-        return self.blocks(h, positions, mask, context)
-
     def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        return prefix_pairs(self._step, hidden)
+        return prefix_pairs(graph_drafter_step(self.drafter, self.blocks), hidden)
 
     def reference_forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """The same outputs with the drafter's own ``step``."""
@@ -365,16 +374,8 @@ class DrafterTree(nn.Module):
             dtype,
         )
 
-    def _step(
-        self, tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        d = self.drafter
-        pairs = cfg_rows(tokens)
-        h = d.fc(torch.cat([d.embed_tokens(pairs), hidden.to(d.fc.weight.dtype)], dim=-1))
-        return self.blocks(h, positions, mask, context)
-
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        return self._draft(self._step, inputs)
+        return self._draft(graph_drafter_step(self.drafter, self.blocks), inputs)
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         """The same outputs with the drafter's own ``step`` (the torch backend's)."""
