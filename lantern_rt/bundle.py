@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lantern_rt.errors import LanternError
 from lantern_rt.fileio import held, remove_stale, replace_folder, sha256
+from lantern_rt.models.chameleon_vq import ChameleonVQConfig
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.neighbors import load_neighbors_file
@@ -39,7 +40,7 @@ FORMAT = "lantern-rt-bundle"
 # 7: B images per call, the graphs of each exported batch size reading one shared weight file;
 # 8: captions: a prefix-visibility input, every prefix hidden state out of the prefill, the
 # drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer
-BUNDLE_VERSION = 8
+BUNDLE_VERSION = 9
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
@@ -135,6 +136,7 @@ class Constants:
     neighbors_k: int
     null_class_id: int | None  # class-conditional models
     null_caption_file: str | None  # text-conditional models
+    null_prompt_layout: str | None  # Chameleon-family models: the unconditional row is a prompt
 
 
 class Bundle:
@@ -168,7 +170,12 @@ class Bundle:
             for name, tree in manifest["trees"].items()
         }
         self.gpt: GPTConfig = config_from_dict(GPTConfig, manifest["gpt"])
-        self.vq: VQConfig = config_from_dict(VQConfig, manifest["vq"])
+        self.vq: VQConfig | ChameleonVQConfig = (
+            ChameleonVQConfig.from_hf(manifest["vq"])
+            if self.gpt.model_type == "chameleon"
+            else config_from_dict(VQConfig, manifest["vq"])
+        )
+        self.prompt_layout: str | None = self.constants.null_prompt_layout
         text = manifest.get("text_encoder")
         self.text_max_length: int | None = text["max_length"] if text else None
         self.manifest_sha256 = sha256(path / MANIFEST)
@@ -365,8 +372,12 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
     c = manifest["constants"]
     check(c["neighbors"], {"file": _STR, "k": _INT}, "constants.neighbors.")
     null = c["null_condition"]
-    if not (isinstance(null.get("class_id"), int) or isinstance(null.get("file"), str)):
-        raise BundleError(f"{where}: constants.null_condition needs a class_id or a file")
+    if not (
+        isinstance(null.get("class_id"), int)
+        or isinstance(null.get("file"), str)
+        or isinstance(null.get("prompt_layout"), str)
+    ):
+        raise BundleError(f"{where}: constants.null_condition needs a class_id, a file or a prompt_layout")
     for name, digest in manifest["files"].items():
         if not isinstance(digest, str) or "/" in name or name.startswith("."):
             raise BundleError(f"{where}: files.{name} is not a plain file name with a sha256")
@@ -451,6 +462,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         neighbors_k=c["neighbors"]["k"],
         null_class_id=null.get("class_id"),
         null_caption_file=null.get("file"),
+        null_prompt_layout=null.get("prompt_layout"),
     )
 
 

@@ -127,14 +127,14 @@ class TargetPrefill(nn.Module):
         c = model.config
         dtype = model.output.weight.dtype
         rows, t = 2 * batch, c.cls_token_num
-        cond = (
-            TensorSpec("cond", (rows,), torch.int64)
-            if c.model_type == "c2i"
-            else TensorSpec("cond", (rows, t, c.caption_dim), torch.float32)
-        )
+        cond = {
+            "c2i": TensorSpec("cond", (rows,), torch.int64),
+            "t2i": TensorSpec("cond", (rows, t, c.caption_dim), torch.float32),
+            "chameleon": TensorSpec("cond", (rows, t), torch.int64),
+        }[c.model_type]
         self.spec = GraphSpec(
             batched_name(PREFILL_GRAPH, batch),
-            (cond, TensorSpec("prefix", (batch, t), torch.bool)),
+            (cond, TensorSpec("prefix", (rows, t), torch.bool)),
             (
                 TensorSpec("logits", (rows, c.vocab_size), torch.float32),
                 TensorSpec("hidden", (rows, t, c.dim), dtype),
@@ -161,23 +161,26 @@ class TargetPrefill(nn.Module):
         return logits[:, -1], hidden, k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random condition rows plus the null conditions; for captions, a random number of
-        leading padding slots per image (LlamaGen's left padding)."""
+        """Random condition rows plus the null conditions; for captions and prompts, a random
+        number of leading padding slots per row (left padding)."""
         c, b = self.model.config, self.batch
+        if c.model_type == "chameleon":
+            ids = torch.randint(c.text_vocab_size, (2 * b, c.cls_token_num), generator=g)
+            return ids, random_prefix(g, 2 * b, c.cls_token_num)
         if c.model_type == "c2i":
             cond = torch.cat(
                 [torch.randint(c.num_classes, (b,), generator=g), torch.full((b,), c.num_classes)]
             )
-            return cond, torch.ones(b, 1, dtype=torch.bool)
+            return cond, torch.ones(2 * b, 1, dtype=torch.bool)
         captions = torch.randn(b, c.cls_token_num, c.caption_dim, generator=g)
         null = self.model.null_condition.float().cpu().expand(b, -1, -1)
-        return torch.cat([captions, null]), random_prefix(g, b, c.cls_token_num)
+        return torch.cat([captions, null]), random_prefix(g, 2 * b, c.cls_token_num)
 
 
-def random_prefix(g: torch.Generator, batch: int, slots: int) -> Tensor:
-    """[B, slots] bool: per image a random number of leading False (padding) slots, the last
-    one always visible (a caption has at least its end-of-sequence token)."""
-    padding = torch.randint(slots, (batch, 1), generator=g)
+def random_prefix(g: torch.Generator, rows: int, slots: int) -> Tensor:
+    """[rows, slots] bool: per CFG row a random number of leading False (padding) slots, the
+    last one always visible (a caption or a prompt has at least its last token)."""
+    padding = torch.randint(slots, (rows, 1), generator=g)
     return torch.arange(slots)[None, :] >= padding
 
 
@@ -250,7 +253,7 @@ class TargetVerify(nn.Module):
             (
                 TensorSpec("node_tokens", (b, s), torch.int64),
                 TensorSpec("cache_length", (b,), torch.int64),
-                TensorSpec("prefix", (b, c.cls_token_num), torch.bool),
+                TensorSpec("prefix", (2 * b, c.cls_token_num), torch.bool),
                 TensorSpec("valid", (b, s), torch.bool),
                 TensorSpec("q", (b, s, v), torch.float32),
                 TensorSpec("noise", (b, s), torch.float32),
@@ -324,7 +327,7 @@ class TargetVerify(nn.Module):
         return (
             tokens,
             length,
-            random_prefix(g, b, c.cls_token_num),
+            random_prefix(g, 2 * b, c.cls_token_num),
             torch.ones(b, s, dtype=torch.bool),
             q,
             torch.zeros(b, s),

@@ -373,7 +373,7 @@ def tree_step_inputs(
     """Positions [2B, N+1] and mask [2B, 1, N+1, capacity + N+1] of a verify step over a tree
     (its ``depth`` and ``tree_mask``, on the device) after ``length`` [B] committed cache
     entries per image (of ``capacity``): each node at its image's length + its depth, seeing
-    every committed entry of its image but the prefix slots ``prefix`` [B, P] hides, and its
+    every committed entry of its image but the prefix slots ``prefix`` [2B, P] hides, and its
     ancestors (docs/method.md §3, §7, §9)."""
     return cfg_rows(length[:, None] + depth), cache_mask(length, capacity, tree_mask, prefix)
 

@@ -110,9 +110,10 @@ class DecodeStep:
 
 
 class Condition(NamedTuple):
-    """One image's condition: its two CFG rows (conditional, unconditional: class ids [2] or
-    caption features [2, T, C]) and which of the T prefix slots its tokens see (``prefix`` [T]
-    bool, the same for both rows: a caption's padding is hidden, docs/method.md §9; None: all)."""
+    """One image's condition: its two CFG rows (conditional, unconditional: class ids [2],
+    caption features [2, T, C] or prompt token ids [2, T]) and which of the T prefix slots its
+    tokens see (``prefix`` bool [T], the same for both rows, or [2, T], one per row: a caption's
+    or a left-padded prompt's padding is hidden, docs/method.md §9; None: all)."""
 
     rows: Tensor
     prefix: Tensor | None = None
@@ -256,8 +257,10 @@ def _prefill(
     flags = [b in fresh for b in range(batch)]
     device = target.cache.length.device
     is_fresh = torch.tensor(flags, device=device)
-    everything = torch.ones(target.cls_token_num, dtype=torch.bool)
-    prefix = torch.stack([everything if c.prefix is None else c.prefix.cpu() for c in conds]).to(device)
+    everything = torch.ones(2, target.cls_token_num, dtype=torch.bool)
+    visible = [everything if c.prefix is None else c.prefix.cpu().expand(2, -1) for c in conds]
+    prefix = torch.cat([torch.stack([v[0] for v in visible]), torch.stack([v[1] for v in visible])])
+    prefix = prefix.to(device)
     with span("prefill"):
         logits, hidden = target.prefill(cond.to(device), prefix, is_fresh)
         if spec:

@@ -18,25 +18,27 @@ def cache_mask(length: Tensor, capacity: int, new_mask: Tensor, prefix: Tensor |
     """Attention mask [2B, 1, S, capacity + S] for S new tokens per image after ``length`` [B]
     committed entries of a cache of ``capacity`` slots: every committed entry of the row's
     image is visible, stale entries are not, and the new tokens see each other through
-    ``new_mask`` [S, S] (the same for every image) or [B, S, S]. ``prefix`` [B, P] hides the
-    condition slots it marks False (a caption's padding, docs/method.md §9). Built on the
-    device (inside a graph, from its length input), with no host read."""
+    ``new_mask`` [S, S] (the same for every image) or [B, S, S]. ``prefix`` [2B, P] hides the
+    condition slots it marks False in each CFG row (a caption's or a prompt's padding,
+    docs/method.md §9). Built on the device (inside a graph, from its length input), with no
+    host read."""
     s = new_mask.shape[-1]
     seen = torch.arange(capacity, device=length.device) < length[:, None]  # [B, capacity]
-    if prefix is not None:
-        seen = seen & F.pad(prefix, (0, capacity - prefix.shape[1]), value=True)
     new = new_mask.expand(length.shape[0], s, s)
-    return cfg_rows(torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2)[:, None])
+    rows = cfg_rows(torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2))  # [2B, S, capacity + S]
+    if prefix is not None:
+        rows = rows & F.pad(prefix, (0, capacity + s - prefix.shape[1]), value=True)[:, None, :]
+    return rows[:, None]
 
 
 def prefill_mask(prefix: Tensor) -> Tensor:
-    """[2B, 1, P, P]: the condition prefix's causal mask, without the slots ``prefix`` [B, P]
-    marks False except for each slot itself (LlamaGen keeps the diagonal so that a padding
-    slot, seeing nothing else, has a defined output)."""
+    """[2B, 1, P, P]: the condition prefix's causal mask, without the slots ``prefix`` [2B, P]
+    marks False in each CFG row except for each slot itself (LlamaGen keeps the diagonal so
+    that a padding slot, seeing nothing else, has a defined output)."""
     p = prefix.shape[1]
     r = torch.arange(p, device=prefix.device)
     causal = r[None, :] <= r[:, None]
-    return cfg_rows(((causal & prefix[:, None, :]) | (r[None, :] == r[:, None]))[:, None])
+    return ((causal & prefix[:, None, :]) | (r[None, :] == r[:, None]))[:, None]
 
 
 def cache_slots(length: Tensor, count: int, capacity: int) -> Tensor:
@@ -63,8 +65,9 @@ class KVCache:
     The lengths are a tensor on the cache's device, so that a whole decode step (its positions,
     masks and commits) runs there with no host read (docs/method.md §6). Entries past an image's
     length are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
-    (graphs take one input per layer). A target cache also keeps ``prefix`` [B, P], which of
-    its first P slots (the condition prefix) later tokens see: all but a caption's padding.
+    (graphs take one input per layer). A target cache also keeps ``prefix`` [2B, P], which of
+    its first P slots (the condition prefix) each CFG row's later tokens see: all but a
+    caption's or a prompt's padding.
     """
 
     def __init__(
@@ -84,7 +87,7 @@ class KVCache:
         self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
         self.capacity = capacity
         self.length = torch.zeros(images, dtype=torch.long, device=device)
-        self.prefix = torch.ones(images, prefix, dtype=torch.bool, device=device) if prefix else None
+        self.prefix = torch.ones(2 * images, prefix, dtype=torch.bool, device=device) if prefix else None
 
     @property
     def images(self) -> int:
@@ -98,10 +101,10 @@ class KVCache:
         self, new_k: Tensor, new_v: Tensor, fresh: Tensor | None = None, prefix: Tensor | None = None
     ) -> None:
         """The ``fresh`` [B] images (all when None) start over with the S entries ``new_k``/
-        ``new_v`` (a prefill's prefix, whose visible slots ``prefix`` [B, P] marks); the other
+        ``new_v`` (a prefill's prefix, whose visible slots ``prefix`` [2B, P] marks); the other
         images keep their entries, lengths and prefix."""
         if prefix is not None:
-            keep = prefix if fresh is None else torch.where(fresh[:, None], prefix, self.prefix)
+            keep = prefix if fresh is None else torch.where(cfg_rows(fresh)[:, None], prefix, self.prefix)
             self.prefix.copy_(keep)
         if fresh is None:
             self.length.zero_()
@@ -111,7 +114,7 @@ class KVCache:
             self.write(new_k, new_v, new_k.shape[3] * fresh)
 
     def visible(self, prefix: Tensor | None) -> Tensor:
-        """``prefix`` [B, P], or every prefix slot visible when None."""
+        """``prefix`` [2B, P], or every prefix slot visible when None."""
         return self.prefix.new_ones(self.prefix.shape) if prefix is None else prefix
 
     def mask(self, new_mask: Tensor) -> Tensor:

@@ -55,8 +55,9 @@ class TargetBackend(Protocol):
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Condition rows (class ids [2B] or captions [2B, T, C]) and the prefix slots each
-        image's tokens see (``prefix`` [B, T] bool: all but a caption's padding; None: all) -> logits
+        """Condition rows (class ids [2B], captions [2B, T, C] or prompt token ids [2B, T]) and
+        the prefix slots each CFG row's tokens see (``prefix`` [2B, T] bool: all but a caption's
+        or a prompt's padding; None: all) -> logits
         [2B, V] at the last prefix slot and the hidden states [2B, T, D] at every one; the
         ``fresh`` [B] images' caches (all when None) restart with their prefix K/V and
         visibility, the others keep theirs."""
