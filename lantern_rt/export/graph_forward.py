@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.drafter import Drafter
-from lantern_rt.models.target import RMSNorm, Transformer
+from lantern_rt.models.target import QK_NORM_EPS, RMSNorm, Transformer
 from lantern_rt.runtime.drafting import Context
 
 
@@ -82,7 +82,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, past: list[tuple[Tensor, Tensor]], b
 
 
 class Block(nn.Module):
-    """A pre-norm Llama block (LlamaGen's or the drafter's) with fused projections."""
+    """A pre-norm Llama block (LlamaGen's, a Chameleon model's or the drafter's) with fused
+    projections; ``qk_norm``, the per-head q and k LayerNorms' weights and biases stacked
+    [H + Hkv, D] (Chameleon's), normalise q and k in one op."""
 
     def __init__(
         self,
@@ -93,12 +95,17 @@ class Block(nn.Module):
         w13: Tensor,
         w2: nn.Linear,
         heads: tuple[int, int, int],
+        qk_norm: tuple[Tensor, Tensor] | None = None,
     ):
         super().__init__()
         self.attn_norm, self.wo, self.ffn_norm, self.w2 = attn_norm, wo, ffn_norm, w2
         self.register_buffer("wqkv", wqkv.detach().clone(), persistent=False)
         self.register_buffer("w13", w13.detach().clone(), persistent=False)
         self.n_head, self.n_kv, self.head_dim = heads
+        self.qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.register_buffer("qk_weight", qk_norm[0].detach().clone(), persistent=False)
+            self.register_buffer("qk_bias", qk_norm[1].detach().clone(), persistent=False)
 
     def forward(
         self,
@@ -113,11 +120,18 @@ class Block(nn.Module):
         h = x if self.attn_norm is None else rms_norm(x, self.attn_norm)
         qkv = F.linear(h, self.wqkv).view(b, s, self.n_head + 2 * self.n_kv, self.head_dim)
         qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=2)
+        if self.qk_norm:
+            qk = F.layer_norm(qk, qk.shape[-1:], None, None, QK_NORM_EPS) * self.qk_weight + self.qk_bias
         q, k = rope.rotate(qk, cos, sin).transpose(1, 2).split([self.n_head, self.n_kv], dim=1)
         v = v.transpose(1, 2)
         x = x + self.wo(attend(q, k, v, past, bias))
         gate, up = F.linear(rms_norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), k, v
+
+
+def _qk_norm(attention: nn.Module) -> tuple[Tensor, Tensor]:
+    q, k = attention.q_norm, attention.k_norm
+    return torch.cat([q.weight, k.weight]), torch.cat([q.bias, k.bias])
 
 
 class Blocks(nn.Module):
@@ -142,6 +156,7 @@ class Blocks(nn.Module):
                 torch.cat([layer.feed_forward.w1.weight, layer.feed_forward.w3.weight]),
                 layer.feed_forward.w2,
                 heads,
+                _qk_norm(layer.attention) if c.qk_norm else None,
             )
             for layer in model.layers
         ]
@@ -163,6 +178,7 @@ class Blocks(nn.Module):
                     torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
                     mlp.down_proj,
                     heads,
+                    _qk_norm(attn) if c.qk_norm else None,
                 )
             )
         return cls(blocks, drafter.freqs_cis)

@@ -20,10 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.config import ConfigError, build_config, check_ranges
-from lantern_rt.models.target import RMSNorm  # HF's ChameleonRMSNorm is the same formula
+from lantern_rt.models.target import QKNorm, RMSNorm  # HF's ChameleonRMSNorm is the same formula
 
-# Chameleon's per-head q/k LayerNorm uses a fixed epsilon, not rms_norm_eps.
-QK_NORM_EPS = 1e-5
 IMAGE_TOKEN_PREFIX = "IMGIMG"
 
 
@@ -151,30 +149,6 @@ def _image_tokens(vocab: Any) -> dict[str, Any]:
         "image_token_id": vocab.get("<image>"),
         "image_token_ids": tuple(by_code[c] for c in range(len(by_code))),
     }
-
-
-class QKNorm(nn.Module):
-    """Chameleon's per-head LayerNorm: statistics over head_dim, then a per-head weight and bias
-    [H, D]. Also loads Lumina-mGPT's per-shard layout [model_parallel_size, D] (shard ``s``
-    covering heads ``s * H/mp ...``) by repeating each shard's row."""
-
-    def __init__(self, n_heads: int, head_dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n_heads, head_dim))
-        self.bias = nn.Parameter(torch.zeros(n_heads, head_dim))
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
-        n_heads = self.weight.shape[0]
-        for name in ("weight", "bias"):
-            value = state_dict.get(prefix + name)
-            if isinstance(value, Tensor) and value.dim() == 2 and value.shape[0] != n_heads:
-                if value.shape[0] >= 1 and n_heads % value.shape[0] == 0:
-                    state_dict[prefix + name] = value.repeat_interleave(n_heads // value.shape[0], dim=0)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``x`` [..., H, D] -> normalised per head."""
-        return F.layer_norm(x, x.shape[-1:], None, None, eps=QK_NORM_EPS) * self.weight + self.bias
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -90,6 +90,11 @@ class ChameleonVQConfig:
             raise ConfigError(f"{name}.resolution {self.resolution} is not a multiple of {self.downsample}")
 
     @property
+    def codebook_size(self) -> int:
+        """Codes in the codebook (the runtime's vocabulary), by the name LlamaGen's config uses."""
+        return self.num_embeddings
+
+    @property
     def downsample(self) -> int:
         """Image pixels per token along each side."""
         return 2 ** (len(self.channel_multiplier) - 1)
@@ -225,6 +230,10 @@ class VectorQuantizer(nn.Module):
     def __init__(self, c: ChameleonVQConfig):
         super().__init__()
         self.embedding = nn.Embedding(c.num_embeddings, c.embed_dim)
+
+    def codebook(self) -> Tensor:
+        """The code vectors [V, dim] (the latent space the neighbour table is computed in)."""
+        return self.embedding.weight
 
     def forward(self, z: Tensor) -> Tensor:
         """Latents [N, dim, h, w] -> nearest codes [N, h*w] (squared l2, as HF's quantizer)."""

@@ -22,9 +22,18 @@ def find_multiple(n: int, k: int) -> int:
     return n if n % k == 0 else n + k - (n % k)
 
 
+MODEL_TYPES = ("c2i", "t2i", "chameleon")
+
+
 @dataclass
 class GPTConfig:
-    """The target transformer, with LlamaGen's ``ModelArgs`` field names."""
+    """The target transformer, with LlamaGen's ``ModelArgs`` field names.
+
+    ``model_type`` names the condition: ``c2i`` a class id, ``t2i`` T5 caption features,
+    ``chameleon`` a prompt of ``text_vocab_size``-word token ids (the Chameleon family, converted
+    by :mod:`lantern_rt.models.chameleon_runtime`: 1D RoPE over every position, per-head q/k
+    LayerNorm with ``qk_norm``, an explicit ``ffn_hidden_size``, image codes as the vocabulary).
+    """
 
     dim: int = 768
     n_layer: int = 12
@@ -45,15 +54,23 @@ class GPTConfig:
     vocab_size: int = 16384
     cls_token_num: int = 1
     block_size: int = 256
+    text_vocab_size: int | None = None
+    qk_norm: bool = False
+    ffn_hidden_size: int | None = None
 
     def __post_init__(self) -> None:
         check_ranges(self)
-        if self.model_type not in ("c2i", "t2i"):
-            raise ConfigError(f"model_type must be 'c2i' or 't2i', not {self.model_type!r}")
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type must be one of {', '.join(MODEL_TYPES)}, not {self.model_type!r}")
+        if (self.model_type == "chameleon") != (self.text_vocab_size is not None):
+            raise ConfigError("text_vocab_size is set for (and only for) model_type 'chameleon'")
         if self.dim % self.n_head:
             raise ConfigError(f"dim {self.dim} is not divisible by n_head {self.n_head}")
-        if self.head_dim % 4:
-            raise ConfigError(f"head dim {self.head_dim} must be a multiple of 4 for 2D RoPE")
+        if self.head_dim % (2 if self.rope_1d else 4):
+            raise ConfigError(
+                f"head dim {self.head_dim} must be a multiple of {2 if self.rope_1d else 4} for "
+                f"{'1D' if self.rope_1d else '2D'} RoPE"
+            )
         grid = round(self.block_size**0.5)
         if grid * grid != self.block_size:
             raise ConfigError(f"block_size {self.block_size} is not a square token grid")
@@ -75,7 +92,19 @@ class GPTConfig:
         return round(self.block_size**0.5)
 
     @property
+    def takes_prompts(self) -> bool:
+        """Whether images are conditioned on text prompts (T5 captions or prompt tokens)."""
+        return self.model_type != "c2i"
+
+    @property
+    def rope_1d(self) -> bool:
+        """Whether positions rotate by one index (Chameleon) rather than LlamaGen's (row, column)."""
+        return self.model_type == "chameleon"
+
+    @property
     def ffn_hidden(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -175,7 +204,8 @@ _SIZES = (
     *("dim", "n_layer", "n_head", "n_kv_head", "multiple_of", "num_classes", "caption_dim", "vocab_size"),
     *("cls_token_num", "block_size", "codebook_size", "codebook_embed_dim", "z_channels", "ch"),
     *("num_res_blocks", "in_channels", "out_channels", "hidden_size", "num_attention_heads"),
-    *("num_key_value_heads", "intermediate_size", "num_hidden_layers"),
+    *("num_key_value_heads", "intermediate_size", "num_hidden_layers", "text_vocab_size"),
+    "ffn_hidden_size",
 )
 # the range of every numeric config field, by field name: (what it must be, whether a value is);
 # a None value (a field's "unset") is not checked

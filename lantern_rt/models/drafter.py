@@ -1,12 +1,15 @@
 """The EAGLE-1 style drafter, in the parameter layout of the authors' LlamaGen drafter.
 
 Input fusion ``fc(concat(embed(x_t), f_{t-1}))`` (2H -> H, with bias), then Llama decoder
-layers (layer 0 without input RMSNorm, as in EAGLE), no final norm. It predicts the target's
+layers (layer 0 without input RMSNorm, as in EAGLE; with it, and with per-head q/k norms, in the
+authors' Chameleon-family drafters), no final norm. It predicts the target's
 next final-norm hidden state; the target's frozen LM head turns it into logits. Key names match
 the authors' checkpoints (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...), so their
 ``config.json`` + state dict and our safetensors files load the same way.
 
-Positions follow the target: the pair holding token x_j uses the target's RoPE row of x_j.
+Positions follow the target: the pair holding token x_j uses the target's RoPE row of x_j (2D
+for LlamaGen, 1D for the Chameleon family, whose drafters are converted on load by
+:mod:`lantern_rt.models.chameleon_runtime`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.config import ConfigError, GPTConfig, build_config, check_ranges
-from lantern_rt.models.target import RMSNorm, apply_rope, rope_table_2d
+from lantern_rt.models.target import QKNorm, RMSNorm, apply_rope, rope_table
 
 
 @dataclass
 class DrafterConfig:
-    """Field names of the Hugging Face Llama config the authors' drafters ship with."""
+    """Field names of the Hugging Face Llama config the authors' drafters ship with.
+
+    ``qk_norm`` and ``first_layer_norm`` (per-head q/k LayerNorms; an input RMSNorm on layer 0
+    too) shape the authors' Chameleon-family drafters, whose config is a ``model_type:
+    chameleon`` one (:meth:`from_dict` sets both for it)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -35,6 +42,8 @@ class DrafterConfig:
     num_hidden_layers: int = 1
     rms_norm_eps: float = 1e-6
     bias: bool = True
+    qk_norm: bool = False
+    first_layer_norm: bool = False
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -64,7 +73,10 @@ class DrafterConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"a drafter config is a JSON object, got {type(raw).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return build_config(cls, {k: v for k, v in raw.items() if k in names})
+        values = {k: v for k, v in raw.items() if k in names}
+        if raw.get("model_type") == "chameleon":  # the authors' cnets_anole.py layer
+            values |= {"qk_norm": True, "first_layer_norm": True}
+        return build_config(cls, values)
 
     @classmethod
     def for_target(cls, target: GPTConfig, num_hidden_layers: int = 1) -> DrafterConfig:
@@ -77,6 +89,8 @@ class DrafterConfig:
             vocab_size=target.vocab_size,
             num_hidden_layers=num_hidden_layers,
             rms_norm_eps=target.norm_eps,
+            qk_norm=target.qk_norm,
+            first_layer_norm=target.model_type == "chameleon",  # the authors' Chameleon drafters
         )
 
 
@@ -100,13 +114,19 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = QKNorm(self.n_head, self.head_dim)
+            self.k_norm = QKNorm(self.n_kv, self.head_dim)
 
     def forward(
         self, x: Tensor, rope: Tensor, mask: Tensor | None, past_k: Tensor | None, past_v: Tensor | None
     ):
         b, s, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(self.k_proj(x).view(b, s, self.n_kv, self.head_dim), rope).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope).transpose(1, 2), apply_rope(k, rope).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
@@ -133,7 +153,7 @@ class DrafterLayer(nn.Module):
         super().__init__()
         self.self_attn = DrafterAttention(c)
         self.mlp = DrafterMLP(c)
-        if index != 0:
+        if index != 0 or c.first_layer_norm:
             self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -155,11 +175,7 @@ class Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
-        self.register_buffer(
-            "freqs_cis",
-            rope_table_2d(target.grid_size, target.head_dim, target.rope_base, target.cls_token_num),
-            persistent=False,
-        )
+        self.register_buffer("freqs_cis", rope_table(target), persistent=False)
 
     def step(
         self,

@@ -6,6 +6,14 @@ checkpoints writes a ``config.json`` beside them, for example::
     {"gpt": {"preset": "GPT-B", "num_classes": 1000, "vocab_size": 16384, "block_size": 256},
      "vq": {"preset": "VQ-16", "codebook_size": 16384, "codebook_embed_dim": 8},
      "files": {"gpt": "c2i_B_256.pt", "vq": "vq_ds16_c2i.pt"}, "image_size": 256}
+
+A Chameleon-family model (Anole, Lumina-mGPT) is named by its Hugging Face folder instead::
+
+    {"family": "chameleon", "files": {"chameleon": "Anole-7b-v0.1-hf"},
+     "prompt": {"layout": "anole", "tokens": 64}}
+
+(the target, the VQGAN and the tokenizer all come from that folder; ``image_tokens`` defaults
+to the VQGAN's grid at its resolution, 32 x 32 for Anole's 512 px).
 """
 
 from __future__ import annotations
@@ -17,6 +25,14 @@ from typing import Any
 
 import torch
 
+from lantern_rt.models.chameleon_dir import (
+    ChameleonDir,
+    load_chameleon_target,
+    load_chameleon_vq,
+    open_chameleon_dir,
+)
+from lantern_rt.models.chameleon_runtime import runtime_config, runtime_drafter, runtime_target
+from lantern_rt.models.chameleon_vq import ChameleonVQ, ChameleonVQConfig
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import (
     ConfigError,
@@ -43,10 +59,12 @@ class ModelDir:
     root: Path
     raw: dict[str, Any]
     gpt: GPTConfig
-    vq: VQConfig
+    vq: VQConfig | ChameleonVQConfig
     files: dict[str, str]
     image_size: int
     class_names: list[str] = field(default_factory=list)
+    chameleon: ChameleonDir | None = None  # the family's HF folder (a Chameleon model only)
+    prompt_layout: str | None = None  # a Chameleon model's prompt rules (chameleon_prompts)
 
     def path(self, key: str) -> Path:
         if key not in self.files:
@@ -89,6 +107,12 @@ def open_model_dir(path: str | Path | None = None) -> ModelDir:
         raise ConfigError(
             f"{root} uses model format version {version}; this lantern-rt reads version {FORMAT_VERSION}"
         )
+    if raw.get("family", "llamagen") == "chameleon":
+        return _open_chameleon(root, file, raw)
+    if raw.get("family", "llamagen") != "llamagen":
+        raise ConfigError(
+            f"{file}: family must be 'llamagen' or 'chameleon', got {raw.get('family')!r}"[:300]
+        )
     for key in ("gpt", "vq", "files"):
         if not isinstance(raw.get(key), dict):
             raise ConfigError(f"{file} lacks a '{key}' object")
@@ -110,6 +134,41 @@ def open_model_dir(path: str | Path | None = None) -> ModelDir:
         )
     _sampling_defaults(file, raw)
     return ModelDir(root, raw, gpt, vq, _files(file, raw["files"]), image_size, _class_names(file, raw, gpt))
+
+
+def _open_chameleon(root: Path, file: Path, raw: dict[str, Any]) -> ModelDir:
+    """A Chameleon-family model directory: ``files.chameleon`` (the HF folder), ``prompt``
+    ({layout, tokens}) and the optional ``image_tokens``."""
+    if not isinstance(raw.get("files"), dict):
+        raise ConfigError(f"{file} lacks a 'files' object")
+    files = _files(file, raw["files"])
+    if "chameleon" not in files:
+        raise ConfigError(
+            f'{file}: name the Hugging Face folder in "files", e.g. "chameleon": "Anole-7b-v0.1-hf"'
+        )
+    prompt = raw.get("prompt", {})
+    if not isinstance(prompt, dict) or set(prompt) - {"layout", "tokens"}:
+        raise ConfigError(
+            f'{file}: prompt must be an object with "layout" and "tokens", got {prompt!r}'[:300]
+        )
+    layout, tokens = prompt.get("layout", "anole"), prompt.get("tokens", 64)
+    if layout != "anole":
+        raise ConfigError(
+            f"{file}: prompt.layout {layout!r} is not supported; this lantern-rt runs 'anole' (Lumina-mGPT's "
+            "image layout, a forced end-of-row token after every row, is not implemented)"[:300]
+        )
+    d = open_chameleon_dir(root / files["chameleon"])
+    image_tokens = raw.get("image_tokens", d.vq.grid**2)
+    for name, value in (("prompt.tokens", tokens), ("image_tokens", image_tokens)):
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"{file}: {name} must be an integer >= 1, got {value!r}"[:300])
+    try:
+        gpt = runtime_config(d.config, tokens, image_tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from None
+    _sampling_defaults(file, raw)
+    image_size = gpt.grid_size * d.vq.downsample
+    return ModelDir(root, raw, gpt, d.vq, files, image_size, [], d, layout)
 
 
 def _is_int(value: Any) -> bool:
@@ -151,7 +210,11 @@ def _class_names(file: Path, raw: dict[str, Any], gpt: GPTConfig) -> list[str]:
 def load_target(
     md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> Transformer:
-    """The target with its weights, in eval mode."""
+    """The target with its weights, in eval mode (a Chameleon model converted from its HF
+    layout: :mod:`~lantern_rt.models.chameleon_runtime`)."""
+    if md.chameleon is not None:
+        target = load_chameleon_target(md.chameleon, device, dtype, _chameleon_state(md.chameleon))
+        return runtime_target(target, md.gpt.cls_token_num, md.gpt.block_size)
     model = Transformer(md.gpt)
     load_strict(
         model, read_target_state(md.path("gpt"), md.gpt.n_layer), f"target checkpoint {md.path('gpt')}"
@@ -159,11 +222,28 @@ def load_target(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_vq(md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> VQModel:
+def load_vq(
+    md: ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> VQModel | ChameleonVQ:
     """The VQ tokenizer with its weights, in eval mode."""
+    if md.chameleon is not None:
+        return load_chameleon_vq(md.chameleon, device, dtype, _chameleon_state(md.chameleon))
     model = VQModel(md.vq)
     load_strict(model, read_state_dict(md.path("vq")), f"tokenizer checkpoint {md.path('vq')}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _chameleon_state(d: ChameleonDir) -> dict[str, torch.Tensor]:
+    """The folder's checkpoint, read once for the target and the VQGAN of one load (the last
+    read is kept until another folder's is read)."""
+    key = (d.weights, d.weights.stat().st_mtime_ns)
+    if _STATE[0] != key:
+        _STATE[:] = [None, None]  # the previous checkpoint is freed before the next is read
+        _STATE[:] = [key, read_state_dict(d.weights)]
+    return _STATE[1]
+
+
+_STATE: list[Any] = [None, None]
 
 
 EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "drafter.safetensors")
@@ -201,8 +281,14 @@ def load_drafter(
         config = DrafterConfig.from_dict(raw or DrafterConfig.for_target(md.gpt).__dict__)
     except ConfigError as exc:
         raise ConfigError(f"{source}: drafter config: {exc}") from None
+    state = clean_eagle_state(read_state_dict(weights))
+    if md.chameleon is not None:
+        try:
+            config, state = runtime_drafter(config, state, md.gpt, md.chameleon.config.image_token_ids)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     model = Drafter(config, md.gpt)
-    load_strict(model, clean_eagle_state(read_state_dict(weights)), f"drafter checkpoint {weights}")
+    load_strict(model, state, f"drafter checkpoint {weights}")
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -3,6 +3,9 @@
 Parameter names match LlamaGen's ``autoregressive/models/gpt.py`` so its released checkpoints
 load strictly. The forward pass is written as a pure step function for the runtime:
 (embeddings, rope rows, mask, past K/V) -> (logits, hidden, new K/V); caches live outside.
+The Chameleon family runs as this model too (``model_type="chameleon"``: a prompt-token
+prefix, 1D RoPE, per-head q/k norms), converted from its Hugging Face layout by
+:mod:`lantern_rt.models.chameleon_runtime` (docs/method.md §10).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lantern_rt.models.config import GPTConfig
+from lantern_rt.models.config import ConfigError, GPTConfig
 
 # Rows of zero rotation appended after the image grid so that tree nodes drafted past the last
 # image token still index the table (such nodes are never committed).
@@ -35,6 +38,22 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int
     )
     cache = torch.stack([torch.cos(grid), torch.sin(grid)], dim=-1).flatten(0, 1)
     return torch.cat([torch.zeros(cls_token_num, half, 2), cache, torch.zeros(ROPE_PAD_ROWS, half, 2)])
+
+
+def rope_table_1d(rows: int, head_dim: int, base: float) -> Tensor:
+    """1D RoPE [rows + pad, head_dim/2, 2] of (cos, sin) for positions 0.., in the interleaved-pair
+    layout of :func:`rope_table_2d` (pair j turns by position * base^(-2j/head_dim)); the
+    Chameleon family rotates every position, its prompt included."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(rows + ROPE_PAD_ROWS, dtype=torch.float32), freqs)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def rope_table(config: GPTConfig) -> Tensor:
+    """The RoPE table of a target config (and of its drafter): 1D or LlamaGen's 2D."""
+    if config.rope_1d:
+        return rope_table_1d(config.cls_token_num + config.block_size, config.head_dim, config.rope_base)
+    return rope_table_2d(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num)
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
@@ -65,6 +84,34 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
+# Chameleon's per-head q/k LayerNorm uses a fixed epsilon, not the model's norm epsilon.
+QK_NORM_EPS = 1e-5
+
+
+class QKNorm(nn.Module):
+    """Chameleon's per-head LayerNorm: statistics over head_dim, then a per-head weight and bias
+    [H, D]. Also loads Lumina-mGPT's per-shard layout [model_parallel_size, D] (shard ``s``
+    covering heads ``s * H/mp ...``) by repeating each shard's row."""
+
+    def __init__(self, n_heads: int, head_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_heads, head_dim))
+        self.bias = nn.Parameter(torch.zeros(n_heads, head_dim))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        n_heads = self.weight.shape[0]
+        for name in ("weight", "bias"):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, Tensor) and value.dim() == 2 and value.shape[0] != n_heads:
+                if value.shape[0] >= 1 and n_heads % value.shape[0] == 0:
+                    state_dict[prefix + name] = value.repeat_interleave(n_heads // value.shape[0], dim=0)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` [..., H, D] -> normalised per head."""
+        return F.layer_norm(x, x.shape[-1:], None, None, eps=QK_NORM_EPS) * self.weight + self.bias
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
         super().__init__()
@@ -78,12 +125,23 @@ class FeedForward(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_head: int, n_kv_head: int, attn_dropout: float, resid_dropout: float):
+    def __init__(
+        self,
+        dim: int,
+        n_head: int,
+        n_kv_head: int,
+        attn_dropout: float,
+        resid_dropout: float,
+        qk_norm: bool = False,
+    ):
         super().__init__()
         self.dim, self.n_head, self.n_kv_head = dim, n_head, n_kv_head
         self.head_dim = dim // n_head
         self.wqkv = nn.Linear(dim, (n_head + 2 * n_kv_head) * self.head_dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
+        if qk_norm:
+            self.q_norm = QKNorm(n_head, self.head_dim)
+            self.k_norm = QKNorm(n_kv_head, self.head_dim)
         self.attn_dropout_p = attn_dropout
         self.resid_dropout = nn.Dropout(resid_dropout)
 
@@ -103,8 +161,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         kv = self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([self.dim, kv, kv], dim=-1)
-        q = apply_rope(q.view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        q, k = q.view(b, s, self.n_head, self.head_dim), k.view(b, s, self.n_kv_head, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, rope).transpose(1, 2)
+        k = apply_rope(k, rope).transpose(1, 2)
         v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
@@ -128,7 +189,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.attention = Attention(
-            config.dim, config.n_head, config.kv_heads, config.attn_dropout_p, config.resid_dropout_p
+            config.dim,
+            config.n_head,
+            config.kv_heads,
+            config.attn_dropout_p,
+            config.resid_dropout_p,
+            config.qk_norm,
         )
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden, config.ffn_dropout_p)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
@@ -183,8 +249,17 @@ class CaptionEmbedder(nn.Module):
         return self.cap_proj(caption)
 
 
+class PromptEmbedder(nn.Embedding):
+    """Prompt token ids [B, T] -> prefix embeddings [B, T, dim] (the Chameleon family's prefix:
+    its full text-and-image vocabulary; the image tokens' own rows are ``tok_embeddings``)."""
+
+    def forward(self, ids: Tensor, train: bool = False) -> Tensor:  # type: ignore[override]
+        return super().forward(ids)
+
+
 class Transformer(nn.Module):
-    """LlamaGen's GPT (c2i or t2i) with a pure, cache-external step function."""
+    """LlamaGen's GPT (c2i or t2i), or a converted Chameleon-family model, with a pure,
+    cache-external step function."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -193,6 +268,8 @@ class Transformer(nn.Module):
             self.cls_embedding: nn.Module = LabelEmbedder(
                 config.num_classes, config.dim, config.class_dropout_prob
             )
+        elif config.model_type == "chameleon":
+            self.cls_embedding = PromptEmbedder(config.text_vocab_size, config.dim)
         else:
             self.cls_embedding = CaptionEmbedder(
                 config.caption_dim, config.dim, config.class_dropout_prob, config.cls_token_num
@@ -202,11 +279,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.register_buffer(
-            "freqs_cis",
-            rope_table_2d(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num),
-            persistent=False,
-        )
+        self.register_buffer("freqs_cis", rope_table(config), persistent=False)
         self.apply(self._init_weights)
         nn.init.zeros_(self.output.weight)
 
@@ -218,13 +291,19 @@ class Transformer(nn.Module):
 
     @property
     def null_condition(self) -> Tensor:
-        """The unconditional condition for one row: the null class id or the null caption."""
+        """The unconditional condition for one row: the null class id or the null caption (a
+        Chameleon model's unconditional row is a prompt: :mod:`lantern_rt.chameleon_prompts`)."""
+        if self.config.model_type == "chameleon":
+            raise ConfigError(
+                "a Chameleon-family model's unconditional row is a prompt, not a null condition"
+            )
         if self.config.model_type == "c2i":
             return torch.tensor(self.config.num_classes, device=self.output.weight.device)
         return self.cls_embedding.uncond_embedding
 
     def embed_condition(self, cond: Tensor) -> Tensor:
-        """Class ids [B] or caption features [B, T, C] -> prefix embeddings [B, cls_token_num, dim]."""
+        """Class ids [B], caption features [B, T, C] or prompt token ids [B, T] -> prefix
+        embeddings [B, cls_token_num, dim]."""
         return self.cls_embedding(cond, train=False)[:, : self.config.cls_token_num]
 
     def step(
