@@ -518,7 +518,7 @@ def generate_set_cmd(
             raise UserError(f"cannot create folder {fid_npz.parent} for --fid-npz: {exc.strerror}") from None
         _writable_output(fid_npz, "FID images")
     md, source = _source(model_path, bundle, backend, None)
-    if md.gpt.model_type == "t2i":
+    if md.gpt.takes_prompts:
         raise UserError(
             "generate-set makes class-conditional image sets; for prompts use 'lantern generate --prompts'"
         )
@@ -632,7 +632,7 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
         if value is not None and not math.isfinite(value):
             raise UserError(f"{option} must be a finite number, got {value}")
     md = open_model_dir(model_path)
-    if md.gpt.model_type == "t2i":
+    if md.gpt.takes_prompts:
         raise UserError(
             "train-drafter trains on class labels; for a text-to-image model use the authors' released "
             "drafters (README: Text-to-image)"

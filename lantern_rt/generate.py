@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, TEXT_ENCODER_GRAPH, Bundle
 from lantern_rt.captions import left_pad, load_tokenizer, tokenize
+from lantern_rt.chameleon_prompts import PROMPT_LAYOUTS, PromptLayout, load_chameleon_tokenizer, prompt_rows
 from lantern_rt.fileio import WriteError, held
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
@@ -108,6 +109,23 @@ def prompt_condition(
     return Condition(torch.stack([features[0].to(null.dtype), null]), prefix[0])
 
 
+def chameleon_condition(
+    prompt: str,
+    tokenizer: Any,
+    slots: int,
+    layout: PromptLayout,
+    device: torch.device | str,
+    warn: Callable[[str], None] | None = None,
+) -> Condition:
+    """A Chameleon-family prompt's condition: its conditional and unconditional token rows,
+    each left padded to the ``slots`` prefix slots, the padding hidden per row (docs/method.md
+    §10). A prompt too long for the slots loses its last words (``warn`` is told)."""
+    rows = prompt_rows(tokenizer, prompt, slots, layout)
+    if rows.truncated and warn is not None:
+        warn(f"prompt {prompt[:40]!r}... is over the {slots} prompt tokens: its end is cut")
+    return Condition(rows.ids.to(device), rows.mask.to(device))
+
+
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
@@ -116,7 +134,7 @@ def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequen
     """What a run makes, validated against the model's kind: class ids (``classes``: ids or
     names; every class when empty) for a class-conditional model, ``prompts`` for a
     text-conditional one (at least one, none of them blank); :class:`ConfigError` otherwise."""
-    if info.gpt.model_type == "t2i":
+    if info.gpt.takes_prompts:
         if classes:
             raise ConfigError(
                 f"{info.name} is a text-to-image model: give --prompt or --prompts, not --class"
@@ -193,7 +211,13 @@ def torch_pipeline(
     def decode_codes(codes: torch.Tensor) -> torch.Tensor:
         return vq.decode_code(codes.to(device), grid)
 
-    if md.gpt.model_type == "t2i":
+    if md.chameleon is not None:
+        tokenizer = load_chameleon_tokenizer(md.chameleon.root)
+        layout = PROMPT_LAYOUTS[md.prompt_layout]
+
+        def condition(prompt: int | str) -> Condition:
+            return chameleon_condition(str(prompt), tokenizer, md.gpt.cls_token_num, layout, device, _warn)
+    elif md.gpt.model_type == "t2i":
         check_text_encoder(md)
         encoder = load_text_encoder(md.path("t5"), device, md.gpt.caption_dim)
         tokenizer = load_tokenizer(md.path("t5"))
@@ -367,7 +391,17 @@ def bundle_pipeline(
         drafter = BundleDrafter(bundle, runner, backend, batch_size)
         spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
-    if info.gpt.model_type == "t2i":
+    if info.gpt.model_type == "chameleon":
+        tokenizer = load_chameleon_tokenizer(bundle.path)
+        layout, slots, device = (
+            PROMPT_LAYOUTS[bundle.prompt_layout],
+            info.gpt.cls_token_num,
+            target.cache.k.device,
+        )
+
+        def condition(prompt: int | str) -> Condition:
+            return chameleon_condition(str(prompt), tokenizer, slots, layout, device, _warn)
+    elif info.gpt.model_type == "t2i":
         condition = _bundle_prompts(bundle, runner, target.cache.k.device)
     else:
         null_id = bundle.constants.null_class_id

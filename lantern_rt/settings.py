@@ -57,8 +57,9 @@ def check_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:
     return sorted(set(sizes))
 
 
-# LlamaGen's own sampling scripts: class-conditional 4.0, text-conditional 7.5.
-CFG_SCALES = {"c2i": 4.0, "t2i": 7.5}
+# LlamaGen's own sampling scripts: class-conditional 4.0, text-conditional 7.5; LANTERN's Anole
+# and Lumina-mGPT scripts: 3.0.
+CFG_SCALES = {"c2i": 4.0, "t2i": 7.5, "chameleon": 3.0}
 
 
 @dataclass(frozen=True)

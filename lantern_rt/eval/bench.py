@@ -373,7 +373,7 @@ def quality_reference(
     """
     if not enabled:
         return None, "speed only (--no-quality)"
-    if info.gpt.model_type == "t2i":
+    if info.gpt.takes_prompts:
         return None, "the quality metrics score class-conditional images; a text-to-image run is speed only"
     mismatch = fashion_mismatch(info)
     if mismatch is not None and (feature_fn is None or reference is None):

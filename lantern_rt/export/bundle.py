@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import shutil
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from lantern_rt.bundle import (
     verify_graph_name,
     write_manifest,
 )
+from lantern_rt.chameleon_prompts import TOKENIZER_FILE as CHAMELEON_TOKENIZER
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.export.graphs import (
     DrafterPrefill,
@@ -111,6 +113,8 @@ def export_bundle(
             np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
         if text is not None:
             copy_tokenizer(model_dir.path("t5"), tmp)
+        if model_dir.chameleon is not None:  # the prompts' tokenizer, as the model folder has it
+            shutil.copyfile(model_dir.chameleon.root / CHAMELEON_TOKENIZER, tmp / CHAMELEON_TOKENIZER)
         save_neighbors(neighbors, tmp / NEIGHBORS)
         manifest = _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes)
         if text is not None:
@@ -302,7 +306,11 @@ def _manifest(
         "max_draft_width": MAX_DRAFT_WIDTH,
         "batch_sizes": batch_sizes,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
-        "null_condition": {"class_id": c.num_classes} if c.model_type == "c2i" else {"file": NULL_CAPTION},
+        "null_condition": {
+            "c2i": {"class_id": c.num_classes},
+            "t2i": {"file": NULL_CAPTION},
+            "chameleon": {"prompt_layout": md.prompt_layout},
+        }[c.model_type],
     }
     return {
         "versions": {
