@@ -135,7 +135,7 @@ def test_recorder_keeps_a_bounded_uniform_sample_of_copies(fp32):
     bundle = Bundle.open(fp32)
     recorder = Recorder(ort_runner(1, ["CPUExecutionProvider"]), limit=3)
     graph = recorder(bundle, bundle.graph("target_prefill"))
-    cond, prefix = torch.tensor([0, 5]), torch.ones(1, 1, dtype=torch.bool)
+    cond, prefix = torch.tensor([0, 5]), torch.ones(2, 1, dtype=torch.bool)
     for i in range(10):
         cond[0] = i % 5
         graph(cond, prefix)

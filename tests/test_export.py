@@ -177,7 +177,7 @@ def test_declared_shapes_and_dtypes(opened):
     kv = [2, 2, 2]  # n_layer, CFG rows, kv heads
     assert shapes["target_prefill"] == {
         "cond": ([2, 3, 12], "float32"),
-        "prefix": ([1, 3], "bool"),
+        "prefix": ([2, 3], "bool"),
         "logits": ([2, 64], "float32"),
         "hidden": ([2, 3, 32], "float16"),
         "new_k": ([*kv, 3, 8], "float16"),
@@ -198,7 +198,7 @@ def test_declared_shapes_and_dtypes(opened):
     assert shapes["target_ar_step"] == {
         "node_tokens": ([1, 1], "int64"),
         "cache_length": ([1], "int64"),
-        "prefix": ([1, 3], "bool"),
+        "prefix": ([2, 3], "bool"),
         "valid": ([1, 1], "bool"),
         "q": ([1, 1, 64], "float32"),
         "noise": ([1, 1], "float32"),
@@ -256,7 +256,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 8
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 9
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}

@@ -65,14 +65,21 @@ def runtime_config(config: ChameleonConfig, prompt_tokens: int, image_tokens: in
     )
 
 
-def interleave_rope_rows(weight: Tensor, heads: int, head_dim: int) -> Tensor:
-    """Rows (or, for a [heads, head_dim] norm parameter, columns) of each head reordered from
-    rotate-half pairs (j, j + D/2) to interleaved pairs (2j, 2j + 1)."""
+def _interleaved(head_dim: int) -> Tensor:
+    """The order that takes rotate-half pairs (j, j + D/2) to interleaved pairs (2j, 2j + 1)."""
     half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
-    if weight.shape == (heads, head_dim):
-        return weight[:, order]
-    return weight.view(heads, head_dim, -1)[:, order].reshape(weight.shape)
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
+
+
+def interleave_rope_rows(weight: Tensor, heads: int, head_dim: int) -> Tensor:
+    """A q or k projection [heads * head_dim, dim] with each head's rows in interleaved order."""
+    return weight.view(heads, head_dim, -1)[:, _interleaved(head_dim)].reshape(weight.shape)
+
+
+def interleave_norm(param: Tensor) -> Tensor:
+    """A per-head q/k norm weight or bias [rows, head_dim] with its columns in interleaved order
+    (any rows: per head, or Lumina-mGPT's per shard)."""
+    return param[..., _interleaved(param.shape[-1])]
 
 
 def runtime_target(target: ChameleonTarget, prompt_tokens: int, image_tokens: int) -> Transformer:
@@ -102,9 +109,9 @@ def runtime_target(target: ChameleonTarget, prompt_tokens: int, image_tokens: in
             out + "ffn_norm.weight": layer.post_attention_layernorm.weight,
         }
         if c.qk_layernorm:
-            for name, norm, heads in (("q_norm", a.q_norm, c.num_attention_heads), ("k_norm", a.k_norm, kv)):
+            for name, norm in (("q_norm", a.q_norm), ("k_norm", a.k_norm)):
                 for p in ("weight", "bias"):
-                    state[f"{out}attention.{name}.{p}"] = interleave_rope_rows(getattr(norm, p), heads, hd)
+                    state[f"{out}attention.{name}.{p}"] = interleave_norm(getattr(norm, p))
     with torch.device("meta"):  # no second copy of the weights, not even a random one
         model = Transformer(config)
     model.load_state_dict({k: v.detach() for k, v in state.items()}, strict=True, assign=True)
@@ -133,4 +140,6 @@ def runtime_drafter(
     for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.kv_heads)):
         for k in [k for k in out if k.endswith(f"self_attn.{name}.weight")]:
             out[k] = interleave_rope_rows(out[k], heads, config.head_dim)
+    for k in [k for k in out if ".self_attn.q_norm." in k or ".self_attn.k_norm." in k]:
+        out[k] = interleave_norm(out[k])
     return DrafterConfig(**{**config.__dict__, "vocab_size": target.vocab_size}), out

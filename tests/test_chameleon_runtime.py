@@ -1,0 +1,264 @@
+"""The Chameleon family end to end: the converted runtime target and drafter against
+transformers and the HF-layout reference, greedy generation against a transformers loop,
+speculative == AR, torch == onnxruntime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lantern_rt.cli import main
+from lantern_rt.models.chameleon import ChameleonConfig, ChameleonDecoderLayer, ChameleonTarget
+from lantern_rt.models.chameleon_runtime import interleave_rope_rows, runtime_target
+from lantern_rt.models.config import ConfigError
+from lantern_rt.models.model_dir import load_drafter, load_target, open_model_dir
+from lantern_rt.runtime.kv_cache import prefill_mask
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.settings import MethodConfig
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from tests.chameleon_fixtures import (  # noqa: E402
+    GRID,
+    PROMPT_TOKENS,
+    authors_drafter_state,
+    hf_model,
+    write_authors_drafter,
+    write_model_dir,
+)
+from tests.chameleon_reference import hf_greedy_cfg  # noqa: E402
+
+ATOL = 1e-4
+PROMPTS = ["a red cat", "blue dog runs fast under green sky"]  # different lengths: per-row padding
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model()
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("anole")
+    write_authors_drafter(root / "drafter", hf)
+    return write_model_dir(root, hf, root / "drafter")
+
+
+@pytest.fixture(scope="module")
+def md(model_dir):
+    return open_model_dir(model_dir)
+
+
+def _hf_image_logits(hf, ids, mask, image):
+    """transformers' logits of the image tokens, positions from the mask as generate makes them."""
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = hf.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions)
+        return hf.lm_head(out.last_hidden_state).float()[..., image]
+
+
+def test_runtime_target_equals_transformers_with_left_padded_rows(hf, md):
+    """Two rows of different prompt lengths (left padded, masked per row), then image tokens."""
+    model = load_target(md)
+    image = torch.tensor(md.chameleon.config.image_token_ids)
+    g = torch.Generator().manual_seed(0)
+    t, n = PROMPT_TOKENS, 6
+    prompt = torch.randint(8800, 8813, (2, t), generator=g)
+    visible = torch.arange(t)[None, :] >= torch.tensor([[3], [7]])  # 7 and 3 real slots
+    codes = torch.randint(len(image), (2, n), generator=g)
+    ids = torch.cat([torch.where(visible, prompt, 1), image[codes]], dim=1)
+    mask = torch.cat([visible, torch.ones(2, n, dtype=torch.bool)], dim=1)
+    want = _hf_image_logits(hf, ids, mask, image)
+    with torch.no_grad():
+        h = model.embed_condition(ids[:, :t])
+        logits, _, k, v = model.step(h, torch.arange(t), prefill_mask(visible), None, None)
+        seen = torch.cat([visible, torch.ones(2, n, dtype=torch.bool)], 1)[:, None, None, :].expand(
+            -1, 1, n, -1
+        )
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        step_mask = seen & torch.cat([torch.ones(n, t, dtype=torch.bool), causal], 1)
+        tail, _, _, _ = model.step(model.tok_embeddings(codes), torch.arange(t, t + n), step_mask, k, v)
+    for row, pad in enumerate((3, 7)):
+        torch.testing.assert_close(logits[row, pad:], want[row, pad:t], atol=ATOL, rtol=0)
+        torch.testing.assert_close(tail[row], want[row, t:], atol=ATOL, rtol=0)
+
+
+def test_interleaving_is_what_makes_the_conversion_right(hf, md):
+    """Without the q/k reordering the converted model is wrong (the rotations pair other dims)."""
+    cc = ChameleonConfig.from_hf(hf.config.to_dict())
+    ref = ChameleonTarget(cc).eval()
+    ref.load_state_dict({k: v for k, v in hf.state_dict().items() if not k.startswith("model.vqmodel.")})
+    ids = torch.randint(8800, 8813, (1, 8))
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        want = ref(ids)[..., list(cc.image_token_ids)]
+        right = runtime_target(ref, 8, 16).step(
+            runtime_target(ref, 8, 16).embed_condition(ids), torch.arange(8), causal, None, None
+        )[0]
+        for layer in ref.model.layers:  # undo the reordering the conversion will apply
+            a = layer.self_attn
+            for proj, heads in ((a.q_proj, cc.num_attention_heads), (a.k_proj, cc.kv_heads)):
+                order = interleave_rope_rows(
+                    torch.arange(proj.weight.shape[0])[:, None].float(), heads, cc.head_dim
+                )
+                inverse = torch.argsort(order[:, 0].long())
+                proj.weight.copy_(proj.weight[inverse])
+        wrong = runtime_target(ref, 8, 16)
+        bad = wrong.step(wrong.embed_condition(ids), torch.arange(8), causal, None, None)[0]
+    torch.testing.assert_close(right, want, atol=ATOL, rtol=0)
+    assert (bad - want).abs().max() > 1e-2
+
+
+def test_authors_drafter_converts_to_the_runtime_drafter(hf, md):
+    """The converted drafter's forward equals the authors' layer computed independently: fc over
+    (embedding of the image token's vocabulary id, target hidden), one Chameleon decoder layer
+    with rotate-half RoPE (lantern_rt.models.chameleon, equal to transformers')."""
+    drafter = load_drafter(md)
+    state = authors_drafter_state(hf)
+    cc = ChameleonConfig.from_hf(hf.config.to_dict() | {"num_hidden_layers": 1})
+    layer = ChameleonDecoderLayer(cc).eval()
+    layer.load_state_dict(
+        {k.removeprefix("layers.0."): v for k, v in state.items() if k.startswith("layers.0.")}
+    )
+    ref_target = ChameleonTarget(cc)
+    image = torch.tensor(cc.image_token_ids)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(len(image), (2, 5), generator=g)
+    hidden = torch.randn(2, 5, cc.hidden_size, generator=g)
+    positions = torch.arange(4, 9)
+    with torch.no_grad():
+        h = (
+            torch.cat([state["embed_tokens.weight"][image[codes]], hidden], -1) @ state["fc.weight"].T
+            + state["fc.bias"]
+        )
+        cos, sin = ref_target.rope(positions, h.dtype)
+        want, _, _ = layer(h, cos, sin)
+        got = drafter(codes, hidden, positions)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def generated(md):
+    """Greedy tokens of the torch pipeline for each (method, cfg, batch)."""
+    from lantern_rt.generate import generate, torch_pipeline
+
+    def run(method: str, cfg: float, batch: int = 1, pipe_fn=None):
+        pipe = (pipe_fn or (lambda: torch_pipeline(md, MethodConfig(method=method), batch_size=batch)))()
+        return generate(pipe, PROMPTS, SamplingConfig(cfg, temperature=0), progress=False)
+
+    return run
+
+
+@pytest.mark.parametrize("cfg", [3.0, 1.0])
+def test_greedy_ar_equals_a_transformers_loop(hf, md, generated, cfg):
+    """Our AR (prompt rows of different lengths, CFG over the image logits) == transformers' own
+    model driven greedily with its cache, mask and per-row positions."""
+    from lantern_rt.generate import torch_pipeline
+
+    out = generated("ar", cfg, batch=2)
+    pipe = torch_pipeline(md)
+    image = md.chameleon.config.image_token_ids
+    for i, prompt in enumerate(PROMPTS):
+        cond = pipe.condition(prompt)
+        assert not bool(cond.prefix[0].eq(cond.prefix[1]).all())  # the rows really differ
+        want = hf_greedy_cfg(hf, cond.rows, cond.prefix, GRID * GRID, cfg, image)
+        assert out.tokens[i].tolist() == want.tolist()
+    assert out.images.shape == (2, md.image_size, md.image_size, 3)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_exact_speculation_equals_ar(generated, batch):
+    ar = generated("ar", 3.0)
+    exact = generated("exact", 3.0, batch)
+    assert exact.tokens.tolist() == ar.tokens.tolist()
+    assert min(exact.stats.accepted) >= 1 and len(exact.stats.accepted) <= len(ar.stats.accepted)
+
+
+@pytest.fixture(scope="module")
+def bundle(md, tmp_path_factory):
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.runtime.tree import load_tree
+
+    out = export_bundle(
+        md, tmp_path_factory.mktemp("b") / "bundle", [load_tree("chain-5")], batch_sizes=(1, 2)
+    )
+    return Bundle.open(out)
+
+
+def test_bundle_carries_the_prompt_side(bundle):
+    manifest = json.loads((bundle.path / "manifest.json").read_text())
+    assert manifest["constants"]["null_condition"] == {"prompt_layout": "anole"}
+    assert (bundle.path / "tokenizer.json").is_file() and "tokenizer.json" in manifest["files"]
+    assert bundle.gpt.model_type == "chameleon" and bundle.vq.codebook_size == bundle.gpt.vocab_size
+
+
+@pytest.mark.parametrize("method", ["ar", "exact", "lantern++"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_onnxruntime_tokens_equal_torch(bundle, generated, method, batch):
+    from lantern_rt.generate import onnxruntime_pipeline
+
+    ours = generated(
+        method,
+        3.0,
+        batch,
+        lambda: onnxruntime_pipeline(bundle, MethodConfig(method=method), batch_size=batch),
+    )
+    assert ours.tokens.tolist() == generated(method, 3.0).tokens.tolist()
+
+
+def test_cli_generates_from_a_prompt_and_refuses_classes(model_dir, tmp_path):
+    out = tmp_path / "img.png"
+    ok = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--backend",
+            "torch",
+            "--prompt",
+            "a red cat",
+            "--output",
+            str(out),
+            "--stats-json",
+            "-",
+        ],
+    )
+    assert ok.exit_code == 0, ok.output
+    assert out.is_file() and set(json.loads(ok.stdout)["prompts"]) == {"a red cat"}
+    bad = CliRunner().invoke(
+        main, ["generate", "--model", str(model_dir), "--class", "3", "--output", str(tmp_path / "x.png")]
+    )
+    assert bad.exit_code == 2 and "--prompt" in bad.output and "Traceback" not in bad.output
+
+
+def _edit(model_dir, tmp_path, **changes):
+    root = tmp_path / "m"
+    root.mkdir()
+    (root / "hf").symlink_to(model_dir / "hf")
+    config = json.loads((model_dir / "config.json").read_text()) | changes
+    config["files"] = {"chameleon": "hf"} | changes.get("files", {})
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"files": {"chameleon": "nowhere"}}, "not found"),
+        ({"prompt": {"layout": "lumina", "tokens": 10}}, "not supported"),
+        ({"prompt": {"layout": "anole", "tokens": 200}}, "max_position_embeddings"),
+        ({"prompt": {"layout": "anole", "tokens": 0}}, "prompt.tokens"),
+        ({"image_tokens": 15}, "square"),
+        ({"family": "gemma"}, "family"),
+    ],
+)
+def test_model_dir_errors_are_one_line(model_dir, tmp_path, changes, words):
+    with pytest.raises(ConfigError) as err:
+        open_model_dir(_edit(model_dir, tmp_path, **changes))
+    assert words in str(err.value) and "\n" not in str(err.value)
