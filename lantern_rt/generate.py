@@ -200,7 +200,7 @@ def torch_pipeline(
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
         spec = speculation(
-            TorchDrafter(drafter, target_model.output, capacity, batch_size),
+            TorchDrafter(drafter, target_model.output, capacity, batch_size, md.gpt.cls_token_num - 1),
             load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
             method,
             lambda k: load_neighbors(md, k),

@@ -262,3 +262,53 @@ def test_model_dir_errors_are_one_line(model_dir, tmp_path, changes, words):
     with pytest.raises(ConfigError) as err:
         open_model_dir(_edit(model_dir, tmp_path, **changes))
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
+    """After the prefill, the drafter's root distribution equals one causal pass of the authors'
+    layer over (row's next prompt token, h_j) for every prompt slot j, then (x_0, h_{T-1}), with
+    each row's padding hidden (cnets_anole.py's topK_genrate), computed independently."""
+    from lantern_rt.generate import torch_pipeline
+    from lantern_rt.runtime.backends.base import CatchUp
+    from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+    from lantern_rt.runtime.drafting import drafter_capacity, noise_rows
+    from lantern_rt.runtime.sampling import cfg_mix
+    from lantern_rt.runtime.tree import load_tree
+
+    target, drafter = load_target(md), load_drafter(md)
+    cond = torch_pipeline(md).condition(PROMPTS[0])
+    rows, prefix = cond.rows, cond.prefix
+    t = PROMPT_TOKENS
+    backend = TorchDrafter(drafter, target.output, drafter_capacity(t, GRID * GRID), 1, t - 1)
+    logits, hidden = TorchTarget(target).prefill(rows, prefix)
+    backend.prefill(hidden[:, :-1], torch.tensor([True]), rows, prefix)
+    x0 = int(cfg_mix(logits, 3.0).argmax())
+    tree = load_tree("chain-1")
+    pending = CatchUp(
+        torch.tensor([[x0, 0]]),
+        torch.cat([hidden[:, -1:], torch.zeros_like(hidden[:, -1:])], 1),
+        torch.tensor([1]),
+        torch.tensor([t]),
+        backend.cache.length,
+        backend.cache.prefix,
+    )
+    sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+    _, _, q, _, _ = backend.draft(tree, pending, torch.rand(1, noise_rows(tree), 32), sampling)
+
+    state = authors_drafter_state(hf)
+    cc = ChameleonConfig.from_hf(hf.config.to_dict() | {"num_hidden_layers": 1})
+    layer = ChameleonDecoderLayer(cc).eval()
+    layer.load_state_dict(
+        {k.removeprefix("layers.0."): v for k, v in state.items() if k.startswith("layers.0.")}
+    )
+    image = torch.tensor(cc.image_token_ids)
+    ids = torch.cat([rows[:, 1:], image[x0].expand(2, 1)], 1)  # the pairs' tokens: the next slot's
+    embeds = state["embed_tokens.weight"][ids]
+    with torch.no_grad():
+        h = torch.cat([embeds, hidden], -1) @ state["fc.weight"].T + state["fc.bias"]
+        cos, sin = ChameleonTarget(cc).rope(torch.arange(1, t + 1), h.dtype)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = ((causal & prefix[:, None, :]) | torch.eye(t, dtype=torch.bool))[:, None]
+        out, _, _ = layer(h, cos, sin, mask)
+        want = torch.softmax(target.output(cfg_mix(out[:, -1:], 3.0)).float(), -1)
+    torch.testing.assert_close(q[:, :1], want, atol=1e-5, rtol=0)

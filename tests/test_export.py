@@ -152,11 +152,11 @@ def test_every_graph_matches_torch(bundles, opened, name):
         ]
         drafter = load_drafter(md)
         low_drafter = drafter if dtype == "fp32" else copy.deepcopy(drafter).half()
-        cap = opened[name].constants.drafter_capacity
+        cap, pairs_p = opened[name].constants.drafter_capacity, opened[name].constants.cls_token_num - 1
         pairs += [
             (
-                DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i)),
-                DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i)),
+                DrafterTree(low_drafter, low.output, tree, cap, draft_graph_name(i), 1, pairs_p),
+                DrafterTree(drafter, target.output, tree, cap, draft_graph_name(i), 1, pairs_p),
             )
             for i, tree in enumerate(loaded)
         ]
@@ -226,6 +226,7 @@ def test_declared_shapes_and_dtypes(opened):
         "count": ([1], "int64"),
         "root_position": ([1], "int64"),
         "cache_length": ([1], "int64"),
+        "prefix": ([2, 2], "bool"),  # the caption's prefix pairs (all visible for LlamaGen)
         "noise": ([1, 1, 64], "float32"),
         "cfg_scale": ([1], "float32"),
         "temperature": ([1], "float32"),

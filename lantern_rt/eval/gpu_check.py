@@ -144,7 +144,8 @@ def step_costs(
         out[f"ms_{name}"] = _timed(partial(run, *args), repeats, graphs)
     drafter = Drafter(DrafterConfig.for_target(config), config).to(device, dtype).eval()
     capacity = drafter_capacity(config.cls_token_num, config.block_size)
-    spec = Speculation(TorchDrafter(drafter, model.output, capacity, batch), verify, RELAX, neighbors)
+    drafting = TorchDrafter(drafter, model.output, capacity, batch, config.cls_token_num - 1)
+    spec = Speculation(drafting, verify, RELAX, neighbors)
     target = TorchTarget(model, batch)
     tokens = 8 if repeats < 10 else 128
     step_graphs = {} if graphs else None  # one CUDA graph per whole decode step

@@ -186,7 +186,7 @@ def _graphs(
             pairs.append((DrafterPrefill(low_drafter, *prefill), DrafterPrefill(drafter, *prefill)))
         for i, tree in enumerate(trees):
             verify = (tree, neighbors_k, verify_graph_name(i), batch)
-            drafting = (tree, cap, draft_graph_name(i), batch)
+            drafting = (tree, cap, draft_graph_name(i), batch, c.cls_token_num - 1)
             pairs += [
                 (TargetVerify(low, *verify), TargetVerify(target, *verify)),
                 (

@@ -26,6 +26,7 @@ from lantern_rt.runtime.drafting import (
     Context,
     DraftStep,
     catch_up_rows,
+    cfg_pairs,
     draft_plan,
     draft_tree,
     noise_rows,
@@ -191,7 +192,7 @@ def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:
     def step(
         tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        embedded = drafter.embed_tokens(cfg_rows(tokens))
+        embedded = drafter.embed(cfg_pairs(tokens))
         h = drafter.fc(torch.cat([embedded, hidden.to(drafter.fc.weight.dtype)], dim=-1))
         return blocks(h, positions, mask, context)
 
@@ -201,7 +202,8 @@ def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:
 class DrafterPrefill(nn.Module):
     """The drafter's K/V over a condition prefix of P > 1 slots
     (:func:`~lantern_rt.runtime.drafting.prefix_pairs`): the target's hidden states at its first
-    P - 1 slots -> new K/V for the drafter cache."""
+    P - 1 slots -> new K/V for the drafter cache; a prompt-token drafter also takes the prompt
+    rows ``cond`` [2B, P] and their visible slots ``prefix`` [2B, P] (the target's inputs)."""
 
     def __init__(self, drafter: Drafter, cls_token_num: int, batch: int = 1):
         super().__init__()
@@ -210,23 +212,43 @@ class DrafterPrefill(nn.Module):
         c = drafter.config
         dtype = drafter.fc.weight.dtype
         kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
-        count = cls_token_num - 1
+        count, rows = cls_token_num - 1, 2 * batch
+        self.prompt = hasattr(drafter, "prompt_embeddings")
+        prompt = (
+            (
+                TensorSpec("cond", (rows, cls_token_num), torch.int64),
+                TensorSpec("prefix", (rows, cls_token_num), torch.bool),
+            )
+            if self.prompt
+            else ()
+        )
         self.spec = GraphSpec(
             batched_name(DRAFTER_PREFILL_GRAPH, batch),
-            (TensorSpec("hidden", (2 * batch, count, c.hidden_size), dtype),),
+            (TensorSpec("hidden", (rows, count, c.hidden_size), dtype), *prompt),
             (_kv_spec("new_k", kv, batch, count, dtype), _kv_spec("new_v", kv, batch, count, dtype)),
             dtype,
         )
 
-    def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        return prefix_pairs(graph_drafter_step(self.drafter, self.blocks), hidden)
+    def _pairs(self, step: DraftStep, hidden: Tensor, *prompt: Tensor) -> tuple[Tensor, Tensor]:
+        if not prompt:
+            return prefix_pairs(step, hidden)
+        cond, prefix = prompt
+        return prefix_pairs(step, hidden, self.drafter.prompt_embeddings(cond[:, 1:]), prefix[:, :-1])
 
-    def reference_forward(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor, *prompt: Tensor) -> tuple[Tensor, Tensor]:
+        return self._pairs(graph_drafter_step(self.drafter, self.blocks), hidden, *prompt)
+
+    def reference_forward(self, hidden: Tensor, *prompt: Tensor) -> tuple[Tensor, Tensor]:
         """The same outputs with the drafter's own ``step``."""
-        return prefix_pairs(drafter_step(self.drafter), hidden)
+        return self._pairs(drafter_step(self.drafter), hidden, *prompt)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        return (torch.randn(self.spec.inputs[0].shape, generator=g).to(self.spec.compute_dtype),)
+        hidden = torch.randn(self.spec.inputs[0].shape, generator=g).to(self.spec.compute_dtype)
+        if not self.prompt:
+            return (hidden,)
+        rows, slots = self.spec.inputs[1].shape
+        cond = torch.randint(self.drafter.prompt_embeddings.num_embeddings, (rows, slots), generator=g)
+        return hidden, cond, random_prefix(g, rows, slots)
 
 
 class TargetVerify(nn.Module):
@@ -345,10 +367,18 @@ class DrafterTree(nn.Module):
     drafter's layers and the target's LM head ``head`` are baked in."""
 
     def __init__(
-        self, drafter: Drafter, head: nn.Linear, tree: StaticTree, capacity: int, name: str, batch: int = 1
+        self,
+        drafter: Drafter,
+        head: nn.Linear,
+        tree: StaticTree,
+        capacity: int,
+        name: str,
+        batch: int = 1,
+        prefix: int = 0,
     ):
         super().__init__()
         self.drafter, self.head, self.tree, self.batch = drafter, head, tree, batch
+        self.prefix = prefix  # the cache's condition-prefix pairs (their visibility is an input)
         self.plan = draft_plan(tree, torch.device("cpu"))
         self.blocks = Blocks.of_drafter(drafter)
         c = drafter.config
@@ -363,6 +393,7 @@ class DrafterTree(nn.Module):
                 TensorSpec("count", (b,), torch.int64),
                 TensorSpec("root_position", (b,), torch.int64),
                 TensorSpec("cache_length", (b,), torch.int64),
+                *((TensorSpec("prefix", (2 * b, prefix), torch.bool),) if prefix else ()),
                 TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), torch.float32),
                 *SAMPLING_SPECS,
                 *_past_specs(kv, b, capacity, dtype),
@@ -385,8 +416,10 @@ class DrafterTree(nn.Module):
         return self._draft(drafter_step(self.drafter), inputs)
 
     def _draft(self, step: DraftStep, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        rows, noise, sampling = CatchUp(*inputs[:5]), inputs[5], inputs[6:10]
-        context = Context.of_cache(*_split_past(inputs[10:]))
+        first = 6 if self.prefix else 5
+        rows = CatchUp(*inputs[:5], inputs[5] if self.prefix else None)
+        noise, sampling = inputs[first], inputs[first + 1 : first + 5]
+        context = Context.of_cache(*_split_past(inputs[first + 5 :]))
         return draft_tree(step, lm_head(self.head), self.plan, rows, context, noise, sampling)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
@@ -396,20 +429,21 @@ class DrafterTree(nn.Module):
         output is compared; CFG 3 without filtering; random caches."""
         c, b = self.drafter.config, self.batch
         rows = catch_up_rows(self.tree)
-        capacity = self.spec.inputs[10].shape[2]
+        first = 6 if self.prefix else 5  # the noise input's index
+        capacity = self.spec.inputs[first + 5].shape[2]
         length = torch.randint(capacity - rows, (b,), generator=g)
         m = torch.randint(1, rows + 1, (b,), generator=g)
         top = self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS - 1
         root = torch.randint(rows, top, (b,), generator=g)
         tokens = torch.randint(c.vocab_size, (b, rows), generator=g)
         hidden = torch.randn(self.spec.inputs[1].shape, generator=g).to(self.spec.compute_dtype)
-        noise = torch.zeros(self.spec.inputs[5].shape)  # a Gumbel score of -3.8 (clamped)
+        noise = torch.zeros(self.spec.inputs[first].shape)  # a Gumbel score of -3.8 (clamped)
         forced = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
         for row in noise.flatten(0, 1):
             row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        counts = (m, root, length)
-        past = _random_cache(g, self.spec.inputs[10:])
+        counts = (m, root, length, *((random_prefix(g, 2 * b, self.prefix),) if self.prefix else ()))
+        past = _random_cache(g, self.spec.inputs[first + 5 :])
         return (tokens, hidden, *counts, noise, *sampling, *past)
 
 

@@ -123,9 +123,9 @@ def runtime_drafter(
     config: DrafterConfig, state: dict[str, Tensor], target: GPTConfig, image_token_ids: tuple[int, ...]
 ) -> tuple[DrafterConfig, dict[str, Tensor]]:
     """A drafter in the authors' Chameleon layout (vocabulary = the model's ``text_vocab_size``
-    words, rotate-half RoPE) as the runtime's: embedding rows of the image tokens in code
-    order, q/k rows interleaved. A drafter already over the image codes (``lantern
-    train-drafter``'s) is returned as it is."""
+    words, rotate-half RoPE) as the runtime's: its embedding as ``prompt_embeddings`` and, in
+    code order, the image tokens' rows as ``embed_tokens``; q/k rows and norms interleaved. A
+    drafter already over the image codes (``lantern train-drafter``'s) is returned as it is."""
     if config.vocab_size == target.vocab_size:
         return config, state
     if config.vocab_size != target.text_vocab_size:
@@ -136,6 +136,7 @@ def runtime_drafter(
     out = dict(state)
     key = "embed_tokens.weight"
     if key in out:
+        out["prompt_embeddings.weight"] = out[key]
         out[key] = out[key][torch.tensor(image_token_ids)]
     for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.kv_heads)):
         for k in [k for k in out if k.endswith(f"self_attn.{name}.weight")]:

@@ -165,7 +165,12 @@ class DrafterLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    """EAGLE-1 drafter over a target of config ``target``; the LM head is the target's."""
+    """EAGLE-1 drafter over a target of config ``target``; the LM head is the target's.
+
+    For a prompt-token target (the Chameleon family) it also holds ``prompt_embeddings``, its
+    frozen embedding of the whole vocabulary: the prefix pairs carry the prompt's next token, as
+    the authors' Anole drafter is fed (docs/method.md §10); ``embed_tokens`` holds the image
+    codes' rows."""
 
     def __init__(self, config: DrafterConfig, target: GPTConfig):
         super().__init__()
@@ -173,6 +178,9 @@ class Drafter(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        if target.model_type == "chameleon":
+            self.prompt_embeddings = nn.Embedding(target.text_vocab_size, config.hidden_size)
+            self.prompt_embeddings.weight.requires_grad_(False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.register_buffer("freqs_cis", rope_table(target), persistent=False)
@@ -186,13 +194,14 @@ class Drafter(nn.Module):
         past_k: Tensor | None,
         past_v: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Pairs (token [B, S], previous target hidden [B, S, H]) at ``positions`` [S].
+        """Pairs (token [B, S], or its embedding [B, S, H], previous target hidden [B, S, H]) at
+        ``positions`` [S].
 
         ``past_k``/``past_v`` [n_layer, B, Hkv, P, D] (None: P = 0), ``mask`` bool [B or 1, 1,
         S, P + S].
         Returns the predicted hidden states [B, S, H] and the new K/V [n_layer, B, Hkv, S, D].
         """
-        h = self.fc(torch.cat([self.embed_tokens(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
+        h = self.fc(torch.cat([self.embed(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
         rope = self.freqs_cis[positions]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -202,9 +211,13 @@ class Drafter(nn.Module):
             new_v.append(v)
         return h, torch.stack(new_k), torch.stack(new_v)
 
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Image codes [B, S] -> their embeddings; embeddings (a prompt's) pass through."""
+        return tokens.to(self.fc.weight.dtype) if tokens.is_floating_point() else self.embed_tokens(tokens)
+
     def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
         """Causal training forward over whole sequences of pairs: [B, S] and [B, S, H] -> [B, S, H]."""
-        h = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))
+        h = self.fc(torch.cat([self.embed(tokens), hidden], dim=-1))
         rope = self.freqs_cis[positions]
         for layer in self.layers:
             h, _, _ = layer(h, rope)

@@ -264,7 +264,7 @@ def _prefill(
     with span("prefill"):
         logits, hidden = target.prefill(cond.to(device), prefix, is_fresh)
         if spec:
-            spec.drafter.prefill(hidden[:, :-1], is_fresh)
+            spec.drafter.prefill(hidden[:, :-1], is_fresh, cond.to(device), prefix)
     hidden = hidden[:, -1]
     vocab = logits.shape[-1]
     if state is None:

@@ -131,18 +131,36 @@ def drafter_capacity(cls_token_num: int, block_size: int) -> int:
     return cls_token_num - 1 + block_size
 
 
-def prefix_pairs(step: DraftStep, hidden: Tensor) -> tuple[Tensor, Tensor]:
+def prefix_pairs(
+    step: DraftStep, hidden: Tensor, embedded: Tensor | None = None, visible: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The drafter's K/V [n_layer, 2B, Hkv, P - 1, D] over a condition prefix of P slots: the
     target's hidden states at its first P - 1 slots (``hidden`` [2B, P - 1, D]), each paired
-    with token 0 at the next slot's (zero-rotation) position, causal among themselves, as the
-    authors' ``initialize_tree`` feeds a caption; the last slot's state pairs with the first
-    image token in the first catch-up (docs/method.md §9). None for a one-slot prefix."""
+    with the next slot's token at that slot's position, causal among themselves; the last
+    slot's state pairs with the first image token in the first catch-up (docs/method.md §9).
+
+    A caption prefix (LlamaGen) pairs token 0 with every state, all visible, as the authors'
+    ``initialize_tree`` feeds it; a prompt-token prefix (the Chameleon family) pairs each state
+    with the embedding of its row's next prompt token (``embedded`` [2B, P - 1, H]) and hides
+    the pairs ``visible`` [2B, P - 1] marks False (its padding), as their ``cnets_anole``
+    prefill does (§10)."""
     rows, count = hidden.shape[:2]
-    positions = torch.arange(1, count + 1, device=hidden.device).expand(rows, -1)
-    causal = torch.ones(count, count, dtype=torch.bool, device=hidden.device).tril()
-    tokens = torch.zeros(rows // 2, count, dtype=torch.long, device=hidden.device)
-    _, k, v = step(tokens, hidden, positions, causal.expand(rows, 1, -1, -1), None)
+    device = hidden.device
+    positions = torch.arange(1, count + 1, device=device).expand(rows, -1)
+    causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+    mask = causal.expand(rows, 1, -1, -1)
+    if visible is not None:
+        mask = (mask & visible[:, None, None, :]) | torch.eye(count, dtype=torch.bool, device=device)
+    tokens = torch.zeros(rows // 2, count, dtype=torch.long, device=device) if embedded is None else embedded
+    _, k, v = step(tokens, hidden, positions, mask, None)
     return k, v
+
+
+def cfg_pairs(tokens: Tensor) -> Tensor:
+    """A drafter step's token input for its 2B CFG rows: image tokens [B, S], the same in both
+    rows of an image, repeated (:func:`~lantern_rt.runtime.sampling.cfg_rows`); a prompt's
+    embeddings [2B, S, H], one per row, as they are."""
+    return tokens if tokens.is_floating_point() else cfg_rows(tokens)
 
 
 def noise_rows(tree: StaticTree) -> int:
@@ -163,8 +181,9 @@ def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tenso
     """The catch-up call's tokens [B, R], hidden [2B, R, D], positions [2B, R] and mask [2B, 1,
     R, capacity + R] from the pending pairs ``rows`` (per image the first m of R, left-aligned):
     the pairs right-aligned by gathers, so that the root is always the last row and padding rows
-    come first, seeing only themselves; the committed slots of a drafter cache of ``capacity``."""
-    tokens, hidden, m, root_position, length = rows
+    come first, seeing only themselves; the committed slots of a drafter cache of ``capacity``
+    but the prefix pairs ``rows.prefix`` hides."""
+    tokens, hidden, m, root_position, length, prefix = rows
     width = tokens.shape[1]
     r = torch.arange(width, device=tokens.device)
     source = r[None, :] - (width - m[:, None])  # [B, R]: the pending pair each row holds; < 0: padding
@@ -175,7 +194,7 @@ def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tenso
         torch.where(real, tokens.gather(1, index), 0),
         torch.where(cfg_rows(real)[..., None], hidden.gather(1, pair_index), 0.0),
         cfg_rows((source + (root_position - m + 1)[:, None]).clamp_min(0)),
-        cache_mask(length, capacity, catch_up_mask(width, m, tokens.device)),
+        cache_mask(length, capacity, catch_up_mask(width, m, tokens.device), prefix),
     )
 
 
@@ -271,7 +290,9 @@ def draft(
     each of them) from the uniform ``noise`` [B, noise_rows(tree), V] (sampling.draw_noise) and
     commit the pending pairs of the ``active`` [B] images to the drafter's cache, all on the
     device."""
-    rows = CatchUp(pending_tokens, pending_hidden, m, root_position, drafter.cache.length)
+    rows = CatchUp(
+        pending_tokens, pending_hidden, m, root_position, drafter.cache.length, drafter.cache.prefix
+    )
     tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, sampling)
     drafter.cache.write(new_k, new_v, m * active)
     return Draft(tokens, valid, q)

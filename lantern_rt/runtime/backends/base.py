@@ -24,6 +24,7 @@ class CatchUp(NamedTuple):
     count: Tensor  # [B] int64: m, 1..R
     root_position: Tensor  # [B] int64: the root's target position
     cache_length: Tensor  # [B] int64: the drafter cache's committed length
+    prefix: Tensor | None = None  # [2B, P] bool: the cache's prefix pairs each row sees (None: all)
 
 
 # What a drafting call returns: node tokens [B, N+1], valid [B, N+1], q [B, N+1, V], and the
@@ -91,10 +92,13 @@ class DrafterBackend(Protocol):
     cache: KVCache
     vocab_size: int
 
-    def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
+    def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
         """Restart the ``fresh`` [B] images' caches with the pairs of their condition prefix
         (:func:`~lantern_rt.runtime.drafting.prefix_pairs`, from the target's hidden states
-        ``hidden`` [2B, T - 1, D] at all but its last slot; nothing for a one-slot prefix)."""
+        ``hidden`` [2B, T - 1, D] at all but its last slot; nothing for a one-slot prefix).
+        ``cond`` [2B, ...] and ``prefix`` [2B, T] are the target's condition rows and their
+        visible slots: a prompt-token drafter pairs each state with its row's next token and
+        hides the padding."""
         ...
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:

@@ -164,15 +164,19 @@ class BundleDrafter:
         self.vocab_size = bundle.constants.vocab_size
         graphs = {tree.paths: bundle.graph(batched_name(tree.graph, batch)) for tree in trees}
         self._graphs = {paths: runner(bundle, entry) for paths, entry in graphs.items()}
-        self.cache = cache_for(next(iter(graphs.values())), next(iter(self._graphs.values())).device)
-        prefill = batched_name(DRAFTER_PREFILL_GRAPH, batch)
-        self._prefill = runner(bundle, bundle.graph(prefill)) if bundle.constants.cls_token_num > 1 else None
+        pairs = bundle.constants.cls_token_num - 1  # the condition prefix's pairs
+        self.cache = cache_for(next(iter(graphs.values())), next(iter(self._graphs.values())).device, pairs)
+        entry = bundle.graph(batched_name(DRAFTER_PREFILL_GRAPH, batch)) if pairs else None
+        self._prefill = runner(bundle, entry) if entry is not None else None
+        self._prompt = entry is not None and len(entry.inputs) > 1  # a prompt-token drafter
 
-    def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
-        if self._prefill is not None:
-            self.cache.restart(*self._prefill(hidden), fresh)
-        else:
+    def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
+        if self._prefill is None:
             self.cache.length.masked_fill_(fresh, 0)
+        elif self._prompt:
+            self.cache.restart(*self._prefill(hidden, cond, prefix), fresh, prefix[:, :-1])
+        else:
+            self.cache.restart(*self._prefill(hidden), fresh)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)
@@ -180,7 +184,8 @@ class BundleDrafter:
             raise BundleError(
                 f"the bundle has no drafting graph for tree {tree.name}; export it with that tree"
             )
-        return graph(*rows, noise, *sampling, *self.cache.layers_k, *self.cache.layers_v)
+        counts = rows[:5] if rows.prefix is None else rows
+        return graph(*counts, noise, *sampling, *self.cache.layers_k, *self.cache.layers_v)
 
 
 class BundleVQDecoder:

@@ -20,6 +20,7 @@ from lantern_rt.runtime.drafting import (
     Context,
     DraftStep,
     Head,
+    cfg_pairs,
     draft_plan,
     draft_tree,
     prefix_pairs,
@@ -110,7 +111,7 @@ def drafter_step(drafter: Drafter) -> DraftStep:
     def step(
         tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        pairs = cfg_rows(tokens)
+        pairs = cfg_pairs(tokens)
         if context is None:
             return drafter.step(pairs, hidden, positions, mask, None, None)
         past_k = torch.stack([torch.cat(blocks, dim=2) for blocks in context.keys])
@@ -127,26 +128,33 @@ def lm_head(head: torch.nn.Linear) -> Head:
 
 class TorchDrafter:
     """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
-    run eagerly with the drafter's own ``step``."""
+    run eagerly with the drafter's own ``step``; its cache keeps which of its first ``prefix``
+    slots (the condition prefix's pairs) each row sees."""
 
     name = "torch"
 
-    def __init__(self, drafter: Drafter, head: torch.nn.Linear, capacity: int, batch: int = 1):
+    def __init__(
+        self, drafter: Drafter, head: torch.nn.Linear, capacity: int, batch: int = 1, prefix: int = 0
+    ):
         c = drafter.config
         self.drafter, self.head = drafter, head
         self.vocab_size = head.out_features
         weight = drafter.fc.weight
         self.cache = KVCache(
-            c.num_hidden_layers, batch, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device
+            c.num_hidden_layers, batch, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device, prefix
         )
         self._step, self._head = drafter_step(drafter), lm_head(head)
 
     @torch.inference_mode()
-    def prefill(self, hidden: Tensor, fresh: Tensor) -> None:
-        if hidden.shape[1]:
+    def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
+        if not hidden.shape[1]:
+            self.cache.length.masked_fill_(fresh, 0)
+        elif not hasattr(self.drafter, "prompt_embeddings"):
             self.cache.restart(*prefix_pairs(self._step, hidden), fresh)
         else:
-            self.cache.length.masked_fill_(fresh, 0)
+            embedded = self.drafter.prompt_embeddings(cond[:, 1:])
+            visible = prefix[:, :-1]
+            self.cache.restart(*prefix_pairs(self._step, hidden, embedded, visible), fresh, visible)
 
     @torch.inference_mode()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
