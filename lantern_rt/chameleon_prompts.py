@@ -113,7 +113,15 @@ def lumina_layout(size: int = 768) -> PromptLayout:
 
 ANOLE = anole_layout()
 LUMINA = lumina_layout(768)
-PROMPT_LAYOUTS = {"anole": ANOLE, "lumina": LUMINA}  # a model directory's prompt.layout
+
+
+def prompt_layout(name: str, image_size: int) -> PromptLayout:
+    """A model directory's ``prompt.layout`` for images of ``image_size`` pixels a side."""
+    if name == "anole":
+        return ANOLE
+    if name == "lumina":
+        return lumina_layout(image_size)
+    raise TextEncoderError(f"unknown prompt layout {name!r}; choose anole or lumina")
 
 
 def load_chameleon_tokenizer(folder: Path) -> Any:

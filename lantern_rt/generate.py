@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, TEXT_ENCODER_GRAPH, Bundle
 from lantern_rt.captions import left_pad, load_tokenizer, tokenize
-from lantern_rt.chameleon_prompts import PROMPT_LAYOUTS, PromptLayout, load_chameleon_tokenizer, prompt_rows
+from lantern_rt.chameleon_prompts import PromptLayout, load_chameleon_tokenizer, prompt_layout, prompt_rows
 from lantern_rt.fileio import WriteError, held
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
@@ -32,7 +32,7 @@ from lantern_rt.models.model_dir import (
     load_vq,
     open_model_dir,
 )
-from lantern_rt.models.target import Transformer
+from lantern_rt.models.target import Transformer, grid_codes
 from lantern_rt.models.text_encoder import encode, load_text_encoder
 from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
@@ -200,7 +200,9 @@ def torch_pipeline(
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
         spec = speculation(
-            TorchDrafter(drafter, target_model.output, capacity, batch_size, md.gpt.cls_token_num - 1),
+            TorchDrafter(
+                drafter, target_model.output, capacity, batch_size, md.gpt.cls_token_num - 1, md.gpt
+            ),
             load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
             method,
             lambda k: load_neighbors(md, k),
@@ -209,11 +211,11 @@ def torch_pipeline(
 
     @torch.inference_mode()
     def decode_codes(codes: torch.Tensor) -> torch.Tensor:
-        return vq.decode_code(codes.to(device), grid)
+        return vq.decode_code(grid_codes(codes.to(device), md.gpt), grid)
 
     if md.chameleon is not None:
         tokenizer = load_chameleon_tokenizer(md.chameleon.root)
-        layout = PROMPT_LAYOUTS[md.prompt_layout]
+        layout = prompt_layout(md.prompt_layout, md.image_size)
 
         def condition(prompt: int | str) -> Condition:
             return chameleon_condition(str(prompt), tokenizer, md.gpt.cls_token_num, layout, device, _warn)
@@ -393,11 +395,8 @@ def bundle_pipeline(
     decoder = BundleVQDecoder(bundle, runner)
     if info.gpt.model_type == "chameleon":
         tokenizer = load_chameleon_tokenizer(bundle.path)
-        layout, slots, device = (
-            PROMPT_LAYOUTS[bundle.prompt_layout],
-            info.gpt.cls_token_num,
-            target.cache.k.device,
-        )
+        layout = prompt_layout(bundle.prompt_layout, info.image_size)
+        slots, device = info.gpt.cls_token_num, target.cache.k.device
 
         def condition(prompt: int | str) -> Condition:
             return chameleon_condition(str(prompt), tokenizer, slots, layout, device, _warn)

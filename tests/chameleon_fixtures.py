@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from lantern_rt.models.chameleon_vq import ChameleonVQ, ChameleonVQConfig
 
 N_IMAGE = 32  # image tokens at ids 4..35 (codes 0..31), as Anole's are at 4..8195
-VOCAB = 8840  # room for <racm3:break> 8197 and <reserved08706> 8710
+VOCAB = 8870  # room for <racm3:break> 8197, <reserved08706> 8710 and Lumina's 8803..8828
 PROMPT_TOKENS = 10
 GRID = 4  # a 4 x 4 image: 16 tokens, 8 px with the VQ's downsampling of 2
 WORDS = "a red cat on the mat blue dog runs fast under green sky".split()
@@ -40,8 +40,8 @@ def vocabulary() -> dict[str, int]:
     vocab |= {code_name(c): 4 + c for c in range(N_IMAGE)}
     vocab |= {f"<reserved{i - 4:05d}>": i for i in range(4 + N_IMAGE, 8196)}
     vocab |= {"<eoss>": 8196, "<racm3:break>": 8197}
-    vocab |= {f"<reserved{i - 4:05d}>": i for i in range(8198, 8800)}
-    vocab |= {w: 8800 + i for i, w in enumerate(WORDS)}
+    vocab |= {f"<reserved{i - 4:05d}>": i for i in range(8198, 8850)}
+    vocab |= {w: 8850 + i for i, w in enumerate(WORDS)}
     return vocab
 
 
@@ -57,19 +57,25 @@ def hf_config(**overrides):
         num_key_value_heads=2,
         max_position_embeddings=128,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        vocabulary_map={k: v for k, v in vocabulary().items() if k.startswith("IMGIMG") or k == "<s>"},
+        vocabulary_map=vocabulary(),
         vq_config=VQ,
     )
     return transformers.ChameleonConfig(**(values | overrides))
 
 
-def hf_model(seed: int = 0):
+# Lumina-mGPT's layout at 32 px: a VQ of 4 pixels per token, an 8 x 8 grid, each row ending with
+# <reserved08799> (8803): 72 tokens; the prompt's grid-count tokens are 8804 + 32 // 32.
+LUMINA_VQ = VQ | {"channel_multiplier": [1, 2, 2]}
+LUMINA_SIZE = 32
+
+
+def hf_model(seed: int = 0, **overrides):
     """A random HF Chameleon with non-trivial norms and image logits far enough apart that float
     noise cannot flip a greedy choice."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.ChameleonForConditionalGeneration(hf_config())
+    model = transformers.ChameleonForConditionalGeneration(hf_config(**overrides))
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -91,13 +97,14 @@ def write_tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def write_model_dir(root: Path, model, drafter: Path | None = None) -> Path:
+def write_model_dir(root: Path, model, drafter: Path | None = None, layout: str = "anole") -> Path:
     """``root``/config.json naming ``root``/hf, the HF folder of ``model`` with a random VQ
-    decoder added under model.vqmodel.decoder.* (Anole's layout) and its tokenizer."""
+    decoder added under model.vqmodel.decoder.* (Anole's layout) and its tokenizer; the prompt
+    ``layout`` anole (8 px images) or lumina (:data:`LUMINA_SIZE` px, rows ending in 8803)."""
     hf_dir = root / "hf"
     model.save_pretrained(hf_dir)
     torch.manual_seed(1)
-    vq = ChameleonVQ(ChameleonVQConfig(**VQ))
+    vq = ChameleonVQ(ChameleonVQConfig.from_hf(model.config.vq_config.to_dict()))
     state = load_file(str(hf_dir / "model.safetensors"))
     state |= {f"model.vqmodel.{k}": v.clone() for k, v in vq.state_dict().items() if k.startswith("decoder.")}
     save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -106,8 +113,8 @@ def write_model_dir(root: Path, model, drafter: Path | None = None) -> Path:
         "family": "chameleon",
         "name": "tiny-anole",
         "files": {"chameleon": "hf"},
-        "prompt": {"layout": "anole", "tokens": PROMPT_TOKENS},
-        "image_tokens": GRID * GRID,
+        "prompt": {"layout": layout, "tokens": PROMPT_TOKENS + 6 * (layout == "lumina")},
+        "image_size": LUMINA_SIZE if layout == "lumina" else 2 * GRID,  # 2 pixels per token
     }
     if drafter is not None:
         config["files"]["drafter"] = str(drafter.relative_to(root))

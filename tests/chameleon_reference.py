@@ -37,6 +37,7 @@ def hf_greedy_cfg(
     num_tokens: int,
     cfg_scale: float,
     image_token_ids: Sequence[int],
+    row_end: tuple[int, int] | None = None,
 ) -> Tensor:
     """``num_tokens`` VQ codes (indices into ``image_token_ids``), int64 [num_tokens].
 
@@ -44,7 +45,9 @@ def hf_greedy_cfg(
     ``mask`` bool [2, T] (True on real tokens). Each step: the logits of the image tokens only
     (every other id is -inf, so left out), ``uncond + cfg_scale * (cond - uncond)`` when
     ``cfg_scale > 1`` else the conditional row's, argmax; the chosen code's vocabulary id is fed
-    to both rows.
+    to both rows. With ``row_end`` (end-of-row id, grid), Lumina-mGPT's layout: every
+    (grid + 1)-th token is that id, fed without a choice, and returned as code
+    ``len(image_token_ids)``.
     """
     if ids.dim() != 2 or ids.shape[0] != 2 or mask.shape != ids.shape:
         raise ValueError(f"ids and mask must both be [2, T], got {tuple(ids.shape)} and {tuple(mask.shape)}")
@@ -58,7 +61,7 @@ def hf_greedy_cfg(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     step_ids, step_positions, cache = ids.to(device), positions, None
     codes = []
-    for _ in range(num_tokens):
+    for i in range(num_tokens):
         out = decoder(
             input_ids=step_ids,
             attention_mask=attention,
@@ -71,8 +74,11 @@ def hf_greedy_cfg(
         cond, uncond = logits[0], logits[1]
         guided = uncond + cfg_scale * (cond - uncond) if cfg_scale > 1 else cond
         code = int(guided.argmax())
+        token = image[code]
+        if row_end is not None and i % (row_end[1] + 1) == row_end[1]:
+            code, token = len(image), torch.tensor(row_end[0], device=device)
         codes.append(code)
-        step_ids = image[code].view(1, 1).expand(2, 1)
+        step_ids = token.view(1, 1).expand(2, 1)
         step_positions = step_positions[:, -1:] + 1
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
     return torch.tensor(codes, dtype=torch.int64)

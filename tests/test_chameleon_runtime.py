@@ -251,10 +251,10 @@ def _edit(model_dir, tmp_path, **changes):
     "changes, words",
     [
         ({"files": {"chameleon": "nowhere"}}, "not found"),
-        ({"prompt": {"layout": "lumina", "tokens": 10}}, "not supported"),
+        ({"prompt": {"layout": "gemma", "tokens": 10}}, "prompt.layout"),
         ({"prompt": {"layout": "anole", "tokens": 200}}, "max_position_embeddings"),
         ({"prompt": {"layout": "anole", "tokens": 0}}, "prompt.tokens"),
-        ({"image_tokens": 15}, "square"),
+        ({"image_size": 9}, "multiple of"),
         ({"family": "gemma"}, "family"),
     ],
 )
@@ -312,3 +312,75 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
         out, _, _ = layer(h, cos, sin, mask)
         want = torch.softmax(target.output(cfg_mix(out[:, -1:], 3.0)).float(), -1)
     torch.testing.assert_close(q[:, :1], want, atol=1e-5, rtol=0)
+
+
+# -- Lumina-mGPT: its prompt rows and its row-end layout -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lumina(tmp_path_factory):
+    from tests.chameleon_fixtures import LUMINA_VQ
+
+    model = hf_model(vq_config=LUMINA_VQ)
+    root = tmp_path_factory.mktemp("lumina")
+    write_authors_drafter(root / "drafter", model)
+    return model, open_model_dir(write_model_dir(root, model, root / "drafter", layout="lumina"))
+
+
+def _row_ends(tokens: torch.Tensor, md) -> torch.Tensor:
+    """Where the tokens are the end-of-row entry (the vocabulary's last)."""
+    return tokens == md.gpt.vocab_size - 1
+
+
+def test_lumina_greedy_ar_equals_a_transformers_loop_with_forced_row_ends(lumina):
+    from lantern_rt.generate import generate, torch_pipeline
+
+    hf, md = lumina
+    g = md.gpt.grid_size
+    assert md.gpt.row_end and (g, md.gpt.block_size, md.gpt.vocab_size) == (8, 72, 33)
+    pipe = torch_pipeline(md)
+    cond = pipe.condition(PROMPTS[0])
+    assert cond.rows[0, -3:].tolist() == [8197, 8805, 8805] == cond.rows[1, -3:].tolist()  # boi, h, w
+    out = generate(pipe, PROMPTS[:1], SamplingConfig(3.0, temperature=0), progress=False)
+    image = md.chameleon.config.image_token_ids
+    want = hf_greedy_cfg(hf, cond.rows, cond.prefix, md.gpt.block_size, 3.0, image, (8803, g))
+    assert out.tokens[0].tolist() == want.tolist()
+    assert out.images.shape == (1, 32, 32, 3)
+
+
+@pytest.mark.parametrize("method", ["exact", "lantern++"])
+def test_lumina_row_ends_are_forced_while_sampling_and_drafting(lumina, method):
+    """Sampled (temperature 1), speculative: the end-of-row token ends every row and appears
+    nowhere else, the drafter draws it only there; exact speculation keeps AR's greedy tokens."""
+    from lantern_rt.generate import generate, torch_pipeline
+
+    _, md = lumina
+    g = md.gpt.grid_size
+    expected = (torch.arange(md.gpt.block_size) % (g + 1) == g).expand(2, -1)
+    pipe = torch_pipeline(md, MethodConfig(method=method))
+    out = generate(pipe, PROMPTS, SamplingConfig(3.0, temperature=1.0), seed=5, progress=False)
+    assert torch.equal(_row_ends(out.tokens, md), expected)
+    if method == "exact":
+        ar = generate(torch_pipeline(md), PROMPTS, SamplingConfig(3.0, temperature=0), progress=False)
+        greedy = generate(pipe, PROMPTS, SamplingConfig(3.0, temperature=0), progress=False)
+        assert greedy.tokens.tolist() == ar.tokens.tolist()
+        assert len(greedy.stats.accepted) < len(ar.stats.accepted)  # row ends are drafted and accepted
+
+
+def test_lumina_onnxruntime_equals_torch(lumina, tmp_path):
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline
+    from lantern_rt.runtime.tree import load_tree
+
+    _, md = lumina
+    bundle = Bundle.open(export_bundle(md, tmp_path / "b", [load_tree("chain-5")]))
+    assert bundle.neighbors()[-1].eq(md.gpt.vocab_size - 1).all()  # the row end is its own neighbour
+    for method in ("ar", "lantern++"):
+        sampling = SamplingConfig(3.0, temperature=0)
+        ours = generate(
+            onnxruntime_pipeline(bundle, MethodConfig(method=method)), PROMPTS, sampling, progress=False
+        )
+        theirs = generate(torch_pipeline(md, MethodConfig(method=method)), PROMPTS, sampling, progress=False)
+        assert ours.tokens.tolist() == theirs.tokens.tolist()
+        assert ours.images.shape == (2, 32, 32, 3)

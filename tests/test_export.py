@@ -28,7 +28,7 @@ from lantern_rt.bundle import (
     verify_graph_name,
 )
 from lantern_rt.export import bundle as bundle_module
-from lantern_rt.export.bundle import TOLERANCE, ExportError, compare_with_torch, export_bundle
+from lantern_rt.export.bundle import ExportError, compare_with_torch, export_bundle, tolerance
 from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetVerify, VQDecode
 from lantern_rt.fileio import sha256
 from lantern_rt.graph_rules import check_graph
@@ -132,7 +132,7 @@ def test_every_graph_matches_torch(bundles, opened, name):
     md = open_model_dir(bundles[name].parent / f"{name}-model")
     target, vq = load_target(md), load_vq(md)
     low = target if dtype == "fp32" else copy.deepcopy(target).half()
-    decode = VQDecode(vq, target.config.grid_size)
+    decode = VQDecode(vq, target.config)
     pairs = [(TargetPrefill(low), TargetPrefill(target)), (decode, decode)]
     loaded = [load_tree(t) for t in trees]
     pairs.append(
@@ -163,7 +163,7 @@ def test_every_graph_matches_torch(bundles, opened, name):
     for module, reference in pairs:
         path = bundles[name] / f"{module.spec.name}.onnx"
         errors = compare_with_torch(path, module, reference, threads=1, seed=11)
-        atol, rtol = TOLERANCE[module.spec.compute_dtype]
+        atol, rtol = tolerance(module.spec)
         assert all(err <= atol + rtol * scale for err, scale in errors.values()), (module.spec.name, errors)
 
 

@@ -16,8 +16,9 @@ from torch import Tensor, nn
 
 from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
 from lantern_rt.export.graph_forward import Blocks, rms_norm
+from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
-from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer
+from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer, grid_codes
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.acceptance import RelaxInputs, tree_plan, tree_step_inputs, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp
@@ -152,7 +153,7 @@ class TargetPrefill(nn.Module):
         positions = torch.arange(h.shape[1], device=h.device)
         h, k, v = self.blocks(h, positions, prefill_mask(prefix), None)
         hidden = rms_norm(h, self.model.norm)
-        return self.model.output(hidden[:, -1]).float(), hidden, k, v
+        return self.model.logits(hidden[:, -1:], positions[-1:])[:, 0], hidden, k, v
 
     def reference_forward(self, cond: Tensor, prefix: Tensor) -> tuple[Tensor, ...]:
         """The same outputs from the model's own ``step`` (what the graph is checked against)."""
@@ -311,7 +312,7 @@ class TargetVerify(nn.Module):
         h, positions, mask, past = self._inputs(inputs)
         h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(past)))
         hidden = rms_norm(h, self.model.norm)
-        return self._accept(self.model.output(hidden).float(), hidden, k, v, inputs)
+        return self._accept(self.model.logits(hidden, positions), hidden, k, v, inputs)
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         """The same outputs from the model's own ``step``."""
@@ -375,9 +376,11 @@ class DrafterTree(nn.Module):
         name: str,
         batch: int = 1,
         prefix: int = 0,
+        layout: GPTConfig | None = None,
     ):
         super().__init__()
         self.drafter, self.head, self.tree, self.batch = drafter, head, tree, batch
+        self.layout = layout or GPTConfig()  # the target's image layout (forced tokens)
         self.prefix = prefix  # the cache's condition-prefix pairs (their visibility is an input)
         self.plan = draft_plan(tree, torch.device("cpu"))
         self.blocks = Blocks.of_drafter(drafter)
@@ -420,7 +423,7 @@ class DrafterTree(nn.Module):
         rows = CatchUp(*inputs[:5], inputs[5] if self.prefix else None)
         noise, sampling = inputs[first], inputs[first + 1 : first + 5]
         context = Context.of_cache(*_split_past(inputs[first + 5 :]))
-        return draft_tree(step, lm_head(self.head), self.plan, rows, context, noise, sampling)
+        return draft_tree(step, lm_head(self.head, self.layout), self.plan, rows, context, noise, sampling)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
         """m random pending pairs (left-aligned) after a random committed length, the root at a
@@ -448,23 +451,25 @@ class DrafterTree(nn.Module):
 
 
 class VQDecode(nn.Module):
-    """Codes [B, grid^2] -> images [B, C, H, W] (fp32 in and out)."""
+    """An image's tokens [B, block_size] -> images [B, C, H, W] (fp32 in and out): the VQ codes
+    of the target config ``layout``'s grid (its row-end tokens dropped:
+    :func:`~lantern_rt.models.target.grid_codes`), decoded."""
 
-    def __init__(self, vq: VQModel, grid: int, batch: int = 1):
+    def __init__(self, vq: VQModel, layout: GPTConfig, batch: int = 1):
         super().__init__()
-        self.vq, self.grid = vq, grid
+        self.vq, self.layout, self.grid = vq, layout, layout.grid_size
         c = vq.config
-        side = grid * c.downsample
+        side = self.grid * c.downsample
         dtype = vq.post_quant_conv.weight.dtype
         self.spec = GraphSpec(
             VQ_DECODE_GRAPH,
-            (TensorSpec("codes", (batch, grid * grid), torch.int64),),
+            (TensorSpec("codes", (batch, layout.block_size), torch.int64),),
             (TensorSpec("images", (batch, c.out_channels, side, side), torch.float32),),
             dtype,
         )
 
     def forward(self, codes: Tensor) -> Tensor:
-        return self.vq.decode_code(codes, self.grid).float()
+        return self.vq.decode_code(grid_codes(codes, self.layout), self.grid).float()
 
     reference_forward = forward
 

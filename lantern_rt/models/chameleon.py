@@ -23,6 +23,7 @@ from lantern_rt.models.config import ConfigError, build_config, check_ranges
 from lantern_rt.models.target import QKNorm, RMSNorm  # HF's ChameleonRMSNorm is the same formula
 
 IMAGE_TOKEN_PREFIX = "IMGIMG"
+ROW_END_TOKEN = "<reserved08799>"  # Lumina-mGPT's end of an image row (id 8803 in Chameleon's vocabulary)
 
 
 @dataclass
@@ -30,7 +31,8 @@ class ChameleonConfig:
     """The Chameleon decoder, with the HF ``ChameleonConfig`` field names that shape it.
 
     ``image_token_ids[c]`` is the vocabulary id of VQ code ``c`` (from ``vocabulary_map``; empty
-    when the config has none); ``image_token_id`` is the ``<image>`` placeholder's id.
+    when the config has none); ``image_token_id`` is the ``<image>`` placeholder's id and
+    ``row_end_token_id`` Lumina-mGPT's end-of-row token's.
     """
 
     vocab_size: int = 65536
@@ -49,6 +51,7 @@ class ChameleonConfig:
     model_parallel_size: int = 1
     image_token_id: int | None = None
     image_token_ids: tuple[int, ...] = ()
+    row_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -91,7 +94,7 @@ class ChameleonConfig:
             raise ConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
         if raw.get("tie_word_embeddings", False) is not False:
             raise ConfigError("tie_word_embeddings is not supported for Chameleon targets")
-        skip = ("image_token_id", "image_token_ids", "rope_theta")
+        skip = ("image_token_id", "image_token_ids", "row_end_token_id", "rope_theta")
         values = {
             f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw and f.name not in skip
         }
@@ -148,6 +151,7 @@ def _image_tokens(vocab: Any) -> dict[str, Any]:
     return {
         "image_token_id": vocab.get("<image>"),
         "image_token_ids": tuple(by_code[c] for c in range(len(by_code))),
+        "row_end_token_id": vocab.get(ROW_END_TOKEN),
     }
 
 

@@ -29,9 +29,13 @@ from lantern_rt.models.drafter import DrafterConfig
 from lantern_rt.models.target import Transformer, rope_table
 
 
-def runtime_config(config: ChameleonConfig, prompt_tokens: int, image_tokens: int) -> GPTConfig:
+def runtime_config(
+    config: ChameleonConfig, prompt_tokens: int, image_tokens: int, row_end: bool = False
+) -> GPTConfig:
     """The runtime target's config: prompts of ``prompt_tokens`` slots (left padded), then
-    ``image_tokens`` image codes; a one-line :class:`ConfigError` for what it cannot run."""
+    ``image_tokens`` image tokens (with ``row_end``, Lumina-mGPT's layout, grid x (grid + 1):
+    each row's codes and its end-of-row token, the vocabulary's last entry); a one-line
+    :class:`ConfigError` for what it cannot run."""
     if not config.image_token_ids:
         raise ConfigError("the Chameleon config has no vocabulary_map, so its image tokens are unknown")
     for name in ("swin_norm", "attention_bias", "mlp_bias"):
@@ -54,7 +58,8 @@ def runtime_config(config: ChameleonConfig, prompt_tokens: int, image_tokens: in
         ffn_hidden_size=config.intermediate_size,
         rope_base=float(config.rope_theta),
         norm_eps=float(config.rms_norm_eps),
-        vocab_size=len(config.image_token_ids),
+        vocab_size=len(config.image_token_ids) + row_end,
+        row_end=row_end,
         text_vocab_size=config.vocab_size,
         cls_token_num=prompt_tokens,
         block_size=image_tokens,
@@ -63,6 +68,12 @@ def runtime_config(config: ChameleonConfig, prompt_tokens: int, image_tokens: in
         resid_dropout_p=0.0,
         ffn_dropout_p=0.0,
     )
+
+
+def image_vocabulary(config: ChameleonConfig, row_end_id: int | None = None) -> tuple[int, ...]:
+    """The vocabulary ids of the runtime's tokens: the image tokens in code order, then the
+    end-of-row token of a row-end layout."""
+    return (*config.image_token_ids, *(() if row_end_id is None else (row_end_id,)))
 
 
 def _interleaved(head_dim: int) -> Tensor:
@@ -82,12 +93,15 @@ def interleave_norm(param: Tensor) -> Tensor:
     return param[..., _interleaved(param.shape[-1])]
 
 
-def runtime_target(target: ChameleonTarget, prompt_tokens: int, image_tokens: int) -> Transformer:
+def runtime_target(
+    target: ChameleonTarget, prompt_tokens: int, image_tokens: int, row_end_id: int | None = None
+) -> Transformer:
     """The runtime :class:`Transformer` holding ``target``'s weights (same dtype and device; the
-    fused and permuted matrices are new tensors, the rest is shared), in eval mode."""
+    fused and permuted matrices are new tensors, the rest is shared), in eval mode; with
+    ``row_end_id`` (the end-of-row token's vocabulary id), Lumina-mGPT's row-end layout."""
     c = target.config
-    config = runtime_config(c, prompt_tokens, image_tokens)
-    ids = torch.tensor(c.image_token_ids, device=target.lm_head.weight.device)
+    config = runtime_config(c, prompt_tokens, image_tokens, row_end_id is not None)
+    ids = torch.tensor(image_vocabulary(c, row_end_id), device=target.lm_head.weight.device)
     hd, kv = c.head_dim, c.kv_heads
     state: dict[str, Tensor] = {
         "cls_embedding.weight": target.model.embed_tokens.weight,
@@ -125,7 +139,8 @@ def runtime_drafter(
     """A drafter in the authors' Chameleon layout (vocabulary = the model's ``text_vocab_size``
     words, rotate-half RoPE) as the runtime's: its embedding as ``prompt_embeddings`` and, in
     code order, the image tokens' rows as ``embed_tokens``; q/k rows and norms interleaved. A
-    drafter already over the image codes (``lantern train-drafter``'s) is returned as it is."""
+    drafter already over the image codes (``lantern train-drafter``'s) is returned as it is.
+    ``image_token_ids``: :func:`image_vocabulary`, the ids of the runtime's tokens."""
     if config.vocab_size == target.vocab_size:
         return config, state
     if config.vocab_size != target.text_vocab_size:

@@ -33,6 +33,8 @@ class GPTConfig:
     ``chameleon`` a prompt of ``text_vocab_size``-word token ids (the Chameleon family, converted
     by :mod:`lantern_rt.models.chameleon_runtime`: 1D RoPE over every position, per-head q/k
     LayerNorm with ``qk_norm``, an explicit ``ffn_hidden_size``, image codes as the vocabulary).
+    With ``row_end`` (Lumina-mGPT) every row of the grid ends with a forced end-of-row token, the
+    vocabulary's last entry: ``block_size`` is grid x (grid + 1) (:func:`~lantern_rt.models.target.layout_logits`).
     """
 
     dim: int = 768
@@ -57,6 +59,7 @@ class GPTConfig:
     text_vocab_size: int | None = None
     qk_norm: bool = False
     ffn_hidden_size: int | None = None
+    row_end: bool = False
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -71,9 +74,16 @@ class GPTConfig:
                 f"head dim {self.head_dim} must be a multiple of {2 if self.rope_1d else 4} for "
                 f"{'1D' if self.rope_1d else '2D'} RoPE"
             )
-        grid = round(self.block_size**0.5)
-        if grid * grid != self.block_size:
-            raise ConfigError(f"block_size {self.block_size} is not a square token grid")
+        if self.row_end and self.model_type != "chameleon":
+            raise ConfigError("row_end is a Chameleon-family (Lumina-mGPT) layout")
+        grid = self.grid_size
+        if grid * (grid + self.row_end) != self.block_size:
+            shape = (
+                "grid x (grid + 1) tokens (a row-end token per row)"
+                if self.row_end
+                else "a square token grid"
+            )
+            raise ConfigError(f"block_size {self.block_size} is not {shape}")
         if self.n_head % self.kv_heads:
             raise ConfigError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
         if self.ffn_hidden < 1:
@@ -89,7 +99,8 @@ class GPTConfig:
 
     @property
     def grid_size(self) -> int:
-        return round(self.block_size**0.5)
+        """Codes along each side of the image (the row-end tokens not counted)."""
+        return int((self.block_size + 0.25) ** 0.5 - 0.5) if self.row_end else round(self.block_size**0.5)
 
     @property
     def takes_prompts(self) -> bool:

@@ -12,8 +12,9 @@ A Chameleon-family model (Anole, Lumina-mGPT) is named by its Hugging Face folde
     {"family": "chameleon", "files": {"chameleon": "Anole-7b-v0.1-hf"},
      "prompt": {"layout": "anole", "tokens": 64}}
 
-(the target, the VQGAN and the tokenizer all come from that folder; ``image_tokens`` defaults
-to the VQGAN's grid at its resolution, 32 x 32 for Anole's 512 px).
+(the target, the VQGAN and the tokenizer all come from that folder; ``image_size`` defaults to
+the VQGAN's resolution, 512 px: 32 x 32 tokens for Anole; Lumina-mGPT-7B-768 takes
+``"prompt": {"layout": "lumina", ...}, "image_size": 768``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from typing import Any
 
 import torch
 
+from lantern_rt.models.chameleon import ROW_END_TOKEN
 from lantern_rt.models.chameleon_dir import (
     ChameleonDir,
     load_chameleon_target,
     load_chameleon_vq,
     open_chameleon_dir,
 )
-from lantern_rt.models.chameleon_runtime import runtime_config, runtime_drafter, runtime_target
+from lantern_rt.models.chameleon_runtime import (
+    image_vocabulary,
+    runtime_config,
+    runtime_drafter,
+    runtime_target,
+)
 from lantern_rt.models.chameleon_vq import ChameleonVQ, ChameleonVQConfig
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import (
@@ -136,9 +143,13 @@ def open_model_dir(path: str | Path | None = None) -> ModelDir:
     return ModelDir(root, raw, gpt, vq, _files(file, raw["files"]), image_size, _class_names(file, raw, gpt))
 
 
+PROMPT_LAYOUTS = ("anole", "lumina")
+
+
 def _open_chameleon(root: Path, file: Path, raw: dict[str, Any]) -> ModelDir:
     """A Chameleon-family model directory: ``files.chameleon`` (the HF folder), ``prompt``
-    ({layout, tokens}) and the optional ``image_tokens``."""
+    ({layout, tokens}) and the optional ``image_size`` (pixels a side; the VQGAN's resolution by
+    default). Lumina-mGPT's layout ends each row of codes with a forced end-of-row token."""
     if not isinstance(raw.get("files"), dict):
         raise ConfigError(f"{file} lacks a 'files' object")
     files = _files(file, raw["files"])
@@ -152,23 +163,35 @@ def _open_chameleon(root: Path, file: Path, raw: dict[str, Any]) -> ModelDir:
             f'{file}: prompt must be an object with "layout" and "tokens", got {prompt!r}'[:300]
         )
     layout, tokens = prompt.get("layout", "anole"), prompt.get("tokens", 64)
-    if layout != "anole":
+    if layout not in PROMPT_LAYOUTS:
         raise ConfigError(
-            f"{file}: prompt.layout {layout!r} is not supported; this lantern-rt runs 'anole' (Lumina-mGPT's "
-            "image layout, a forced end-of-row token after every row, is not implemented)"[:300]
+            f"{file}: prompt.layout must be one of {', '.join(PROMPT_LAYOUTS)}, got {layout!r}"[:300]
         )
     d = open_chameleon_dir(root / files["chameleon"])
-    image_tokens = raw.get("image_tokens", d.vq.grid**2)
-    for name, value in (("prompt.tokens", tokens), ("image_tokens", image_tokens)):
+    image_size = raw.get("image_size", d.vq.resolution)
+    for name, value in (("prompt.tokens", tokens), ("image_size", image_size)):
         if not _is_int(value) or value < 1:
             raise ConfigError(f"{file}: {name} must be an integer >= 1, got {value!r}"[:300])
+    if image_size % d.vq.downsample:
+        raise ConfigError(
+            f"{file}: image_size {image_size} is not a multiple of the VQGAN's {d.vq.downsample} pixels per token"
+        )
+    row_end = layout == "lumina"
+    if row_end and d.config.row_end_token_id is None:
+        raise ConfigError(
+            f"{d.config_file}: vocabulary_map lacks Lumina-mGPT's end-of-row token {ROW_END_TOKEN}"
+        )
+    grid = image_size // d.vq.downsample
     try:
-        gpt = runtime_config(d.config, tokens, image_tokens)
+        gpt = runtime_config(d.config, tokens, grid * (grid + row_end), row_end)
     except ConfigError as exc:
         raise ConfigError(f"{file}: {exc}") from None
     _sampling_defaults(file, raw)
-    image_size = gpt.grid_size * d.vq.downsample
     return ModelDir(root, raw, gpt, d.vq, files, image_size, [], d, layout)
+
+
+def _row_end_id(md: ModelDir) -> int | None:
+    return md.chameleon.config.row_end_token_id if md.gpt.row_end else None
 
 
 def _is_int(value: Any) -> bool:
@@ -214,7 +237,7 @@ def load_target(
     layout: :mod:`~lantern_rt.models.chameleon_runtime`)."""
     if md.chameleon is not None:
         target = load_chameleon_target(md.chameleon, device, dtype, _chameleon_state(md.chameleon))
-        return runtime_target(target, md.gpt.cls_token_num, md.gpt.block_size)
+        return runtime_target(target, md.gpt.cls_token_num, md.gpt.block_size, _row_end_id(md))
     model = Transformer(md.gpt)
     load_strict(
         model, read_target_state(md.path("gpt"), md.gpt.n_layer), f"target checkpoint {md.path('gpt')}"
@@ -284,7 +307,8 @@ def load_drafter(
     state = clean_eagle_state(read_state_dict(weights))
     if md.chameleon is not None:
         try:
-            config, state = runtime_drafter(config, state, md.gpt, md.chameleon.config.image_token_ids)
+            ids = image_vocabulary(md.chameleon.config, _row_end_id(md))
+            config, state = runtime_drafter(config, state, md.gpt, ids)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     model = Drafter(config, md.gpt)
@@ -292,18 +316,23 @@ def load_drafter(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_neighbors(md: ModelDir, k: int, vq: VQModel | None = None) -> torch.Tensor:
-    """[V, >= k] latent-neighbour table: the stored one when wide enough, else computed."""
+def load_neighbors(md: ModelDir, k: int, vq: VQModel | ChameleonVQ | None = None) -> torch.Tensor:
+    """[V, >= k] latent-neighbour table: the stored one when wide enough, else computed; a
+    row-end layout's end-of-row token (the last entry) is its own only neighbour (it is
+    drawn only where it is forced, and never credited elsewhere: its probability there is 0)."""
     if not 0 <= k < md.vq.codebook_size:
         raise ConfigError(
             f"lantern k must be in 0..{md.vq.codebook_size - 1} (the codebook has {md.vq.codebook_size} codes), got {k}"
         )
+    table = None
     if "neighbors" in md.files and md.path("neighbors").is_file():
         table = load_neighbors_file(md.path("neighbors"), md.vq.codebook_size)
-        if table.shape[1] >= k:
-            return table
-    vq = vq if vq is not None else load_vq(md)
-    return latent_neighbors(vq.quantize.codebook(), max(k, 1))
+    if table is None or table.shape[1] < k:
+        vq = vq if vq is not None else load_vq(md)
+        table = latent_neighbors(vq.quantize.codebook(), max(k, 1))
+    if md.gpt.row_end:
+        table = torch.cat([table, torch.full_like(table[:1], md.vq.codebook_size)])
+    return table
 
 
 __all__ = [

@@ -49,6 +49,32 @@ def rope_table_1d(rows: int, head_dim: int, base: float) -> Tensor:
     return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
+# What a forbidden token's logit becomes: finite, so that CFG's u + s (c - u) of two forbidden
+# rows stays forbidden (-inf - -inf would be NaN) and a temperature cannot overflow it.
+FORBIDDEN = -1e9
+
+
+def layout_logits(logits: Tensor, positions: Tensor, config: GPTConfig) -> Tensor:
+    """fp32 ``logits`` [..., S, V] at ``positions`` [S] or [B, S] under the config's image layout:
+    with ``row_end`` (Lumina-mGPT), the token after position p is forced to the end-of-row
+    token (the last entry) when it ends a grid row and barred from it otherwise, so it is
+    never drawn, drafted or accepted elsewhere (docs/method.md §10); other layouts as they are."""
+    if not config.row_end:
+        return logits
+    g, v = config.grid_size, logits.shape[-1]
+    forced = ((positions + 1 - config.cls_token_num) % (g + 1) == g)[..., None]  # [.., S, 1]
+    row_end = torch.arange(v, device=logits.device) == v - 1
+    return logits.masked_fill(forced != row_end, FORBIDDEN)
+
+
+def grid_codes(tokens: Tensor, config: GPTConfig) -> Tensor:
+    """An image's tokens [N, block_size] -> its VQ codes [N, grid^2] (the row-end tokens dropped)."""
+    if not config.row_end:
+        return tokens
+    g = config.grid_size
+    return tokens.reshape(tokens.shape[0], g, g + 1)[:, :, :g].reshape(tokens.shape[0], g * g)
+
+
 def rope_table(config: GPTConfig) -> Tensor:
     """The RoPE table of a target config (and of its drafter): 1D or LlamaGen's 2D."""
     if config.rope_1d:
@@ -324,7 +350,12 @@ class Transformer(nn.Module):
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(h)
-        return self.output(hidden).float(), hidden, torch.stack(new_k), torch.stack(new_v)
+        return self.logits(hidden, positions), hidden, torch.stack(new_k), torch.stack(new_v)
+
+    def logits(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        """fp32 logits of final-norm ``hidden`` [B, S, dim] at ``positions`` [S] or [B, S],
+        under the image layout (:func:`layout_logits`)."""
+        return layout_logits(self.output(hidden).float(), positions, self.config)
 
     def forward(self, idx: Tensor, cond: Tensor, train: bool = False) -> Tensor:
         """Teacher-forced logits as LlamaGen computes them in training.

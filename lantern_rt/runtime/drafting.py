@@ -64,8 +64,9 @@ class Context:
 # mask [2B, 1, S, P + S] over the context (P slots in all; None: no context, P = 0) and the new
 # rows -> predicted hidden states [2B, S, D] and new K/V [n_layer, 2B, Hkv, S, D].
 DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, "Context | None"], tuple[Tensor, Tensor, Tensor]]
-# The target's LM head (affine): hidden [..., D] -> fp32 logits [..., V].
-Head = Callable[[Tensor], Tensor]
+# The target's LM head (affine) under its image layout: hidden [B, S, D] at positions [B, S] ->
+# fp32 logits [B, S, V] (models.target.layout_logits).
+Head = Callable[[Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -228,17 +229,20 @@ def draft_tree(
     out, catch_k, catch_v = step(tokens, hidden, positions, mask, cache)
     level_hidden = out[:, -1:]
 
-    def probabilities(level_hidden: Tensor) -> Tensor:
+    batch = rows.count.shape[0]
+
+    def probabilities(level_hidden: Tensor, level_positions: Tensor) -> Tensor:
         # The head is affine and CFG weights sum to one: mixing the hidden states first gives
         # the mixed logits with half the head's work.
-        logits = head(cfg_mix(level_hidden, cfg_scale).to(level_hidden.dtype))
+        mixed = cfg_mix(level_hidden, cfg_scale).to(level_hidden.dtype)
+        logits = head(mixed, level_positions[:batch])
         width = min(logits.shape[-1], TOPK_LIMIT)
         return torch.softmax(filter_logits(logits, temperature, top_k, top_p, width), dim=-1)
 
     seen = mask[:, :, -1:]  # what each root sees: committed slots and catch-up rows
     context = cache.plus(catch_k, catch_v)
-    q = probabilities(level_hidden)  # [B, 1, V]
-    batch, vocab = q.shape[0], q.shape[-1]
+    q = probabilities(level_hidden, positions[:, -1:])  # [B, 1, V]
+    vocab = q.shape[-1]
     node_tokens = [tokens[:, -1:]]
     valid = [torch.ones(batch, 1, dtype=torch.bool, device=tokens.device)]
     q_rows = [q]
@@ -259,7 +263,7 @@ def draft_tree(
             level_tokens, level_hidden[:, level.parents], level_positions, level_mask, context
         )
         context = context.plus(k, v)
-        q = probabilities(level_hidden)
+        q = probabilities(level_hidden, level_positions)
         q_rows.append(q)
         drawn, drawn_ok = draw_distinct(q, noise[:, drawing : drawing + n], plan.width)
         drawing += n

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
-from lantern_rt.models.target import Transformer
+from lantern_rt.models.target import Transformer, layout_logits
 from lantern_rt.runtime.acceptance import (
     RelaxInputs,
     TreePlan,
@@ -121,20 +122,28 @@ def drafter_step(drafter: Drafter) -> DraftStep:
     return step
 
 
-def lm_head(head: torch.nn.Linear) -> Head:
-    """The target's LM head with fp32 logits, as ``draft_tree`` takes it."""
-    return lambda hidden: head(hidden).float()
+def lm_head(head: torch.nn.Linear, layout: GPTConfig) -> Head:
+    """The target's LM head with fp32 logits under the image layout of the target config
+    ``layout`` (:func:`~lantern_rt.models.target.layout_logits`), as ``draft_tree`` takes it."""
+    return lambda hidden, positions: layout_logits(head(hidden).float(), positions, layout)
 
 
 class TorchDrafter:
     """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
     run eagerly with the drafter's own ``step``; its cache keeps which of its first ``prefix``
-    slots (the condition prefix's pairs) each row sees."""
+    slots (the condition prefix's pairs) each row sees; ``layout`` is the target's config when
+    its image layout forces tokens (:func:`~lantern_rt.models.target.layout_logits`)."""
 
     name = "torch"
 
     def __init__(
-        self, drafter: Drafter, head: torch.nn.Linear, capacity: int, batch: int = 1, prefix: int = 0
+        self,
+        drafter: Drafter,
+        head: torch.nn.Linear,
+        capacity: int,
+        batch: int = 1,
+        prefix: int = 0,
+        layout: GPTConfig | None = None,
     ):
         c = drafter.config
         self.drafter, self.head = drafter, head
@@ -143,7 +152,7 @@ class TorchDrafter:
         self.cache = KVCache(
             c.num_hidden_layers, batch, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device, prefix
         )
-        self._step, self._head = drafter_step(drafter), lm_head(head)
+        self._step, self._head = drafter_step(drafter), lm_head(head, layout or GPTConfig())
 
     @torch.inference_mode()
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
