@@ -28,14 +28,15 @@ class TextEncoderError(LanternError, ValueError):
     """A missing text-side dependency, a bad tokenizer or encoder folder, or bad prompts."""
 
 
-def require(module: str) -> Any:
-    """Import ``module`` (ftfy, bs4, transformers), or raise :class:`TextEncoderError` with the hint."""
+def require(module: str, hint: str = INSTALL_HINT) -> Any:
+    """Import ``module`` (ftfy, bs4, transformers, tokenizers), or raise :class:`TextEncoderError`
+    with the install ``hint``."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise TextEncoderError(f"text-to-image needs {module.split('.')[0]}: {INSTALL_HINT}") from err
+        raise TextEncoderError(f"prompts need {module.split('.')[0]}: {hint}") from err
 
 
 # LlamaGen's (PixArt's) regexes, verbatim and in their order.

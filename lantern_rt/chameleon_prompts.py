@@ -17,7 +17,7 @@ Ported from LANTERN (github.com/jadohu/LANTERN):
 The ids are hard-coded, as in the authors' code; :func:`check_tokenizer` checks them against the
 tokenizer's own token names. Both rows are left padded, so the last slot of each row holds the
 token that predicts the first image token, and ``cumsum(mask) - 1`` gives the authors' positions.
-See ``docs/chameleon_prompts_research.md``.
+See docs/method.md §10 and docs/chameleon_sources.md.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def load_chameleon_tokenizer(folder: Path) -> Any:
     ``tokenizers`` package gives the install hint.
     """
     folder = Path(folder)
-    tokenizer_cls = require("tokenizers").Tokenizer
+    tokenizer_cls = require("tokenizers", "pip install 'lantern-rt[chameleon]'").Tokenizer
     file = folder / TOKENIZER_FILE
     if not folder.is_dir():
         raise TextEncoderError(f"{folder}: no such tokenizer folder")
