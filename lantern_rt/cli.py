@@ -223,7 +223,7 @@ def prompt_options(command: Callable) -> Callable:
     )(command)
 
 
-def _prompts(texts: tuple[str, ...], file: Path | None) -> list[str]:
+def read_prompts(texts: tuple[str, ...], file: Path | None) -> list[str]:
     """The --prompt texts, then the --prompts file's non-blank lines."""
     prompts = list(texts)
     if file is not None:
@@ -276,7 +276,7 @@ def main() -> None:
     type=click.Path(path_type=Path),
     default=None,
     help="Write the tokens: an int64 .npy array [images, tokens], or a .npz with 'codes' and "
-    "'labels' (class ids), the training data of 'lantern train-drafter --codes'.",
+    "'labels' (class ids) or 'prompts', the training data of 'lantern train-drafter --codes'.",
 )
 @click.option(
     "--stats-json",
@@ -342,7 +342,7 @@ def generate(
         md,
         source,
         classes,
-        _prompts(prompt_texts, prompts_file),
+        read_prompts(prompt_texts, prompts_file),
         cfg_scale,
         temperature,
         top_k,
@@ -582,8 +582,10 @@ def generate_set_cmd(
     "--codes",
     type=click.Path(path_type=Path),
     multiple=True,
-    help="Training data: .npz with 'codes' [N, tokens] and 'labels' [N]; repeat it to train on "
-    "several files together. Default: Fashion-MNIST encoded by the model's tokenizer.",
+    help="Training data: .npz with 'codes' [N, tokens] and 'labels' [N] (class ids), or for a "
+    "Chameleon-family model 'prompts' [N] (strings) instead of 'labels', as 'lantern generate "
+    "--save-tokens' writes them; repeat it to train on several files together. Default: "
+    "Fashion-MNIST encoded by the model's tokenizer (class-conditional demo-sized models only).",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True)
@@ -593,9 +595,10 @@ def generate_set_cmd(
     "--cfg-scale",
     type=click.FloatRange(min=0),
     default=None,
-    help="Train on (class, null) row pairs of every image and score the distribution mixed at "
-    "this guidance scale, the one drafts are drawn from (the demo samples at 3.0). Default: "
-    "single rows, 10%% of them unconditional.",
+    help="Train on (condition, unconditional) row pairs of every image and score the distribution "
+    "mixed at this guidance scale, the one drafts are drawn from (the demo samples at 3.0). "
+    "Default: single rows, 10%% of them unconditional (the null class, or the prompt's "
+    "unconditional row).",
 )
 @click.option(
     "--unroll",
@@ -610,6 +613,10 @@ def generate_set_cmd(
 @reports_errors
 def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale, unroll, threads):
     """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt).
+
+    A Chameleon-family model (Anole) trains on --codes files of image codes and their prompts
+    ('codes' and 'prompts', as 'lantern generate --prompts FILE --save-tokens codes.npz' writes
+    them); a LlamaGen text-to-image model is refused.
 
     To fine-tune a trained drafter on other codes (e.g. the target's own samples from
     'lantern generate --method exact --save-tokens codes.npz': exact speculative decoding draws
@@ -632,14 +639,14 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
         if value is not None and not math.isfinite(value):
             raise UserError(f"{option} must be a finite number, got {value}")
     md = open_model_dir(model_path)
-    if md.gpt.takes_prompts:
+    if md.gpt.model_type == "t2i":
         raise UserError(
             "train-drafter trains on class labels; for a text-to-image model use the authors' released "
             "drafters (README: Text-to-image)"
         )
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    data = _drafter_data(md, codes, load_vq)
+    data = _drafter_data(md, codes, load_vq)  # the prompts tokenized too: every input checked
     target = load_target(md)
     config = DrafterConfig.for_target(md.gpt)
     drafter = Drafter(config, md.gpt)
@@ -649,7 +656,8 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     except OSError as exc:
         raise UserError(f"cannot create --out {out}: {exc.strerror or exc}") from None
     t0 = time.perf_counter()
-    losses = train_drafter(target, drafter, data["codes"], data["labels"], cfg, out / "train_state.pt")
+    conditions = data["conditions"] if "conditions" in data else data["labels"]
+    losses = train_drafter(target, drafter, data["codes"], conditions, cfg, out / "train_state.pt")
     body = json.dumps(dataclasses.asdict(config), indent=2) + "\n"
     write_together(  # the weights and their config, both or neither
         {
@@ -665,12 +673,15 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
 
 
 def _codes_file(path: Path, md: ModelDir | None = None) -> dict:
-    """One --codes file's codes [N, tokens] and labels [N], integers; with ``md``, codes of its
-    codebook and labels of its classes (the token count is :func:`_drafter_data`'s to check)."""
+    """One --codes file's codes [N, tokens], integers, and labels [N], integers, or for a
+    Chameleon-family ``md`` prompts [N], non-empty strings (a numpy unicode array); with ``md``,
+    codes of its codebook and labels of its classes (the token count is :func:`_drafter_data`'s
+    to check)."""
     import zipfile
 
     import numpy as np
 
+    key = "prompts" if md is not None and md.gpt.model_type == "chameleon" else "labels"
     if not path.is_file():
         raise UserError(f"codes file not found: {path}")
     try:
@@ -678,36 +689,47 @@ def _codes_file(path: Path, md: ModelDir | None = None) -> dict:
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise ValueError("it is one array, not an .npz archive")
         with data:
-            codes, labels = data["codes"], data["labels"]
+            codes, labels = data["codes"], data[key]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         why = "it holds Python objects" if "allow_pickle" in str(exc) else first_line(exc)
-        raise UserError(f"cannot read {path}: expected an .npz with 'codes' and 'labels' ({why})") from None
-    for name, array, shape in (("codes", codes, "[N, tokens]"), ("labels", labels, "[N]")):
-        if array.dtype.kind not in "iu" or array.ndim != shape.count(",") + 1:
-            raise UserError(
-                f"{path}: '{name}' must be integers {shape}, got {array.dtype} {list(array.shape)}"
-            )
+        raise UserError(f"cannot read {path}: expected an .npz with 'codes' and '{key}' ({why})") from None
+    if codes.dtype.kind not in "iu" or codes.ndim != 2:
+        raise UserError(
+            f"{path}: 'codes' must be integers [N, tokens], got {codes.dtype} {list(codes.shape)}"
+        )
+    if key == "labels" and (labels.dtype.kind not in "iu" or labels.ndim != 1):
+        raise UserError(f"{path}: 'labels' must be integers [N], got {labels.dtype} {list(labels.shape)}")
+    if key == "prompts" and (labels.dtype.kind != "U" or labels.ndim != 1):
+        raise UserError(f"{path}: 'prompts' must be strings [N], got {labels.dtype} {list(labels.shape)}")
     if len(codes) == 0 or labels.shape != codes.shape[:1]:
         raise UserError(
-            f"{path}: 'codes' [N, tokens] and 'labels' [N] hold {len(codes)} and {len(labels)} images"
+            f"{path}: 'codes' [N, tokens] and '{key}' [N] hold {len(codes)} and {len(labels)} images"
         )
+    if key == "prompts":
+        empty = [i for i, prompt in enumerate(labels.tolist()) if not prompt.strip()]
+        if empty:
+            raise UserError(f"{path}: prompt {empty[0]} is empty ({len(empty)} empty in all)")
     if md is not None:
-        for name, array, limit in (
-            ("codes", codes, md.gpt.vocab_size),
-            ("labels", labels, md.gpt.num_classes),
-        ):
+        limits = [("codes", codes, md.gpt.vocab_size)]
+        if key == "labels":
+            limits.append(("labels", labels, md.gpt.num_classes))
+        for name, array, limit in limits:
             if array.min() < 0 or array.max() >= limit:
                 raise UserError(
                     f"{path}: '{name}' holds {array.min()}..{array.max()}, outside 0..{limit - 1} of this model"
                 )
-    return {"codes": codes, "labels": labels}
+    return {"codes": codes, key: labels}
 
 
 def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
     """Codes and labels to train on: the user's .npz files concatenated (checked against ``md``
-    when given), or Fashion-MNIST through the model's tokenizer."""
+    when given), or Fashion-MNIST through the model's tokenizer. For a Chameleon-family ``md``
+    the files hold prompts instead of labels; they are returned with their token rows as the
+    runtime builds them ("conditions", a ``PromptConditions``)."""
     import numpy as np
 
+    chameleon = md is not None and md.gpt.model_type == "chameleon"
+    key = "prompts" if chameleon else "labels"
     if codes:
         parts = [_codes_file(path, md) for path in codes]
         lengths = {part["codes"].shape[1] for part in parts}
@@ -717,7 +739,40 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
             raise UserError(
                 f"{codes[0]}: 'codes' holds images of {lengths.pop()} tokens; this model's are {md.gpt.block_size}"
             )
-        return {key: np.concatenate([part[key] for part in parts]) for key in ("codes", "labels")}
+        data = {k: np.concatenate([part[k] for part in parts]) for k in ("codes", key)}
+        if not chameleon:
+            return data
+        import torch
+
+        from lantern_rt.captions import TextEncoderError
+        from lantern_rt.chameleon_prompts import load_chameleon_tokenizer, prompt_layout
+        from lantern_rt.training.drafter import PromptConditions, prompt_conditions
+
+        # the prompts' token rows as the runtime builds them, checked now: before --out exists
+        tokenizer = load_chameleon_tokenizer(md.chameleon.root)
+        layout, slots = prompt_layout(md.prompt_layout, md.image_size), md.gpt.cls_token_num
+        cut: list[int] = []
+        rows = []
+        for path, part in zip(codes, parts, strict=True):
+            try:
+                rows.append(prompt_conditions(tokenizer, part["prompts"].tolist(), slots, layout, cut.append))
+            except TextEncoderError as exc:
+                raise UserError(f"{path}: {first_line(exc)}"[:300]) from None
+        if cut:
+            click.echo(
+                f"warning: {len(cut)} of the --codes prompts are over the {slots} prompt tokens: "
+                "their ends are cut",
+                err=True,
+            )
+        data["conditions"] = PromptConditions(
+            torch.cat([r.ids for r in rows]), torch.cat([r.mask for r in rows])
+        )
+        return data
+    if chameleon:
+        raise UserError(
+            f"{md.name} is a Chameleon-family model: pass --codes FILE.npz with 'codes' and 'prompts' "
+            "(e.g. from 'lantern generate --prompts FILE --save-tokens FILE.npz')"
+        )
     from lantern_rt.training.data import DatasetMissing
     from lantern_rt.training.demo import encode_dataset
 
@@ -980,7 +1035,7 @@ def bench_cmd(
         trees=trees,
         num_images=num_images,
         classes=tuple(s for c in classes for s in c.split(",") if s.strip()),
-        prompts=tuple(_prompts(prompt_texts, prompts_file)),
+        prompts=tuple(read_prompts(prompt_texts, prompts_file)),
         seed=seed,
         warmup=warmup,
         cfg_scale=cfg_scale,

@@ -384,3 +384,20 @@ def test_lumina_onnxruntime_equals_torch(lumina, tmp_path):
         theirs = generate(torch_pipeline(md, MethodConfig(method=method)), PROMPTS, sampling, progress=False)
         assert ours.tokens.tolist() == theirs.tokens.tolist()
         assert ours.images.shape == (2, 32, 32, 3)
+
+
+def test_int8_calibration_runs_on_prompts(bundle, tmp_path):
+    """The int8 path of today's bundles works for the family: calibrated on prompts, validated
+    against the fp32 bundle; a prompt bundle without prompts is one line."""
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.calibration.calibrate import CalibrationError, calibrate_bundle
+
+    with pytest.raises(CalibrationError, match="--prompts"):
+        calibrate_bundle(bundle, tmp_path / "none", 1)
+    report = calibrate_bundle(
+        bundle, tmp_path / "int8", 2, MethodConfig("lantern++"), validate=2, prompts=PROMPTS
+    )
+    int8 = Bundle.open(tmp_path / "int8")
+    assert int8.dtype == "int8" and int8.prompt_layout == "anole"
+    greedy = [r for r in report["validation"]["accuracy"] if r["run"] == "ar greedy"][0]
+    assert 0.0 <= greedy["token_agreement"] <= 1.0

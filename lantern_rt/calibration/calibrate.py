@@ -16,7 +16,7 @@ import heapq
 import logging
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,20 @@ def spread_labels(count: int, num_classes: int) -> list[int]:
     return [i * num_classes // count if count < num_classes else i % num_classes for i in range(count)]
 
 
+def conditions(bundle: Bundle, count: int | None, prompts: Sequence[str]) -> list[int | str]:
+    """``count`` conditions to generate from: class ids spread over the classes (default count:
+    one per class), or for a prompt-conditioned bundle the ``prompts`` in turn (default count:
+    each once); :class:`CalibrationError` for a prompt bundle without prompts or the reverse."""
+    if bundle.gpt.takes_prompts:
+        if not prompts:
+            raise CalibrationError(f"{bundle.path} generates from prompts: give --prompts FILE")
+        return [prompts[i % len(prompts)] for i in range(count or len(prompts))]
+    if prompts:
+        raise CalibrationError(f"{bundle.path} is class-conditional: drop --prompts")
+    num_classes = bundle.gpt.num_classes
+    return list(spread_labels(count or num_classes, num_classes))
+
+
 def pipelines(
     bundle: Bundle, method: MethodConfig, runner: RunnerFactory, batch: int = 1
 ) -> dict[str, Pipeline]:
@@ -153,13 +167,14 @@ def record_inputs(
     seed: int = 0,
     threads: int = 0,
     progress: bool = False,
+    prompts: Sequence[str] = (),
 ) -> Recorder:
     """Generate ``samples`` images (sampling, the model's CFG scale) with every pipeline of
     :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder`; every
-    graph but the VQ decoder must see calls."""
+    graph but the VQ decoder must see calls. A prompt-conditioned bundle takes ``prompts``."""
     recorder = Recorder(ort_runner(threads, [CPU]), seed=seed)
     sampling = SamplingConfig(cfg_scale=default_cfg_scale(bundle.model_info()))
-    labels = spread_labels(samples, bundle.gpt.num_classes)
+    labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
     for i, pipe in enumerate(every):  # the graphs of every batch size see calls
         generate(pipe, labels, sampling, seed=seed, progress=progress, start_index=i * samples)
@@ -300,11 +315,13 @@ def calibrate_bundle(
     threads: int = 0,
     overwrite: bool = False,
     progress: bool = False,
+    prompts: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
     bundle has a drafter); compare it with ``bundle`` on ``validate`` images (default: one per
-    class) and return the report (see :func:`validation` and :func:`markdown_table`)."""
+    class, or per prompt of a prompt-conditioned bundle, which takes ``prompts``) and return
+    the report (see :func:`validation` and :func:`markdown_table`)."""
     out = Path(out)
     if bundle.dtype != "fp32":
         raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
@@ -314,14 +331,13 @@ def calibrate_bundle(
         raise CalibrationError(f"the int8 bundle must go elsewhere than {bundle.path}")
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
+    labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
     method = method or MethodConfig(run_defaults(bundle).method)
-    recorder = record_inputs(bundle, samples, method, seed, threads, progress)
+    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts)
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp)
         write_manifest(tmp, _int8_manifest(bundle, graphs, recorder, method, samples, seed))
     int8 = Bundle.open(out)
-    num_classes = bundle.gpt.num_classes
-    labels = spread_labels(validate or num_classes, num_classes)
     return {
         "fp32": str(bundle.path),
         "int8": str(int8.path),
@@ -338,7 +354,8 @@ def graph_agreement(
     calls seen, inputs kept, the fraction of logits rows whose argmax the int8 graph keeps, and
     its largest logits error relative to the largest fp32 logit. A drafting graph is scored on
     its root's distribution ``q[0]``, which depends on its inputs alone (deeper rows follow the
-    tokens each graph drew)."""
+    tokens each graph drew); the drafter's prefill graph (K/V out, no distribution) on the
+    relative error of its keys alone, its agreement None."""
     options = session_options(threads, AS_WRITTEN)
     result = {}
     for name, samples in recorder.samples.items():
@@ -347,17 +364,19 @@ def graph_agreement(
             for b in (fp32, int8)
         )
         agree, error = [], 0.0
-        scored = "logits" if any(o.name == "logits" for o in fp32_graph.get_outputs()) else "q"
+        names = [o.name for o in fp32_graph.get_outputs()]
+        scored = next((n for n in ("logits", "q") if n in names), names[0])
         for sample in samples:
             want, got = (graph.run([scored], sample)[0] for graph in (fp32_graph, int8_graph))
             if scored == "q":
                 want, got = want[:1], got[:1]
-            agree.append(float((want.argmax(-1) == got.argmax(-1)).mean()))
+            if scored in ("logits", "q"):
+                agree.append(float((want.argmax(-1) == got.argmax(-1)).mean()))
             error = max(error, float(np.abs(got - want).max() / np.abs(want).max()))
         result[name] = {
             "calls": recorder.calls[name],
             "samples": len(samples),
-            "top1_agreement": float(np.mean(agree)),
+            "top1_agreement": float(np.mean(agree)) if agree else None,
             "max_rel_error": error,
         }
     return result
@@ -422,7 +441,7 @@ AS_WRITTEN = {"session.disable_quant_qdq": "1"}
 def validation(
     fp32: Bundle,
     int8: Bundle,
-    labels: list[int],
+    labels: list[int | str],
     method: MethodConfig,
     seed: int = 0,
     threads: int = 0,
@@ -500,7 +519,6 @@ def markdown_table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, g in report["graphs"].items():
-        lines.append(
-            f"| {name} | {g['calls']} | {g['samples']} | {g['top1_agreement']:.3f} | {g['max_rel_error']:.3f} |"
-        )
+        top1 = "n/a (K/V)" if g["top1_agreement"] is None else f"{g['top1_agreement']:.3f}"
+        lines.append(f"| {name} | {g['calls']} | {g['samples']} | {top1} | {g['max_rel_error']:.3f} |")
     return "\n".join(lines)

@@ -41,7 +41,15 @@ from lantern_rt.settings import MAX_SEED, METHODS
     "--validate",
     type=click.IntRange(min=1),
     default=None,
-    help="Images per validation run (fp32 vs int8). Default: one per class.",
+    help="Images per validation run (fp32 vs int8). Default: one per class (per prompt).",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Text file of prompts, one per line, to calibrate and validate a text-to-image or "
+    "Chameleon-family bundle on (used in turn).",
 )
 @click.option(
     "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
@@ -52,7 +60,9 @@ from lantern_rt.settings import MAX_SEED, METHODS
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @reports_errors
-def calibrate_cmd(bundle, samples, out, method, seed, validate, threads, report_json, force, quiet):
+def calibrate_cmd(
+    bundle, samples, out, method, seed, validate, prompts_file, threads, report_json, force, quiet
+):
     """Quantize BUNDLE's target and drafter graphs to int8 (Q/DQ), calibrated on the inputs they
     see while generating, and compare the result with BUNDLE on onnxruntime."""
     from lantern_rt.bundle import Bundle
@@ -62,10 +72,13 @@ def calibrate_cmd(bundle, samples, out, method, seed, validate, threads, report_
     t0 = time.perf_counter()
     if report_json is not None and not report_json.resolve().parent.is_dir():
         raise UserError(f"cannot write {report_json}: its folder does not exist")
+    from lantern_rt.cli import read_prompts
+
     config = None if method is None else MethodConfig(method)
+    prompts = read_prompts((), prompts_file) if prompts_file is not None else []
     opened = Bundle.open(bundle)
     report = calibrate_bundle(
-        opened, out, samples, config, seed, validate, threads, overwrite=force, progress=not quiet
+        opened, out, samples, config, seed, validate, threads, force, not quiet, prompts
     )
     click.echo(markdown_table(report))
     if report_json is not None:

@@ -1,10 +1,20 @@
 """Training the EAGLE drafter against a frozen target (EAGLE-1 loss).
 
 Data: image codes (VQ-encoded real images, or the target's own samples from ``lantern generate
---save-tokens codes.npz``) with their class labels; the target runs teacher-forced on them and
-its final-norm hidden states are the drafter's inputs and regression targets. Loss:
-SmoothL1(predicted hidden, next target hidden) + 0.1 x cross-entropy between the frozen LM
-head's distributions of the two.
+--save-tokens codes.npz``) with their conditions: class labels for a class-conditional LlamaGen,
+prompts (their conditional and unconditional token rows, :class:`PromptConditions`) for a
+Chameleon-family model. The target runs teacher-forced on them (a prompt's padding hidden, as the
+runtime's prefill and verify hide it) and its final-norm hidden states are the drafter's inputs
+and regression targets. Loss, on the image positions only: SmoothL1(predicted hidden, next target
+hidden) + 0.1 x cross-entropy between the frozen LM head's distributions of the two.
+
+The drafter sees its pairs exactly as the runtime feeds them (docs/method.md §4, §9, §10):
+for a prefix of P condition slots, first the P - 1 prefix pairs (target hidden at slot j, with
+the token of slot j + 1) at positions 1..P-1 (``drafting.prefix_pairs``), then image pair i
+(x_i, the target hidden state before it) at x_i's position P + i, causal. A prompt prefix's
+pairs carry the row's next prompt token, embedded by the drafter's ``prompt_embeddings``, and
+the pairs of its padding slots are hidden from every other pair (each still sees itself); a
+class prefix (P = 1) has no prefix pairs.
 
 With ``unroll`` d > 1 the drafter is also scored on its own predictions, as it drafts: level e
 (2 <= e <= d) of every row takes the hidden state it predicted one row earlier at level e - 1
@@ -12,18 +22,20 @@ and attends to the teacher-forced rows up to its root, its ancestors' rows and i
 the context of a tree node e - 1 levels below a root at run time (the "training-time test" of
 HASS and EAGLE-3); the levels' losses are averaged.
 
-Rows are either single (10% of them with the null condition, for CFG's unconditional row) or,
-with ``cfg_scale`` set, pairs: every image once with its class and once with the null
-condition, and the cross-entropy is taken between the CFG-mixed distributions, the ones the
-runtime draws drafts from (it mixes the drafter's two rows the same way).
+Rows are either single (10% of them unconditional: the null class, or the prompt's
+unconditional row) or, with ``cfg_scale`` set, pairs: every image once with its condition and
+once unconditional, and the cross-entropy is taken between the CFG-mixed distributions, the ones
+the runtime draws drafts from (it mixes the drafter's two rows the same way).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,7 +46,11 @@ from lantern_rt.errors import LanternError, first_line
 from lantern_rt.models.checkpoint import load_strict, torch_load
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import cfg_mix
+
+if TYPE_CHECKING:
+    from lantern_rt.chameleon_prompts import PromptLayout
 
 
 @dataclass(frozen=True)
@@ -52,47 +68,182 @@ class DrafterTraining:
     unroll: int = 1  # levels the drafter is scored at (1: teacher-forced only, EAGLE-1)
 
 
-def drafter_batch(target: Transformer, codes: torch.Tensor, labels: torch.Tensor, uncond: torch.Tensor):
-    """(tokens [B, T], input hidden [B, T, D], positions [T], target hidden [B, T, D]).
+class DrafterDataError(LanternError, ValueError):
+    """Training data that does not fit the target (its conditions, their count)."""
 
-    Pair j holds token x_j with the target hidden state of the position before it and must
-    predict the target hidden state at x_j's own position.
-    """
+
+@dataclass(frozen=True)
+class PromptConditions:
+    """N images' prompt conditions (a Chameleon-family target): ``ids`` int64 [N, 2, P], each
+    image's conditional row then its unconditional row, left padded to the P prefix slots, and
+    ``mask`` bool [N, 2, P], True on the slots later tokens see (``chameleon_prompts.prompt_rows``).
+    Indexing selects images, as a label array's does."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 3 or self.ids.shape[1] != 2 or self.mask.shape != self.ids.shape:
+            raise DrafterDataError(
+                f"prompt conditions are ids and mask [N, 2, P], got {list(self.ids.shape)} and "
+                f"{list(self.mask.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, index) -> PromptConditions:
+        return PromptConditions(self.ids[index], self.mask[index])
+
+    def rows(self, uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per image its unconditional row where ``uncond`` [N] is True, else its conditional one:
+        (ids [N, P], visible slots [N, P])."""
+        image, row = torch.arange(len(self)), uncond.long()
+        return self.ids[image, row], self.mask[image, row]
+
+
+def prompt_conditions(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    slots: int,
+    layout: PromptLayout,
+    warn: Callable[[int], None] | None = None,
+) -> PromptConditions:
+    """The prompt rows of ``prompts`` as the runtime builds them (``chameleon_prompts.prompt_rows``
+    in ``layout``, ``slots`` prefix slots); ``warn`` is told the index of each prompt whose end
+    is cut. A prompt that gives no rows raises a one-line ``TextEncoderError`` naming its index."""
+    from lantern_rt.captions import TextEncoderError
+    from lantern_rt.chameleon_prompts import prompt_rows
+
+    ids, masks = [], []
+    for i, prompt in enumerate(prompts):
+        try:
+            rows = prompt_rows(tokenizer, str(prompt), slots, layout)
+        except TextEncoderError as exc:
+            raise TextEncoderError(f"prompt {i} ({str(prompt)[:40]!r}): {first_line(exc)}") from None
+        if rows.truncated and warn is not None:
+            warn(i)
+        ids.append(rows.ids)
+        masks.append(rows.mask)
+    return PromptConditions(torch.stack(ids), torch.stack(masks))
+
+
+def teacher_forced_hidden(
+    target: Transformer, codes: torch.Tensor, conds: torch.Tensor | PromptConditions, uncond: torch.Tensor
+) -> torch.Tensor:
+    """The target's final-norm hidden states [B, P + T, D] over the P condition slots and the T
+    image tokens ``codes`` [B, T]: class ids ``conds`` [B] (the null class where ``uncond``) for
+    a class-conditional target, one full causal forward; prompt rows (:class:`PromptConditions`,
+    row 1 where ``uncond``) for a Chameleon-family one, under the runtime's masks: the prefill
+    hides the padding slots but each slot sees itself, image tokens see every visible slot and
+    the earlier image tokens (``kv_cache.prefill_mask``, ``cache_mask``), at positions 0..P+T-1."""
     cfg = target.config
-    cond = torch.where(uncond, torch.full_like(labels, cfg.num_classes), labels)
+    if cfg.model_type == "c2i":
+        if isinstance(conds, PromptConditions):
+            raise DrafterDataError("a class-conditional target trains on class labels, not prompts")
+        cond = torch.where(uncond, torch.full_like(conds, cfg.num_classes), conds)
+        return target.hidden_states(codes, cond)
+    if cfg.model_type != "chameleon":
+        raise DrafterDataError(
+            f"drafter training takes a class-conditional or Chameleon-family target, not {cfg.model_type}"
+        )
+    if not isinstance(conds, PromptConditions):
+        raise DrafterDataError("a Chameleon-family target trains on prompt rows (PromptConditions)")
+    if conds.ids.shape[2] != cfg.cls_token_num:
+        raise DrafterDataError(
+            f"prompt rows of {conds.ids.shape[2]} slots; this model's prompts have {cfg.cls_token_num}"
+        )
+    ids, visible = conds.rows(uncond)
+    h = torch.cat([target.embed_condition(ids), target.tok_embeddings(codes)], dim=1)
+    # the image tokens are visible slots past the prefix: prefill_mask's rule is the whole mask
+    mask = prefill_mask(F.pad(visible, (0, codes.shape[1]), value=True))
+    _, hidden, _, _ = target.step(h, torch.arange(h.shape[1]), mask, None, None)
+    return hidden
+
+
+def drafter_batch(
+    target: Transformer, codes: torch.Tensor, conds: torch.Tensor | PromptConditions, uncond: torch.Tensor
+):
+    """(tokens [B, S], input hidden [B, S, D], positions [S], target hidden [B, T, D]) for T
+    image tokens ``codes`` [B, T] under a prefix of P condition slots (``conds``: class ids [B]
+    or :class:`PromptConditions`; see :func:`teacher_forced_hidden`), S = P - 1 + T; for prompt
+    rows also (5th) which pairs the others see, ``visible`` [B, S].
+
+    The S pairs are the drafter's sequence as the runtime feeds it: the P - 1 prefix pairs
+    (hidden at slot j, with slot j + 1's prompt token id: tokens of the whole vocabulary, for
+    the drafter's ``prompt_embeddings``) at positions 1..P-1, visible where slot j is, then pair
+    P - 1 + i holding image code x_i with the target hidden state of the position before it, at
+    x_i's position P + i; it must predict the target hidden state at x_i's own position (target
+    hidden row i). Prefix pairs are scored nowhere: the last T rows of the drafter's output are
+    the predictions (:func:`batch_predictions`).
+    """
+    p, t = target.config.cls_token_num, codes.shape[1]
     with torch.no_grad():
-        hidden = target.hidden_states(codes, cond)  # [B, cls + T, D]
-    t = codes.shape[1]
-    positions = torch.arange(cfg.cls_token_num, cfg.cls_token_num + t)
-    return codes, hidden[:, cfg.cls_token_num - 1 : -1], positions, hidden[:, cfg.cls_token_num :]
+        hidden = teacher_forced_hidden(target, codes, conds, uncond)  # [B, P + T, D]
+    positions = torch.arange(1, p + t)
+    if not isinstance(conds, PromptConditions):  # a class prefix: no prefix pairs
+        return codes, hidden[:, :-1], positions, hidden[:, p:]
+    ids, visible = conds.rows(uncond)
+    tokens = torch.cat([ids[:, 1:], codes], dim=1)
+    return tokens, hidden[:, :-1], positions, hidden[:, p:], F.pad(visible[:, :-1], (0, t), value=True)
 
 
-def unroll_mask(rows: int, level: int) -> torch.Tensor:
-    """Bool [1, 1, rows, level * rows]: what row t sees at ``level`` over the rows of levels
+def batch_predictions(drafter: Drafter, batch, levels: int = 1, hidden: torch.Tensor | None = None):
+    """The drafter's predicted hidden states [B, S, D] at levels 1..``levels`` over a
+    :func:`drafter_batch` (its input hidden states replaced by ``hidden`` when given): a prompt
+    prefix's pairs embedded by ``prompt_embeddings``, its padding pairs hidden."""
+    tokens, h_in, positions, h_target, *visible = batch
+    h_in = h_in if hidden is None else hidden
+    if not visible:
+        return unrolled_predictions(drafter, tokens, h_in, positions, levels)
+    prompt = h_in.shape[1] - h_target.shape[1]
+    pairs = torch.cat(
+        [drafter.prompt_embeddings(tokens[:, :prompt]), drafter.embed_tokens(tokens[:, prompt:])], dim=1
+    )
+    return unrolled_predictions(drafter, pairs, h_in, positions, levels, visible[0])
+
+
+def unroll_mask(rows: int, level: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [1 or B, 1, rows, level * rows]: what row t sees at ``level`` over the rows of levels
     1..level-1 (the keys of earlier passes) and its own level. Level 1 is causal
     (teacher-forced); at level d > 1 row t drafts d - 1 levels below the root t - d + 1: it sees
-    level 1 up to the root, its ancestor t - d + e at each level e in 2..d-1, and itself."""
+    level 1 up to the root, its ancestor t - d + e at each level e in 2..d-1, and itself.
+    ``visible`` [B, rows] hides the level-1 rows it marks False (a prompt's padding pairs, hidden
+    in the drafter's cache) except from themselves: level 1 is then ``kv_cache.prefill_mask``."""
     t = torch.arange(rows)
     if level == 1:
+        if visible is not None:
+            return prefill_mask(visible)
         return (t[None, :] <= t[:, None])[None, None]
     blocks = [t[None, :] <= t[:, None] - (level - 1)]
     blocks += [t[None, :] == t[:, None] - (level - e) for e in range(2, level)]
     blocks.append(torch.eye(rows, dtype=torch.bool))
+    if visible is not None:
+        blocks = [blocks[0] & visible[:, None, :], *(b.expand(len(visible), -1, -1) for b in blocks[1:])]
+        return torch.cat(blocks, dim=-1)[:, None]
     return torch.cat(blocks, dim=1)[None, None]
 
 
 def unrolled_predictions(
-    drafter: Drafter, tokens: torch.Tensor, h_in: torch.Tensor, positions: torch.Tensor, levels: int
+    drafter: Drafter,
+    tokens: torch.Tensor,
+    h_in: torch.Tensor,
+    positions: torch.Tensor,
+    levels: int,
+    visible: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """The drafter's predicted hidden states [B, T, D] at levels 1..``levels`` (see
-    :func:`unroll_mask`); rows t < d - 1 of level d have no root and carry no meaning."""
-    if levels == 1:
+    """The drafter's predicted hidden states [B, S, D] at levels 1..``levels`` (see
+    :func:`unroll_mask`, ``visible`` included) from pairs of ``tokens`` [B, S] (or their
+    embeddings [B, S, H]) and ``h_in``; rows t < d - 1 of level d have no root and carry no
+    meaning (nor do rows whose root would be a prefix pair: :func:`eagle_loss` scores image rows
+    only)."""
+    if levels == 1 and visible is None:
         return [drafter(tokens, h_in, positions)]
     c, (b, rows, _) = drafter.config, h_in.shape
     keys = values = h_in.new_zeros(c.num_hidden_layers, b, c.kv_heads, 0, c.head_dim)
     hidden, preds = h_in, []
     for level in range(1, levels + 1):
-        pred, k, v = drafter.step(tokens, hidden, positions, unroll_mask(rows, level), keys, values)
+        pred, k, v = drafter.step(tokens, hidden, positions, unroll_mask(rows, level, visible), keys, values)
         preds.append(pred)
         keys, values = torch.cat([keys, k], dim=3), torch.cat([values, v], dim=3)
         hidden = torch.cat([h_in[:, :1], pred[:, :-1].detach()], dim=1)  # the parent's prediction
@@ -113,15 +264,18 @@ def eagle_loss(
     returns (loss, regression loss, classification loss).
 
     With ``cfg_scale`` the batch's rows are all conditional rows, then the same images'
-    unconditional rows, and the classification loss compares the CFG-mixed distributions.
+    unconditional rows, and the classification loss compares the CFG-mixed distributions. Only
+    the last T rows (the image pairs; ``h_target`` has T) are scored, at level d those whose
+    root is an image pair.
     """
-    tokens, h_in, positions, h_target = batch
+    h_in, h_target = batch[1], batch[3]
     if noise > 0:
         rms = h_in.pow(2).mean().sqrt()
         h_in = h_in + (torch.rand(h_in.shape, generator=generator) - 0.5) * 2 * noise * rms
     vlosses, plosses = [], []
-    for level, pred in enumerate(unrolled_predictions(drafter, tokens, h_in, positions, unroll), start=1):
-        pred, target = pred[:, level - 1 :], h_target[:, level - 1 :]
+    prefix = h_in.shape[1] - h_target.shape[1]  # the prefix pairs, scored nowhere
+    for level, pred in enumerate(batch_predictions(drafter, batch, unroll, h_in), start=1):
+        pred, target = pred[:, prefix + level - 1 :], h_target[:, level - 1 :]
         vlosses.append(F.smooth_l1_loss(pred, target))
         if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
             pred, target = (cfg_mix(h, cfg_scale) for h in (pred, target))
@@ -172,23 +326,34 @@ def train_drafter(
     target: Transformer,
     drafter: Drafter,
     codes: np.ndarray,
-    labels: np.ndarray,
+    labels: np.ndarray | PromptConditions,
     cfg: DrafterTraining,
     state_path: Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Train ``drafter`` in place; resumes from and saves to ``state_path`` atomically.
+    """Train ``drafter`` in place on ``codes`` [N, T] and their conditions ``labels``: class ids
+    [N] for a class-conditional target, :class:`PromptConditions` for a Chameleon-family one;
+    resumes from and saves to ``state_path`` atomically.
 
     Returns the per-step losses of this run.
     """
     target.eval().requires_grad_(False)
     drafter.embed_tokens.weight.data.copy_(target.tok_embeddings.weight.data)
+    if hasattr(drafter, "prompt_embeddings"):  # the target's whole vocabulary, frozen too
+        drafter.prompt_embeddings.weight.data.copy_(target.cls_embedding.weight.data)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0 if state_path is None or not state_path.exists() else resume(state_path, drafter, opt)
     gen = torch.Generator().manual_seed(cfg.seed)
     all_codes = torch.from_numpy(codes.astype(np.int64))
-    all_labels = torch.from_numpy(labels.astype(np.int64))
+    if isinstance(labels, PromptConditions):
+        all_labels = PromptConditions(
+            torch.as_tensor(labels.ids, dtype=torch.int64), torch.as_tensor(labels.mask, dtype=torch.bool)
+        )
+    else:
+        all_labels = torch.from_numpy(labels.astype(np.int64))
+    if len(all_labels) != len(all_codes):
+        raise DrafterDataError(f"{len(all_codes)} images of codes but {len(all_labels)} conditions")
     order = torch.cat(
         [
             torch.randperm(len(all_codes), generator=gen)
