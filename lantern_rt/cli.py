@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from lantern_rt.errors import OneLineErrors, UserError, first_line, reports_errors
+from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import (
     BACKENDS,
     CPU_DEFAULT_TREE,
@@ -221,23 +222,6 @@ def prompt_options(command: Callable) -> Callable:
         help="A prompt for a text-to-image model (repeatable). Prompts over the model's caption "
         "length (120 T5 tokens for LlamaGen) are truncated with a warning, as LlamaGen does.",
     )(command)
-
-
-def read_prompts(texts: tuple[str, ...], file: Path | None) -> list[str]:
-    """The --prompt texts, then the --prompts file's non-blank lines."""
-    prompts = list(texts)
-    if file is not None:
-        try:
-            lines = file.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise UserError(f"--prompts file not found: {file}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read --prompts {file}: {exc}") from None
-        found = [line.strip() for line in lines if line.strip()]
-        if not found:
-            raise UserError(f"--prompts {file} holds no prompt (one per line)")
-        prompts += found
-    return prompts
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

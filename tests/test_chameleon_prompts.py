@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lantern_rt.captions import INSTALL_HINT, TextEncoderError
+from lantern_rt.captions import TextEncoderError
 from lantern_rt.chameleon_prompts import (
     ANOLE,
     LUMINA,
@@ -169,7 +169,7 @@ def test_tokenizer_loading_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import raises ImportError
     with pytest.raises(TextEncoderError) as info:
         load_chameleon_tokenizer(empty)
-    assert INSTALL_HINT in str(info.value) and "tokenizers" in str(info.value)
+    assert "lantern-rt[chameleon]" in str(info.value) and "tokenizers" in str(info.value)
 
 
 def test_a_transformers_fast_tokenizer_gives_the_same_rows(chameleon_tok):

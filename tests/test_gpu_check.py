@@ -37,6 +37,16 @@ def test_text_conditional_step_costs_run_on_a_cpu(monkeypatch):
     )
 
 
+def test_chameleon_shaped_step_costs_run_on_a_cpu():
+    """The Anole-7B row, scaled down: prompt-token prefix with per-row padding, q/k norms, 1D
+    RoPE, the drafter's prompt pairs."""
+    shape = dict(dim=64, n_layer=2, n_head=4, ffn_hidden_size=96, vocab_size=64, text_vocab_size=100)
+    costs = gpu_check.step_costs("", "chain-3", "cpu", torch.float32, 2, 2, kind="chameleon", shape=shape)
+    assert costs["preset"] == "Anole-7B shape" and all(
+        costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")
+    )
+
+
 def test_a_demo_path_runs_on_a_cpu():
     """One path of the demo table (torch eager, AR, one image): the fields the report reads."""
     row = gpu_check.run_path("torch", False, gpu_check.MethodConfig("ar"), "cpu", [3])

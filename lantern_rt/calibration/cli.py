@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from lantern_rt.errors import UserError, reports_errors
+from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import MAX_SEED, METHODS
 
 
@@ -72,8 +73,6 @@ def calibrate_cmd(
     t0 = time.perf_counter()
     if report_json is not None and not report_json.resolve().parent.is_dir():
         raise UserError(f"cannot write {report_json}: its folder does not exist")
-    from lantern_rt.cli import read_prompts
-
     config = None if method is None else MethodConfig(method)
     prompts = read_prompts((), prompts_file) if prompts_file is not None else []
     opened = Bundle.open(bundle)

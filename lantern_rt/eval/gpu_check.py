@@ -5,8 +5,9 @@
    seconds per image, mean accepted length, speedup over AR on the same path, and greedy token
    agreement between paths.
 2. Per-step costs for LlamaGen-B and -XL shaped targets with random weights (fp16, CUDA
-   graphs) at batch sizes 1, 4 and 16, and for LlamaGen-XL T2I Stage I's shape (a 120-slot
-   caption prefix, partly padding): an AR step, a tree verify (acceptance included, one
+   graphs) at batch sizes 1, 4 and 16, for LlamaGen-XL T2I Stage I's shape (a 120-slot
+   caption prefix, partly padding) and, on a GPU, Anole-7B's (14 GB of fp16 weights, a 64-slot
+   prompt with per-row padding, 1024 image tokens): an AR step, a tree verify (acceptance included, one
    call) and a whole speculative step as the decode loop runs it (draft, verify, commit, host
    work): the ratios that decide the speedup at real sizes, and images/s projected from them
    with the demo's tau (labelled as projections).
@@ -93,29 +94,69 @@ def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]
 
 
 T2I = dict(model_type="t2i", cls_token_num=120, caption_dim=2048)  # LlamaGen-XL T2I's prefix
+# Anole-7B as the runtime runs it (docs/method.md §10): 1024 image tokens after a 64-slot prompt.
+ANOLE_7B = dict(
+    model_type="chameleon",
+    dim=4096,
+    n_layer=32,
+    n_head=32,
+    ffn_hidden_size=11008,
+    vocab_size=8192,
+    text_vocab_size=65536,
+    cls_token_num=64,
+    block_size=1024,
+    qk_norm=True,
+)
+
+
+def _config(preset: str, kind: str, shape: dict[str, Any] | None = None):
+    """The target config of a step-cost row; ``preset`` is ignored for the Chameleon shape
+    (``ANOLE_7B`` updated with ``shape``)."""
+    if kind == "chameleon":
+        values = ANOLE_7B | (shape or {})
+        return gpt_config(None, **values, token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0)
+    extra = T2I if kind == "t2i" else {"num_classes": 1000}
+    return gpt_config(preset, vocab_size=16384, block_size=256, **extra)
 
 
 def step_costs(
-    preset: str, tree: str, device: str, dtype: torch.dtype, repeats: int, batch: int = 1, text: bool = False
+    preset: str,
+    tree: str,
+    device: str,
+    dtype: torch.dtype,
+    repeats: int,
+    batch: int = 1,
+    text: bool = False,
+    kind: str | None = None,
+    shape: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Milliseconds, random weights, sampled LANTERN++ settings, a half-full cache, ``batch``
     images per call: an AR step (one token per image verified and drawn), a tree verify (target
     step and acceptance, one call), and a whole speculative step as the decode loop runs it
     (draft, verify with acceptance, commit, its host work and one read), from images decoded
     with a random one-layer drafter. ``text``: a text-conditional target (``T2I``'s caption
-    prefix, five sixths of it padding) whose drafter first commits the caption's pairs."""
-    extra = T2I if text else {"num_classes": 1000}
-    config = gpt_config(preset, vocab_size=16384, block_size=256, **extra)
-    model = Transformer(config).to(device, dtype).eval()
+    prefix, five sixths of it padding) whose drafter first commits the caption's pairs; ``kind``
+    "chameleon": Anole-7B's shape (``ANOLE_7B``: a 64-slot prompt, each row with its own
+    padding, 1024 image tokens), whatever ``preset`` says, its fields replaced by ``shape``."""
+    kind = kind or ("t2i" if text else "c2i")
+    config = _config(preset, kind, shape)
+    with torch.device(device):  # a 7B model initialised on the GPU, not on the host
+        model = Transformer(config).to(dtype).eval()
     graphs = device.startswith("cuda")
     verify = load_tree(tree)
     vocab = config.vocab_size
     neighbors = torch.randint(vocab, (vocab, 10), device=device)
     relax = relax_inputs(RELAX, neighbors, vocab, False, torch.device(device))
     filters = filter_inputs(SAMPLING, torch.device(device))
-    name = f"{preset} T2I" if text else preset
+    name = {"c2i": preset, "t2i": f"{preset} T2I", "chameleon": "Anole-7B shape"}[kind]
     out = {"preset": name, "tree": tree, "dtype": str(dtype).removeprefix("torch."), "batch": batch}
-    if text:
+    if kind == "chameleon":
+        cond = torch.randint(config.text_vocab_size, (2 * batch, config.cls_token_num), device=device)
+        slots = torch.arange(config.cls_token_num, device=device)
+        prefix = torch.cat(
+            [(slots >= 40).expand(batch, -1), (slots >= 62).expand(batch, -1)]
+        )  # 24 and 2 tokens
+    elif kind == "t2i":
         captions = torch.randn(batch, config.cls_token_num, config.caption_dim, device=device, dtype=dtype)
         cond = torch.cat([captions, model.null_condition.expand(batch, -1, -1)])
         padding = config.cls_token_num * 5 // 6  # 100 of LlamaGen's 120 slots: a 20-token prompt
@@ -142,7 +183,8 @@ def step_costs(
             torch.rand(batch, vocab, device=device),
         )
         out[f"ms_{name}"] = _timed(partial(run, *args), repeats, graphs)
-    drafter = Drafter(DrafterConfig.for_target(config), config).to(device, dtype).eval()
+    with torch.device(device):
+        drafter = Drafter(DrafterConfig.for_target(config), config).to(dtype).eval()
     capacity = drafter_capacity(config.cls_token_num, config.block_size)
     drafting = TorchDrafter(drafter, model.output, capacity, batch, config.cls_token_num - 1)
     spec = Speculation(drafting, verify, RELAX, neighbors)
@@ -154,7 +196,7 @@ def step_costs(
     def images() -> None:
         jobs = [
             (
-                Condition(cond[[b, batch + b]], None if prefix is None else prefix[b]),
+                Condition(cond[[b, batch + b]], None if prefix is None else _rows(prefix, b, batch)),
                 torch.Generator(device=device).manual_seed(b),
             )
             for b in range(batch)
@@ -169,6 +211,11 @@ def step_costs(
     out["verify_over_ar_step"] = out["ms_verify"] / out["ms_ar_step"]
     out["whole_step_over_verify"] = out["ms_whole_step"] / out["ms_verify"]
     return out
+
+
+def _rows(prefix: torch.Tensor, b: int, batch: int) -> torch.Tensor:
+    """Image ``b``'s visible prefix slots: [T] (both rows alike) or its two rows of [2B, T]."""
+    return prefix[[b, batch + b]] if prefix.shape[0] == 2 * batch else prefix[b]
 
 
 def _timed(fn: Any, repeats: int, cuda: bool) -> float:
@@ -252,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         step_costs(p, "naive_extend_57", args.device, dtype, repeats, b) for p in presets for b in batches
     ]
     costs += [step_costs(presets[-1], "naive_extend_57", args.device, dtype, repeats, 1, text=True)]
+    if cuda and not args.quick:  # 14 GB of fp16 weights: a GPU row only
+        costs += [step_costs("", "naive_extend_57", args.device, dtype, repeats, 1, kind="chameleon")]
     result = {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
