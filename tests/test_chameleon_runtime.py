@@ -401,3 +401,34 @@ def test_int8_calibration_runs_on_prompts(bundle, tmp_path):
     assert int8.dtype == "int8" and int8.prompt_layout == "anole"
     greedy = [r for r in report["validation"]["accuracy"] if r["run"] == "ar greedy"][0]
     assert 0.0 <= greedy["token_agreement"] <= 1.0
+
+
+def test_fp16_export_checks_and_runs(md, generated, tmp_path):
+    """An fp16 bundle of the family passes the export's numerical checks (q/k norms and prompt
+    masks in fp16) and its greedy AR tokens on onnxruntime equal fp32 torch's."""
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.generate import onnxruntime_pipeline
+
+    bundle = Bundle.open(export_bundle(md, tmp_path / "fp16", [], dtype="fp16"))
+    assert bundle.dtype == "fp16"
+    ours = generated("ar", 3.0, 1, lambda: onnxruntime_pipeline(bundle, MethodConfig("ar")))
+    assert ours.tokens.tolist() == generated("ar", 3.0).tokens.tolist()
+
+
+def test_cli_drafter_override_takes_the_authors_folder(model_dir, hf, tmp_path):
+    """--drafter FOLDER (the authors' layout: a Chameleon config.json and pytorch_model.bin)."""
+    other = write_authors_drafter(tmp_path / "other_drafter", hf, seed=7)
+    args = ["generate", "--model", str(model_dir), "--backend", "torch", "--prompt", "a red cat", "-n", "1"]
+    out = CliRunner().invoke(
+        main, [*args, "--method", "exact", "--drafter", str(other), "--output", str(tmp_path / "x.png")]
+    )
+    assert out.exit_code == 0, out.output
+    bad = tmp_path / "bad_drafter"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(hf.config.to_dict() | {"vocab_size": 77}))
+    torch.save(authors_drafter_state(hf), bad / "pytorch_model.bin")
+    out = CliRunner().invoke(
+        main, [*args, "--method", "exact", "--drafter", str(bad), "--output", str(tmp_path / "y.png")]
+    )
+    assert out.exit_code == 2 and "vocabulary 77" in out.output and "Traceback" not in out.output
