@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lantern_rt.eval.gpu_check import ANOLE_7B
 from lantern_rt.export.bundle import export_graph
 from lantern_rt.export.graphs import TargetPrefill
 from lantern_rt.models.config import gpt_config
@@ -30,21 +31,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/large-export"))
     parser.add_argument("--layers", type=int, default=11)
     args = parser.parse_args()
+    shape = dict(dim=2048, n_layer=args.layers, n_head=16, ffn_hidden_size=5632, cls_token_num=8)
     config = gpt_config(
-        None,
-        model_type="chameleon",
-        dim=2048,
-        n_layer=args.layers,
-        n_head=16,
-        ffn_hidden_size=5632,
-        vocab_size=8192,
-        text_vocab_size=65536,
-        cls_token_num=8,
-        block_size=1024,
-        qk_norm=True,
-        token_dropout_p=0.0,
-        resid_dropout_p=0.0,
-        ffn_dropout_p=0.0,
+        None, **(ANOLE_7B | shape), token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0
     )
     torch.manual_seed(0)
     model = Transformer(config).eval()

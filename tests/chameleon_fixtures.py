@@ -29,6 +29,17 @@ VQ = dict(
 )
 
 
+# the tiny random decoder every Chameleon test builds (transformers' ChameleonConfig fields)
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+)
+
+
 def code_name(code: int) -> str:
     return "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(code)) + "Z"
 
@@ -49,16 +60,7 @@ def hf_config(**overrides):
     import transformers
 
     values = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        vocabulary_map=vocabulary(),
-        vq_config=VQ,
+        TINY_DECODER, vocab_size=VOCAB, max_position_embeddings=128, vocabulary_map=vocabulary(), vq_config=VQ
     )
     return transformers.ChameleonConfig(**(values | overrides))
 

@@ -7,6 +7,7 @@ import torch
 
 from lantern_rt.models.chameleon import ChameleonConfig, ChameleonTarget
 from lantern_rt.models.config import ConfigError
+from tests.chameleon_fixtures import TINY_DECODER, code_name
 
 transformers = pytest.importorskip("transformers")
 
@@ -15,26 +16,17 @@ N_IMAGE = 16  # IMGIMG tokens at ids 100..115 (codes 0..15)
 ATOL = 1e-4
 
 
-def _code_name(code: int) -> str:
-    return "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(code)) + "Z"
-
-
 def _vocabulary_map() -> dict[str, int]:
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<image>": 3}
-    vocab.update({_code_name(c): 100 + c for c in range(N_IMAGE)})
+    vocab.update({code_name(c): 100 + c for c in range(N_IMAGE)})
     return vocab
 
 
 def _hf_config(**overrides) -> dict:
     values = dict(
+        TINY_DECODER,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         vocabulary_map=_vocabulary_map(),
         vq_config=dict(
             embed_dim=32,

@@ -182,8 +182,6 @@ def test_a_transformers_fast_tokenizer_gives_the_same_rows(chameleon_tok):
 
 # --- the HF reference on a tiny random Chameleon -------------------------------------------------
 
-VOCAB = 300
-N_IMAGE = 16  # IMGIMG tokens at ids 100..115 (codes 0..15)
 TINY = PromptLayout(
     "tiny",
     "{prompt}",
@@ -195,34 +193,12 @@ TINY = PromptLayout(
 )
 
 
-def _code_name(code: int) -> str:
-    return "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(code)) + "Z"
-
-
 @pytest.fixture(scope="module")
 def hf_model():
     transformers = pytest.importorskip("transformers")
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<image>": 3} | {_code_name(c): 100 + c for c in range(N_IMAGE)}
-    config = transformers.ChameleonConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        vocabulary_map=vocab,
-        vq_config=dict(
-            embed_dim=32,
-            num_embeddings=N_IMAGE,
-            latent_channels=32,
-            resolution=32,
-            base_channels=32,
-            channel_multiplier=[1, 2],
-            num_res_blocks=1,
-        ),
-    )
+    from tests.test_chameleon import _hf_config
+
+    config = transformers.ChameleonConfig(**_hf_config())
     torch.manual_seed(0)
     model = transformers.ChameleonForConditionalGeneration(config).eval()
     with torch.no_grad():  # logits far enough apart that float noise cannot flip an argmax
@@ -237,7 +213,7 @@ def tiny_tok(tmp_path_factory):
     return load_chameleon_tokenizer(_save(vocab, tmp_path_factory.mktemp("tiny"), "<s>"))
 
 
-IMAGE_IDS = list(range(100, 100 + N_IMAGE))
+IMAGE_IDS = list(range(100, 116))  # test_chameleon's vocabulary map: codes 0..15 at ids 100..115
 
 
 def _naive(model, cond: list[int], uncond: list[int], n: int, cfg_scale: float) -> list[int]:
