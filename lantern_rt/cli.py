@@ -213,14 +213,15 @@ def prompt_options(command: Callable) -> Callable:
         "prompts_file",
         type=click.Path(path_type=Path),
         default=None,
-        help="Text file of prompts, one per line (UTF-8; blank lines skipped), for a text-to-image model.",
+        help="Text file of prompts, one per line (UTF-8; blank lines skipped), for a text-to-image or Chameleon-family model.",
     )(command)
     return click.option(
         "--prompt",
         "prompt_texts",
         multiple=True,
-        help="A prompt for a text-to-image model (repeatable). Prompts over the model's caption "
-        "length (120 T5 tokens for LlamaGen) are truncated with a warning, as LlamaGen does.",
+        help="A prompt for a text-to-image or Chameleon-family model (repeatable). Prompts over the "
+        "model's prompt length (120 T5 tokens for LlamaGen, the config's prompt.tokens for Anole "
+        "and Lumina-mGPT) are truncated with a warning.",
     )(command)
 
 
@@ -865,6 +866,10 @@ def inspect_cmd(bundle, graph):
     click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call")
     if b.text_max_length is not None:
         click.echo(f"text     prompts of {b.text_max_length} tokens, encoded by the text_encoder graph")
+    if b.prompt_layout is not None:
+        click.echo(
+            f"prompts  {b.prompt_layout} layout, {c.cls_token_num} slots per row, tokenized by tokenizer.json"
+        )
     for name, tree in b.trees.items():
         drafted = f", drafted by {tree.graph}, verified by {tree.verify}" if tree.graph else ""
         click.echo(f"tree     {name}: {len(tree.paths)} nodes{drafted}")

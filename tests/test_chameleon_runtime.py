@@ -191,6 +191,8 @@ def bundle(md, tmp_path_factory):
 
 
 def test_bundle_carries_the_prompt_side(bundle):
+    shown = CliRunner().invoke(main, ["inspect", str(bundle.path)])
+    assert shown.exit_code == 0 and "prompts  anole layout, 10 slots per row" in shown.output
     manifest = json.loads((bundle.path / "manifest.json").read_text())
     assert manifest["constants"]["null_condition"] == {"prompt_layout": "anole"}
     assert (bundle.path / "tokenizer.json").is_file() and "tokenizer.json" in manifest["files"]
