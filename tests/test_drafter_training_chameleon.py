@@ -284,3 +284,32 @@ def test_bad_codes_files_are_one_line_errors(model_dir, samples, tmp_path):
         assert not out.exists(), name
     r = _cli("train-drafter", "--model", str(model_dir), "--out", str(tmp_path / "none"), "--steps", "1")
     assert r.exit_code == 2 and "'codes' and 'prompts'" in r.stderr and not (tmp_path / "none").exists()
+
+
+def test_lumina_training_scores_the_distributions_the_runtime_drafts_from(tmp_path):
+    """With Lumina-mGPT's row ends, the classification loss compares the head's distributions
+    under the layout rule, as drafts are drawn from them: certain at every row end (zero loss
+    there), the row end impossible elsewhere; the raw head would score other distributions."""
+    from lantern_rt.models.target import layout_logits
+    from tests.chameleon_fixtures import LUMINA_VQ
+    from tests.chameleon_fixtures import write_model_dir as write
+
+    md = open_model_dir(write(tmp_path, hf_model(vq_config=LUMINA_VQ), layout="lumina"))
+    target = load_target(md)
+    g, n, start = md.gpt.grid_size, md.gpt.block_size, md.gpt.cls_token_num
+    codes = torch.randint(md.gpt.vocab_size - 1, (2, n), generator=torch.Generator().manual_seed(3))
+    codes[:, g :: g + 1] = md.gpt.vocab_size - 1  # every row ends with its row end
+    batch = drafter_batch(target, codes, conditions(md, PROMPTS), torch.tensor([False, False]))
+    drafter, head = Drafter(DrafterConfig.for_target(md.gpt), md.gpt), target.output
+    with torch.no_grad():
+        _, _, ploss = eagle_loss(drafter, head, batch, 0.0, 0.1, layout=md.gpt)
+        _, _, raw = eagle_loss(drafter, head, batch, 0.0, 0.1)
+        pred = batch_predictions(drafter, batch, 1, batch[1])[0][:, -n:]
+    positions = torch.arange(start, start + n)
+    p = torch.softmax(layout_logits(head(batch[3]).float(), positions, md.gpt), -1)
+    log_q = torch.log_softmax(layout_logits(head(pred).float(), positions, md.gpt), -1)
+    per_row = -(p * log_q).sum(-1)
+    forced = (positions + 1 - start) % (g + 1) == g
+    torch.testing.assert_close(ploss, per_row.mean())
+    assert torch.all(per_row[:, forced] < 1e-6) and torch.all(p[:, ~forced, -1] < 1e-6)
+    assert abs(float(raw - ploss)) > 1e-3

@@ -44,8 +44,9 @@ from tqdm import tqdm
 
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.models.checkpoint import load_strict, torch_load
+from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
-from lantern_rt.models.target import Transformer
+from lantern_rt.models.target import Transformer, layout_logits
 from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import cfg_mix
 
@@ -259,9 +260,12 @@ def eagle_loss(
     generator=None,
     cfg_scale: float | None = None,
     unroll: int = 1,
+    layout: GPTConfig | None = None,
 ):
     """EAGLE-1 loss on one batch, averaged over ``unroll`` levels (see :func:`unroll_mask`);
-    returns (loss, regression loss, classification loss).
+    returns (loss, regression loss, classification loss). The distributions are the head's
+    under the target config ``layout``'s image layout (Lumina-mGPT's forced row ends:
+    :func:`~lantern_rt.models.target.layout_logits`), as the runtime draws drafts from them.
 
     With ``cfg_scale`` the batch's rows are all conditional rows, then the same images'
     unconditional rows, and the classification loss compares the CFG-mixed distributions. Only
@@ -274,14 +278,21 @@ def eagle_loss(
         h_in = h_in + (torch.rand(h_in.shape, generator=generator) - 0.5) * 2 * noise * rms
     vlosses, plosses = [], []
     prefix = h_in.shape[1] - h_target.shape[1]  # the prefix pairs, scored nowhere
+    layout = layout or GPTConfig()
+    start = max(layout.cls_token_num, 1)  # h_target[:, k]: the target's state at position start + k
+
+    def logits(h: torch.Tensor, level: int) -> torch.Tensor:
+        positions = torch.arange(start + level - 1, start + h_target.shape[1], device=h.device)
+        return layout_logits(head(h).float(), positions, layout)
+
     for level, pred in enumerate(batch_predictions(drafter, batch, unroll, h_in), start=1):
         pred, target = pred[:, prefix + level - 1 :], h_target[:, level - 1 :]
         vlosses.append(F.smooth_l1_loss(pred, target))
         if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
             pred, target = (cfg_mix(h, cfg_scale) for h in (pred, target))
         with torch.no_grad():
-            p_target = torch.softmax(head(target).float(), dim=-1)
-        plosses.append(-(p_target * torch.log_softmax(head(pred).float(), dim=-1)).sum(-1).mean())
+            p_target = torch.softmax(logits(target, level), dim=-1)
+        plosses.append(-(p_target * torch.log_softmax(logits(pred, level), dim=-1)).sum(-1).mean())
     vloss, ploss = torch.stack(vlosses).mean(), torch.stack(plosses).mean()
     return vloss + p_weight * ploss, vloss, ploss
 
@@ -382,7 +393,15 @@ def train_drafter(
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
         loss, vloss, ploss = eagle_loss(
-            drafter, target.output, batch, cfg.noise, cfg.p_weight, step_gen, cfg.cfg_scale, cfg.unroll
+            drafter,
+            target.output,
+            batch,
+            cfg.noise,
+            cfg.p_weight,
+            step_gen,
+            cfg.cfg_scale,
+            cfg.unroll,
+            target.config,
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
