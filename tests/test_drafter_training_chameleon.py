@@ -199,7 +199,7 @@ def test_training_lowers_the_loss_and_generate_runs_the_drafter(md, model_dir, s
     torch.manual_seed(0)
     fresh = Drafter(DrafterConfig.for_target(cfg), cfg)
     fresh.embed_tokens.weight.data.copy_(target.tok_embeddings.weight.data)  # as training starts
-    fresh.prompt_embeddings.weight.data.copy_(target.cls_embedding.weight.data)
+    fresh.prompt_table.copy_(target.cls_embedding.weight.data)
     out = tmp_path / "drafter"
     r = _cli(
         "train-drafter", "--model", str(model_dir), "--codes", str(folder / "train.npz"), "--out", str(out),
@@ -209,6 +209,10 @@ def test_training_lowers_the_loss_and_generate_runs_the_drafter(md, model_dir, s
     assert {f.name for f in out.iterdir()} >= {"drafter.safetensors", "config.json", "train_state.pt"}
     assert json.loads((out / "config.json").read_text())["vocab_size"] == cfg.vocab_size
     trained = load_drafter(md, out)
+    from safetensors.torch import load_file
+
+    assert not any("prompt" in k for k in load_file(str(out / "drafter.safetensors")))  # not saved
+    assert torch.equal(trained.prompt_table, target.cls_embedding.weight)  # the target's, at load
     before, after = held_out_loss(fresh), held_out_loss(trained)
     assert after < 0.6 * before, (before, after)  # measured 0.49-0.52 of it over four seeds
 

@@ -214,7 +214,7 @@ class DrafterPrefill(nn.Module):
         dtype = drafter.fc.weight.dtype
         kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
         count, rows = cls_token_num - 1, 2 * batch
-        self.prompt = hasattr(drafter, "prompt_embeddings")
+        self.prompt = drafter.takes_prompts
         prompt = (
             (
                 TensorSpec("cond", (rows, cls_token_num), torch.int64),
@@ -234,7 +234,7 @@ class DrafterPrefill(nn.Module):
         if not prompt:
             return prefix_pairs(step, hidden)
         cond, prefix = prompt
-        return prefix_pairs(step, hidden, self.drafter.prompt_embeddings(cond[:, 1:]), prefix[:, :-1])
+        return prefix_pairs(step, hidden, self.drafter.embed_prompt(cond[:, 1:]), prefix[:, :-1])
 
     def forward(self, hidden: Tensor, *prompt: Tensor) -> tuple[Tensor, Tensor]:
         return self._pairs(graph_drafter_step(self.drafter, self.blocks), hidden, *prompt)
@@ -248,7 +248,7 @@ class DrafterPrefill(nn.Module):
         if not self.prompt:
             return (hidden,)
         rows, slots = self.spec.inputs[1].shape
-        cond = torch.randint(self.drafter.prompt_embeddings.num_embeddings, (rows, slots), generator=g)
+        cond = torch.randint(self.drafter.prompt_table.shape[0], (rows, slots), generator=g)
         return hidden, cond, random_prefix(g, rows, slots)
 
 

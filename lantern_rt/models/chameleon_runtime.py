@@ -133,11 +133,14 @@ def runtime_target(
     return model.eval()
 
 
+PROMPT_TABLE = "prompt_table"  # the drafter's frozen prompt embedding (not in its state dict)
+
+
 def runtime_drafter(
     config: DrafterConfig, state: dict[str, Tensor], target: GPTConfig, image_token_ids: tuple[int, ...]
 ) -> tuple[DrafterConfig, dict[str, Tensor]]:
     """A drafter in the authors' Chameleon layout (vocabulary = the model's ``text_vocab_size``
-    words, rotate-half RoPE) as the runtime's: its embedding as ``prompt_embeddings`` and, in
+    words, rotate-half RoPE) as the runtime's: its embedding as ``prompt_table`` and, in
     code order, the image tokens' rows as ``embed_tokens``; q/k rows and norms interleaved. A
     drafter already over the image codes (``lantern train-drafter``'s) is returned as it is.
     ``image_token_ids``: :func:`image_vocabulary`, the ids of the runtime's tokens."""
@@ -151,7 +154,7 @@ def runtime_drafter(
     out = dict(state)
     key = "embed_tokens.weight"
     if key in out:
-        out["prompt_embeddings.weight"] = out[key]
+        out[PROMPT_TABLE] = out[key]
         out[key] = out[key][torch.tensor(image_token_ids)]
     for name, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.kv_heads)):
         for k in [k for k in out if k.endswith(f"self_attn.{name}.weight")]:

@@ -167,10 +167,12 @@ class DrafterLayer(nn.Module):
 class Drafter(nn.Module):
     """EAGLE-1 drafter over a target of config ``target``; the LM head is the target's.
 
-    For a prompt-token target (the Chameleon family) it also holds ``prompt_embeddings``, its
-    frozen embedding of the whole vocabulary: the prefix pairs carry the prompt's next token, as
-    the authors' Anole drafter is fed (docs/method.md §10); ``embed_tokens`` holds the image
-    codes' rows."""
+    For a prompt-token target (the Chameleon family) it also reads ``prompt_table``, the
+    embedding of the whole vocabulary: the prefix pairs carry the prompt's next token, as the
+    authors' Anole drafter is fed (docs/method.md §10); ``embed_tokens`` holds the image codes'
+    rows. The table is frozen and equals the target's (the authors' drafters keep a copy of it,
+    trained ones take it from the target: ``model_dir.load_drafter``), so it is not part of the
+    drafter's saved state."""
 
     def __init__(self, config: DrafterConfig, target: GPTConfig):
         super().__init__()
@@ -179,8 +181,8 @@ class Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         if target.model_type == "chameleon":
-            self.prompt_embeddings = nn.Embedding(target.text_vocab_size, config.hidden_size)
-            self.prompt_embeddings.weight.requires_grad_(False)
+            table = torch.zeros(target.text_vocab_size, config.hidden_size)
+            self.register_buffer("prompt_table", table, persistent=False)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.register_buffer("freqs_cis", rope_table(target), persistent=False)
@@ -210,6 +212,15 @@ class Drafter(nn.Module):
             new_k.append(k)
             new_v.append(v)
         return h, torch.stack(new_k), torch.stack(new_v)
+
+    @property
+    def takes_prompts(self) -> bool:
+        """Whether the prefix pairs carry prompt tokens (:meth:`embed_prompt`)."""
+        return hasattr(self, "prompt_table")
+
+    def embed_prompt(self, ids: Tensor) -> Tensor:
+        """Prompt token ids of the whole vocabulary [B, S] -> embeddings [B, S, H]."""
+        return F.embedding(ids, self.prompt_table)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Image codes [B, S] -> their embeddings; embeddings (a prompt's) pass through."""

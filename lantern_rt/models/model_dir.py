@@ -34,6 +34,7 @@ from lantern_rt.models.chameleon_dir import (
     open_chameleon_dir,
 )
 from lantern_rt.models.chameleon_runtime import (
+    PROMPT_TABLE,
     image_vocabulary,
     runtime_config,
     runtime_drafter,
@@ -267,6 +268,7 @@ def _chameleon_state(d: ChameleonDir) -> dict[str, torch.Tensor]:
 
 
 _STATE: list[Any] = [None, None]
+EMBEDDING_KEY = "model.embed_tokens.weight"  # a Chameleon checkpoint's input embedding
 
 
 EAGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "drafter.safetensors")
@@ -305,14 +307,25 @@ def load_drafter(
     except ConfigError as exc:
         raise ConfigError(f"{source}: drafter config: {exc}") from None
     state = clean_eagle_state(read_state_dict(weights))
+    table = None
     if md.chameleon is not None:
         try:
             ids = image_vocabulary(md.chameleon.config, _row_end_id(md))
             config, state = runtime_drafter(config, state, md.gpt, ids)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+        table = state.pop(PROMPT_TABLE, None)  # the authors' copy of the target's embedding
+        if table is None:  # a trained drafter's: the target's own
+            table = _chameleon_state(md.chameleon)[EMBEDDING_KEY]
     model = Drafter(config, md.gpt)
     load_strict(model, state, f"drafter checkpoint {weights}")
+    if table is not None:
+        if tuple(table.shape) != tuple(model.prompt_table.shape):
+            raise CheckpointError(
+                f"drafter checkpoint {weights}: its embedding is {list(table.shape)}, the model's "
+                f"vocabulary needs {list(model.prompt_table.shape)}"
+            )
+        model.prompt_table.copy_(table)
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -12,7 +12,7 @@ The drafter sees its pairs exactly as the runtime feeds them (docs/method.md §4
 for a prefix of P condition slots, first the P - 1 prefix pairs (target hidden at slot j, with
 the token of slot j + 1) at positions 1..P-1 (``drafting.prefix_pairs``), then image pair i
 (x_i, the target hidden state before it) at x_i's position P + i, causal. A prompt prefix's
-pairs carry the row's next prompt token, embedded by the drafter's ``prompt_embeddings``, and
+pairs carry the row's next prompt token, embedded by the drafter's ``prompt_table``, and
 the pairs of its padding slots are hidden from every other pair (each still sees itself); a
 class prefix (P = 1) has no prefix pairs.
 
@@ -172,7 +172,7 @@ def drafter_batch(
 
     The S pairs are the drafter's sequence as the runtime feeds it: the P - 1 prefix pairs
     (hidden at slot j, with slot j + 1's prompt token id: tokens of the whole vocabulary, for
-    the drafter's ``prompt_embeddings``) at positions 1..P-1, visible where slot j is, then pair
+    the drafter's ``prompt_table``) at positions 1..P-1, visible where slot j is, then pair
     P - 1 + i holding image code x_i with the target hidden state of the position before it, at
     x_i's position P + i; it must predict the target hidden state at x_i's own position (target
     hidden row i). Prefix pairs are scored nowhere: the last T rows of the drafter's output are
@@ -192,14 +192,14 @@ def drafter_batch(
 def batch_predictions(drafter: Drafter, batch, levels: int = 1, hidden: torch.Tensor | None = None):
     """The drafter's predicted hidden states [B, S, D] at levels 1..``levels`` over a
     :func:`drafter_batch` (its input hidden states replaced by ``hidden`` when given): a prompt
-    prefix's pairs embedded by ``prompt_embeddings``, its padding pairs hidden."""
+    prefix's pairs embedded by ``prompt_table``, its padding pairs hidden."""
     tokens, h_in, positions, h_target, *visible = batch
     h_in = h_in if hidden is None else hidden
     if not visible:
         return unrolled_predictions(drafter, tokens, h_in, positions, levels)
     prompt = h_in.shape[1] - h_target.shape[1]
     pairs = torch.cat(
-        [drafter.prompt_embeddings(tokens[:, :prompt]), drafter.embed_tokens(tokens[:, prompt:])], dim=1
+        [drafter.embed_prompt(tokens[:, :prompt]), drafter.embed_tokens(tokens[:, prompt:])], dim=1
     )
     return unrolled_predictions(drafter, pairs, h_in, positions, levels, visible[0])
 
@@ -350,8 +350,8 @@ def train_drafter(
     """
     target.eval().requires_grad_(False)
     drafter.embed_tokens.weight.data.copy_(target.tok_embeddings.weight.data)
-    if hasattr(drafter, "prompt_embeddings"):  # the target's whole vocabulary, frozen too
-        drafter.prompt_embeddings.weight.data.copy_(target.cls_embedding.weight.data)
+    if drafter.takes_prompts:  # the target's whole vocabulary, frozen (not saved with the drafter)
+        drafter.prompt_table.copy_(target.cls_embedding.weight.data)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0 if state_path is None or not state_path.exists() else resume(state_path, drafter, opt)

@@ -158,10 +158,10 @@ class TorchDrafter:
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
         if not hidden.shape[1]:
             self.cache.length.masked_fill_(fresh, 0)
-        elif not hasattr(self.drafter, "prompt_embeddings"):
+        elif not self.drafter.takes_prompts:
             self.cache.restart(*prefix_pairs(self._step, hidden), fresh)
         else:
-            embedded = self.drafter.prompt_embeddings(cond[:, 1:])
+            embedded = self.drafter.embed_prompt(cond[:, 1:])
             visible = prefix[:, :-1]
             self.cache.restart(*prefix_pairs(self._step, hidden, embedded, visible), fresh, visible)
 
