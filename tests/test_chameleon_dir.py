@@ -265,3 +265,23 @@ def test_open_errors_are_one_line_and_name_the_file(folders, tmp_path, case, wor
     assert str(named) in message
     if case == "no_weights":
         assert all(name in message for name in WEIGHT_FILES)
+
+
+def test_each_loader_reads_only_its_own_shards(source, folders, tmp_path):
+    """The target and the VQ tokenizer each read their keys alone: with a target-only shard gone,
+    the VQ still loads (and equals the full read's) while the target names the missing shard."""
+    import shutil
+
+    root = tmp_path / "partial"
+    shutil.copytree(folders["sharded"], root)
+    index = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    vq_shards = {f for k, f in index.items() if k.startswith("model.vqmodel.")}
+    gone = next(f for f in sorted(set(index.values())) if f not in vq_shards)
+    (root / gone).unlink()
+    d = open_chameleon_dir(root)
+    full = load_chameleon_vq(open_chameleon_dir(folders["sharded"]))
+    vq = load_chameleon_vq(d)
+    for (name, a), (_, b) in zip(vq.state_dict().items(), full.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(CheckpointError, match=gone):
+        load_chameleon_target(d)

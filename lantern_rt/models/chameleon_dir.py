@@ -100,10 +100,13 @@ def load_chameleon_target(
 ) -> ChameleonTarget:
     """The target decoder with the checkpoint's non-``model.vqmodel.*`` weights, in eval mode.
 
-    ``state``: the checkpoint already read with :func:`read_chameleon_state` (default: read it).
-    The RoPE frequencies stay fp32 whatever ``dtype`` is, as in ``transformers``.
+    ``state``: the checkpoint already read with :func:`read_chameleon_state` (default: read its
+    target keys alone). The RoPE frequencies stay fp32 whatever ``dtype`` is, as in
+    ``transformers``.
     """
-    state = read_chameleon_state(d) if state is None else state
+    state = (
+        read_state_dict(d.weights, lambda k: not k.startswith(CHECKPOINT_PREFIX)) if state is None else state
+    )
     model = ChameleonTarget(d.config)
     picked = {k: v for k, v in state.items() if not k.startswith(CHECKPOINT_PREFIX)}
     load_strict(model, _expand_qk_norms(model, picked), f"Chameleon target checkpoint {d.weights}")
@@ -119,8 +122,9 @@ def load_chameleon_vq(
     state: dict[str, Tensor] | None = None,
 ) -> ChameleonVQ:
     """The VQ image tokenizer (encoder and decoder) from the checkpoint's ``model.vqmodel.*``
-    weights, in eval mode; a checkpoint without the decoder is a one-line :class:`CheckpointError`."""
-    state = read_chameleon_state(d) if state is None else state
+    weights, in eval mode (``state``: as for :func:`load_chameleon_target`; default: read those
+    keys alone); a checkpoint without the decoder is a one-line :class:`CheckpointError`."""
+    state = read_state_dict(d.weights, lambda k: k.startswith(CHECKPOINT_PREFIX)) if state is None else state
     picked = {k[len(CHECKPOINT_PREFIX) :]: v for k, v in state.items() if k.startswith(CHECKPOINT_PREFIX)}
     if not picked:
         raise CheckpointError(

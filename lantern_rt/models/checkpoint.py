@@ -9,6 +9,7 @@ import pickle
 import re
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,10 @@ SAFE_GLOBALS = [argparse.Namespace]
 _REFUSED = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
-def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+def read_state_dict(path: str | Path, keep: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
     """Tensors from a ``.safetensors`` file, a torch checkpoint (read with ``weights_only``) or a
-    sharded HF checkpoint's ``*.index.json``.
+    sharded HF checkpoint's ``*.index.json``; with ``keep``, only the keys it accepts (a
+    safetensors file reads no others, a sharded one opens only the shards that hold them).
 
     A torch checkpoint may hold the state dict itself or wrap it under ``model``, ``module``
     or ``state_dict`` (LlamaGen's released files use ``model``; its training checkpoints add
@@ -43,15 +45,20 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.name.endswith(".index.json"):
-        return _read_sharded(path)
+        return _read_sharded(path, keep)
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
 
         try:
-            return load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys() if keep is None or keep(k)}
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    state = _torch_state(path)
+    return state if keep is None else {k: v for k, v in state.items() if keep(k)}
+
+
+def _torch_state(path: Path) -> dict[str, Tensor]:
     obj = torch_load(path)
     if isinstance(obj, dict):
         for key in WRAPPER_KEYS:
@@ -99,10 +106,13 @@ def _load_failure(exc: Exception) -> str:
     return f"not a torch checkpoint ({type(exc).__name__}: {first_line(exc)})"
 
 
-def _read_sharded(index: Path) -> dict[str, Tensor]:
-    """Every shard an HF ``model.safetensors.index.json``/``pytorch_model.bin.index.json`` names."""
+def _read_sharded(index: Path, keep: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
+    """The shards an HF ``model.safetensors.index.json``/``pytorch_model.bin.index.json`` names
+    (with ``keep``: those holding a key it accepts, read for those keys)."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
+        if keep is not None:
+            weight_map = {k: v for k, v in weight_map.items() if keep(k)}
         shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"cannot read {index}: not an HF index with a weight_map ({exc})") from exc
@@ -116,7 +126,7 @@ def _read_sharded(index: Path) -> dict[str, Tensor]:
             raise CheckpointError(f"{index} names shard {name!r}, an index itself")
         if not shard.is_file():
             raise CheckpointError(f"{index} names shard {name}, which is missing")
-        state.update(read_state_dict(shard))
+        state.update(read_state_dict(shard, keep))
     absent = sorted(set(weight_map) - set(state))
     if absent:
         raise CheckpointError(f"{index} maps {_listing(absent, 3)} to shards that lack them")

@@ -237,7 +237,7 @@ def load_target(
     """The target with its weights, in eval mode (a Chameleon model converted from its HF
     layout: :mod:`~lantern_rt.models.chameleon_runtime`)."""
     if md.chameleon is not None:
-        target = load_chameleon_target(md.chameleon, device, dtype, _chameleon_state(md.chameleon))
+        target = load_chameleon_target(md.chameleon, device, dtype)
         return runtime_target(target, md.gpt.cls_token_num, md.gpt.block_size, _row_end_id(md))
     model = Transformer(md.gpt)
     load_strict(
@@ -251,23 +251,12 @@ def load_vq(
 ) -> VQModel | ChameleonVQ:
     """The VQ tokenizer with its weights, in eval mode."""
     if md.chameleon is not None:
-        return load_chameleon_vq(md.chameleon, device, dtype, _chameleon_state(md.chameleon))
+        return load_chameleon_vq(md.chameleon, device, dtype)
     model = VQModel(md.vq)
     load_strict(model, read_state_dict(md.path("vq")), f"tokenizer checkpoint {md.path('vq')}")
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _chameleon_state(d: ChameleonDir) -> dict[str, torch.Tensor]:
-    """The folder's checkpoint, read once for the target and the VQGAN of one load (the last
-    read is kept until another folder's is read)."""
-    key = (d.weights, d.weights.stat().st_mtime_ns)
-    if _STATE[0] != key:
-        _STATE[:] = [None, None]  # the previous checkpoint is freed before the next is read
-        _STATE[:] = [key, read_state_dict(d.weights)]
-    return _STATE[1]
-
-
-_STATE: list[Any] = [None, None]
 EMBEDDING_KEY = "model.embed_tokens.weight"  # a Chameleon checkpoint's input embedding
 
 
@@ -316,7 +305,11 @@ def load_drafter(
             raise ConfigError(f"{source}: {exc}") from None
         table = state.pop(PROMPT_TABLE, None)  # the authors' copy of the target's embedding
         if table is None:  # a trained drafter's: the target's own
-            table = _chameleon_state(md.chameleon)[EMBEDDING_KEY]
+            table = read_state_dict(md.chameleon.weights, lambda k: k == EMBEDDING_KEY).get(EMBEDDING_KEY)
+            if table is None:
+                raise CheckpointError(
+                    f"{md.chameleon.weights} lacks {EMBEDDING_KEY}, the drafter's prompt embedding"
+                )
     model = Drafter(config, md.gpt)
     load_strict(model, state, f"drafter checkpoint {weights}")
     if table is not None:
