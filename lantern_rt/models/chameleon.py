@@ -240,6 +240,12 @@ class ChameleonDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
 
+def rope_frequencies(config: ChameleonConfig) -> Tensor:
+    """The rotate-half RoPE's inverse frequencies [head_dim / 2], fp32."""
+    d = config.head_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
 class ChameleonBody(nn.Module):
     """HF's ``ChameleonModel`` without the VQ model: embeddings, decoder layers, final norm."""
 
@@ -248,9 +254,7 @@ class ChameleonBody(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(ChameleonDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
 
 
 class ChameleonTarget(nn.Module):

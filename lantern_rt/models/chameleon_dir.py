@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern_rt.models.chameleon import ChameleonConfig, ChameleonTarget
+from lantern_rt.models.chameleon import ChameleonConfig, ChameleonTarget, rope_frequencies
 from lantern_rt.models.chameleon_vq import CHECKPOINT_PREFIX, ChameleonVQ, ChameleonVQConfig
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, read_json
@@ -101,15 +101,20 @@ def load_chameleon_target(
     """The target decoder with the checkpoint's non-``model.vqmodel.*`` weights, in eval mode.
 
     ``state``: the checkpoint already read with :func:`read_chameleon_state` (default: read its
-    target keys alone). The RoPE frequencies stay fp32 whatever ``dtype`` is, as in
-    ``transformers``.
+    target keys alone). The model is built on the meta device and takes the checkpoint's own
+    tensors (no fp32 random copy of 7B weights first), then moves to ``device`` and ``dtype``.
+    The RoPE frequencies stay fp32 whatever ``dtype`` is, as in ``transformers``.
     """
     state = (
         read_state_dict(d.weights, lambda k: not k.startswith(CHECKPOINT_PREFIX)) if state is None else state
     )
-    model = ChameleonTarget(d.config)
+    with torch.device("meta"):
+        model = ChameleonTarget(d.config)
     picked = {k: v for k, v in state.items() if not k.startswith(CHECKPOINT_PREFIX)}
-    load_strict(model, _expand_qk_norms(model, picked), f"Chameleon target checkpoint {d.weights}")
+    load_strict(
+        model, _expand_qk_norms(model, picked), f"Chameleon target checkpoint {d.weights}", assign=True
+    )
+    model.model.inv_freq = rope_frequencies(d.config)
     model = model.to(device=device, dtype=dtype).eval()
     model.model.inv_freq = model.model.inv_freq.float()
     return model

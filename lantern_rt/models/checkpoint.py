@@ -138,8 +138,9 @@ def _listing(keys: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def load_strict(module: nn.Module, state: dict[str, Tensor], what: str) -> None:
-    """Copy ``state`` into ``module``; any missing, unexpected or mis-shaped key is an error."""
+def load_strict(module: nn.Module, state: dict[str, Tensor], what: str, assign: bool = False) -> None:
+    """Copy ``state`` into ``module`` (``assign``: take its tensors themselves, for a module
+    built on the meta device); any missing, unexpected or mis-shaped key is an error."""
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -162,7 +163,7 @@ def load_strict(module: nn.Module, state: dict[str, Tensor], what: str) -> None:
         raise CheckpointError(
             f"{what} holds NaN or infinite values (first in {bad}): the weights are corrupt"
         )
-    module.load_state_dict(state, strict=True)
+    module.load_state_dict(state, strict=True, assign=assign)
 
 
 def save_safetensors(
