@@ -20,7 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.config import ConfigError, build_config, check_ranges
-from lantern_rt.models.target import QKNorm, RMSNorm  # HF's ChameleonRMSNorm is the same formula
+from lantern_rt.models.target import (  # HF's ChameleonRMSNorm is the same formula
+    QKNorm,
+    RMSNorm,
+    cached_attention,
+)
 
 IMAGE_TOKEN_PREFIX = "IMGIMG"
 ROW_END_TOKEN = "<reserved08799>"  # Lumina-mGPT's end of an image row (id 8803 in Chameleon's vocabulary)
@@ -197,14 +201,7 @@ class ChameleonAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), k, v
+        return self.o_proj(cached_attention(q, k, v, past_k, past_v, mask)), k, v
 
 
 class ChameleonMLP(nn.Module):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.config import ConfigError, GPTConfig, build_config, check_ranges
-from lantern_rt.models.target import QKNorm, RMSNorm, apply_rope, rope_table
+from lantern_rt.models.target import QKNorm, RMSNorm, apply_rope, cached_attention, rope_table
 
 
 @dataclass
@@ -128,13 +128,7 @@ class DrafterAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope).transpose(1, 2), apply_rope(k, rope).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        if self.n_kv != self.n_head:
-            keys = keys.repeat_interleave(self.n_head // self.n_kv, dim=1)
-            values = values.repeat_interleave(self.n_head // self.n_kv, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), k, v
+        return self.o_proj(cached_attention(q, k, v, past_k, past_v, mask)), k, v
 
 
 class DrafterMLP(nn.Module):

@@ -150,6 +150,32 @@ class FeedForward(nn.Module):
         return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
+def cached_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past_k: Tensor | None,
+    past_v: Tensor | None,
+    mask: Tensor | None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Queries ``q`` [B, H, S, D] over the past K/V [B, Hkv, P, D] (None: P = 0) then the new
+    ``k``/``v`` [B, Hkv, S, D], key heads shared by H / Hkv query heads; ``mask`` bool [B or 1,
+    1, S, P + S], True where attention is allowed (None: causal over the new tokens alone).
+    Returns [B, S, H * D]. The one attention of the torch models (target, drafter, Chameleon)."""
+    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+    values = v if past_v is None else torch.cat([past_v, v], dim=2)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        keys = keys.repeat_interleave(rep, dim=1)
+        values = values.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p
+    )
+    b, _, s, _ = q.shape
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -193,21 +219,8 @@ class Attention(nn.Module):
         q = apply_rope(q, rope).transpose(1, 2)
         k = apply_rope(k, rope).transpose(1, 2)
         v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=self.attn_dropout_p if self.training else 0.0,
-        )
-        out = out.transpose(1, 2).reshape(b, s, self.dim)
+        dropout = self.attn_dropout_p if self.training else 0.0
+        out = cached_attention(q, k, v, past_k, past_v, mask, dropout)
         return self.resid_dropout(self.wo(out)), k, v
 
 
