@@ -32,6 +32,7 @@ from lantern_rt.runtime.drafting import (
     draft_tree,
     noise_rows,
     prefix_pairs,
+    prompt_pairs,
 )
 from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
@@ -233,8 +234,8 @@ class DrafterPrefill(nn.Module):
     def _pairs(self, step: DraftStep, hidden: Tensor, *prompt: Tensor) -> tuple[Tensor, Tensor]:
         if not prompt:
             return prefix_pairs(step, hidden)
-        cond, prefix = prompt
-        return prefix_pairs(step, hidden, self.drafter.embed_prompt(cond[:, 1:]), prefix[:, :-1])
+        k, v, _ = prompt_pairs(step, hidden, self.drafter.embed_prompt, *prompt)
+        return k, v
 
     def forward(self, hidden: Tensor, *prompt: Tensor) -> tuple[Tensor, Tensor]:
         return self._pairs(graph_drafter_step(self.drafter, self.blocks), hidden, *prompt)

@@ -260,11 +260,11 @@ def _prefill(
     everything = torch.ones(2, target.cls_token_num, dtype=torch.bool)
     visible = [everything if c.prefix is None else c.prefix.cpu().expand(2, -1) for c in conds]
     prefix = torch.cat([torch.stack([v[0] for v in visible]), torch.stack([v[1] for v in visible])])
-    prefix = prefix.to(device)
+    prefix, cond = prefix.to(device), cond.to(device)
     with span("prefill"):
-        logits, hidden = target.prefill(cond.to(device), prefix, is_fresh)
+        logits, hidden = target.prefill(cond, prefix, is_fresh)
         if spec:
-            spec.drafter.prefill(hidden[:, :-1], is_fresh, cond.to(device), prefix)
+            spec.drafter.prefill(hidden[:, :-1], is_fresh, cond, prefix)
     hidden = hidden[:, -1]
     vocab = logits.shape[-1]
     if state is None:

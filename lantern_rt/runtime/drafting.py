@@ -157,6 +157,16 @@ def prefix_pairs(
     return k, v
 
 
+def prompt_pairs(
+    step: DraftStep, hidden: Tensor, embed: Callable[[Tensor], Tensor], cond: Tensor, prefix: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`prefix_pairs` over a prompt-token prefix: slot j's state ``hidden`` [2B, P - 1, D]
+    with its row's token at slot j + 1 (``cond`` [2B, P], embedded by ``embed``), visible where
+    slot j is (``prefix`` [2B, P]); -> (K, V, the pairs' visibility [2B, P - 1] for the cache)."""
+    visible = prefix[:, :-1]
+    return (*prefix_pairs(step, hidden, embed(cond[:, 1:]), visible), visible)
+
+
 def cfg_pairs(tokens: Tensor) -> Tensor:
     """A drafter step's token input for its 2B CFG rows: image tokens [B, S], the same in both
     rows of an image, repeated (:func:`~lantern_rt.runtime.sampling.cfg_rows`); a prompt's

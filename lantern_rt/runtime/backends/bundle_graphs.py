@@ -174,7 +174,8 @@ class BundleDrafter:
         if self._prefill is None:
             self.cache.length.masked_fill_(fresh, 0)
         elif self._prompt:
-            self.cache.restart(*self._prefill(hidden, cond, prefix), fresh, prefix[:, :-1])
+            visible = prefix[:, :-1]  # the graph's prompt_pairs: slot j's pair is seen where slot j is
+            self.cache.restart(*self._prefill(hidden, cond, prefix), fresh, visible)
         else:
             self.cache.restart(*self._prefill(hidden), fresh)
 

@@ -25,6 +25,7 @@ from lantern_rt.runtime.drafting import (
     draft_plan,
     draft_tree,
     prefix_pairs,
+    prompt_pairs,
 )
 from lantern_rt.runtime.kv_cache import KVCache, prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
@@ -161,9 +162,8 @@ class TorchDrafter:
         elif not self.drafter.takes_prompts:
             self.cache.restart(*prefix_pairs(self._step, hidden), fresh)
         else:
-            embedded = self.drafter.embed_prompt(cond[:, 1:])
-            visible = prefix[:, :-1]
-            self.cache.restart(*prefix_pairs(self._step, hidden, embedded, visible), fresh, visible)
+            k, v, visible = prompt_pairs(self._step, hidden, self.drafter.embed_prompt, cond, prefix)
+            self.cache.restart(k, v, fresh, visible)
 
     @torch.inference_mode()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
