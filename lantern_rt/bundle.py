@@ -401,8 +401,6 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
                 raise BundleError(
                     f"{where}: trees.{name}.{key} must be a graph name or null, got {graph!r}"[:300]
                 )
-            if graph is not None and graph not in manifest["graphs"]:
-                raise BundleError(f"{where}: tree {name} names a missing graph {graph!r}")
     sizes = c["batch_sizes"]
     if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
         raise BundleError(f"{where}: constants.batch_sizes must list batch sizes >= 1")

@@ -181,11 +181,12 @@ def prompt_rows(tokenizer: Any, prompt: str, length: int, layout: PromptLayout) 
     ``length`` with ``layout.pad_id``.
 
     Text longer than ``length - layout.fixed_length`` tokens is cut at the end (the prefix and
-    suffix ids are kept) and ``truncated`` is True. An empty prompt, or a ``length`` without
-    room for the fixed ids and one text token, is a one-line :class:`TextEncoderError`.
+    suffix ids are kept) and ``truncated`` is True. An empty prompt is the layout with no
+    text (Anole: ``<s> <reserved08706> <racm3:break>``), not the unconditional row. A ``length``
+    without room for the fixed ids and one text token is a one-line :class:`TextEncoderError`.
     """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise TextEncoderError("the prompt is empty")
+    if not isinstance(prompt, str):
+        raise TextEncoderError(f"a prompt must be a string, not {type(prompt).__name__}")
     need = max(layout.fixed_length + 1, len(layout.uncond_ids))
     if isinstance(length, bool) or not isinstance(length, int) or length < need:
         raise TextEncoderError(
@@ -194,8 +195,6 @@ def prompt_rows(tokenizer: Any, prompt: str, length: int, layout: PromptLayout) 
         )
     check_tokenizer(tokenizer, layout)
     text = encode_text(tokenizer, layout.text(prompt))
-    if not text:
-        raise TextEncoderError(f"the prompt {prompt[:40]!r} has no tokens")
     room = length - layout.fixed_length
     truncated = len(text) > room
     cond = [*layout.prefix_ids, *text[:room], *layout.suffix_ids]

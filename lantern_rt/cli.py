@@ -659,7 +659,7 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
 
 def _codes_file(path: Path, md: ModelDir | None = None) -> dict:
     """One --codes file's codes [N, tokens], integers, and labels [N], integers, or for a
-    Chameleon-family ``md`` prompts [N], non-empty strings (a numpy unicode array); with ``md``,
+    Chameleon-family ``md`` prompts [N], strings (a numpy unicode array); with ``md``,
     codes of its codebook and labels of its classes (the token count is :func:`_drafter_data`'s
     to check)."""
     import zipfile
@@ -690,10 +690,6 @@ def _codes_file(path: Path, md: ModelDir | None = None) -> dict:
         raise UserError(
             f"{path}: 'codes' [N, tokens] and '{key}' [N] hold {len(codes)} and {len(labels)} images"
         )
-    if key == "prompts":
-        empty = [i for i, prompt in enumerate(labels.tolist()) if not prompt.strip()]
-        if empty:
-            raise UserError(f"{path}: prompt {empty[0]} is empty ({len(empty)} empty in all)")
     if md is not None:
         limits = [("codes", codes, md.gpt.vocab_size)]
         if key == "labels":

@@ -133,7 +133,9 @@ def _warn(message: str) -> None:
 def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:
     """What a run makes, validated against the model's kind: class ids (``classes``: ids or
     names; every class when empty) for a class-conditional model, ``prompts`` for a
-    text-conditional one (at least one, none of them blank); :class:`ConfigError` otherwise."""
+    text-conditional one (at least one; an empty prompt is conditioned as the model's own code
+    conditions it: LlamaGen on ``</s>`` alone, not on the null caption); :class:`ConfigError`
+    otherwise."""
     if info.gpt.takes_prompts:
         if classes:
             raise ConfigError(
@@ -141,8 +143,6 @@ def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequen
             )
         if not prompts:
             raise ConfigError(f"{info.name} is a text-to-image model: give --prompt TEXT or --prompts FILE")
-        if any(not p.strip() for p in prompts):
-            raise ConfigError("a prompt is empty: give some text (an empty caption is LlamaGen's null row)")
         return list(prompts)
     if prompts:
         raise ConfigError(f"{info.name} is a class-conditional model: give --class, not --prompt/--prompts")

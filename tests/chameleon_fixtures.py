@@ -44,23 +44,28 @@ def code_name(code: int) -> str:
     return "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(code)) + "Z"
 
 
-def vocabulary() -> dict[str, int]:
-    """Chameleon's ids: <s> 0, <pad> 1, image tokens from 4, <eoss> 8196, <racm3:break> 8197,
-    <reservedNNNNN> at NNNNN + 4, then the test words."""
+def vocabulary(n_image: int = N_IMAGE) -> dict[str, int]:
+    """Chameleon's ids: <s> 0, <pad> 1, ``n_image`` image tokens from 4, <eoss> 8196,
+    <racm3:break> 8197, <reservedNNNNN> at NNNNN + 4, then the test words."""
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    vocab |= {code_name(c): 4 + c for c in range(N_IMAGE)}
-    vocab |= {f"<reserved{i - 4:05d}>": i for i in range(4 + N_IMAGE, 8196)}
+    vocab |= {code_name(c): 4 + c for c in range(n_image)}
+    vocab |= {f"<reserved{i - 4:05d}>": i for i in range(4 + n_image, 8196)}
     vocab |= {"<eoss>": 8196, "<racm3:break>": 8197}
     vocab |= {f"<reserved{i - 4:05d}>": i for i in range(8198, 8850)}
     vocab |= {w: 8850 + i for i, w in enumerate(WORDS)}
     return vocab
 
 
-def hf_config(**overrides):
+def hf_config(n_image: int = N_IMAGE, **overrides):
+    """The tiny decoder's transformers config, with ``n_image`` image tokens (VQ codes)."""
     import transformers
 
     values = dict(
-        TINY_DECODER, vocab_size=VOCAB, max_position_embeddings=128, vocabulary_map=vocabulary(), vq_config=VQ
+        TINY_DECODER,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        vocabulary_map=vocabulary(n_image),
+        vq_config=VQ | {"num_embeddings": n_image},
     )
     return transformers.ChameleonConfig(**(values | overrides))
 
@@ -87,10 +92,9 @@ def hf_model(seed: int = 0, **overrides):
     return model.eval()
 
 
-def write_tokenizer(folder: Path) -> None:
+def write_tokenizer(folder: Path, vocab: dict[str, int]) -> None:
     import tokenizers
 
-    vocab = vocabulary()
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.post_processor = tokenizers.processors.TemplateProcessing(
@@ -110,7 +114,7 @@ def write_model_dir(root: Path, model, drafter: Path | None = None, layout: str 
     state = load_file(str(hf_dir / "model.safetensors"))
     state |= {f"model.vqmodel.{k}": v.clone() for k, v in vq.state_dict().items() if k.startswith("decoder.")}
     save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(hf_dir)
+    write_tokenizer(hf_dir, dict(model.config.vocabulary_map))
     config = {
         "family": "chameleon",
         "name": "tiny-anole",

@@ -3,6 +3,8 @@ positions, finished images replaced by the next job; the same tokens as one imag
 
 from __future__ import annotations
 
+import json
+
 import onnx
 import pytest
 import torch
@@ -202,3 +204,74 @@ def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tm
     assert precision["vq_decode"] == "fp32" and int8.constants.batch_sizes == (1, 3)
     assert report["graphs"]["draft_tree_0_b3"]["calls"] > 0
     assert (int8.path / WEIGHTS).is_file() and not any(p.suffix == ".data" for p in int8.path.iterdir())
+
+
+def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(models, tmp_path, monkeypatch):  # noqa: F811
+    """`--batch-size 2` on a model directory exports what B = 2 needs (generate, bench and
+    generate-set on an empty cache), and `lantern export --batch-size 2` without 1 gives a
+    bundle that runs; every image keeps the tokens torch gives it at B = 1."""
+    import numpy as np
+
+    target, drafter = models
+    model = write_model_dir(tmp_path / "model", target, tiny_vq())
+    add_drafter(model, drafter)
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    images = ["--classes", "0,3", "-n", "2", "-q", "--tree", "chain-5"]
+
+    def generate(source: list[str], name: str, *extra: str) -> np.ndarray:
+        out = tmp_path / f"{name}.npy"
+        args = [
+            "generate",
+            *source,
+            *images,
+            *extra,
+            "-o",
+            str(out.with_suffix(".png")),
+            "--save-tokens",
+            str(out),
+        ]
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 0, r.output
+        return np.load(out)
+
+    want = generate(["--model", str(model)], "torch", "--backend", "torch")
+    assert np.array_equal(generate(["--model", str(model)], "cached", "--batch-size", "2"), want)
+    bench = ["bench", "--model", str(model), "--tree", "chain-5", "--config", "ar", "--config", "lantern++"]
+    r = CliRunner().invoke(
+        main, [*bench, "--batch-size", "2", "-n", "1", "--no-quality", "--out", str(tmp_path / "bench")]
+    )
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "bench" / "results.json").read_text())["rows"]
+    assert {row["batch_size"] for row in rows} == {2}
+    set_args = [
+        "generate-set",
+        "--model",
+        str(model),
+        *images,
+        "--batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "set"),
+    ]
+    r = CliRunner().invoke(main, set_args)
+    assert r.exit_code == 0, r.output
+    shards = sorted((tmp_path / "set").glob("shard-*.npz"))
+    assert np.array_equal(np.concatenate([np.load(s)["codes"] for s in shards]), want)
+    r = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--model",
+            str(model),
+            "--tree",
+            "chain-5",
+            "--batch-size",
+            "2",
+            "--out",
+            str(tmp_path / "b2"),
+            "-q",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert Bundle.open(tmp_path / "b2").constants.batch_sizes == (2,)
+    assert np.array_equal(generate(["--bundle", str(tmp_path / "b2")], "b2", "--batch-size", "2"), want)

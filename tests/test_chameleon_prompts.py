@@ -113,6 +113,18 @@ def test_lumina_rows(chameleon_tok):
     assert rows.ids[:, -1].tolist() == [8828, 8828]  # the last prompt token predicts the first code
 
 
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_an_empty_prompt_is_the_layout_without_text(chameleon_tok, prompt):
+    """Not the unconditional row: Anole's fixed tokens around no text, Lumina's template alone."""
+    anole = prompt_rows(chameleon_tok, prompt, 10, ANOLE)
+    assert anole.ids[0].tolist() == [1] * 7 + [0, 8710, 8197] and anole.mask.sum(1).tolist() == [3, 2]
+    assert anole.ids[1].tolist() == [1] * 8 + [0, 8197] and not anole.truncated
+    lumina = prompt_rows(chameleon_tok, prompt, 24, LUMINA)
+    template = "Generate an image of 768x768 according to the following prompt :"
+    cond = [0, *_word_ids(chameleon_tok, template), 8710, 8197, 8828, 8828]
+    assert lumina.ids[0, 24 - len(cond) :].tolist() == cond and lumina.mask[0].sum() == len(cond)
+
+
 def test_truncation_cuts_the_end_of_the_text_and_keeps_the_fixed_tokens(chameleon_tok):
     text = _word_ids(chameleon_tok, "a red cat on the mat")
     exact = prompt_rows(chameleon_tok, "a red cat on the mat", 9, ANOLE)
@@ -133,8 +145,7 @@ def test_truncation_cuts_the_end_of_the_text_and_keeps_the_fixed_tokens(chameleo
 
 def test_errors_are_one_line(chameleon_tok, tmp_path):
     cases = [
-        (lambda: prompt_rows(chameleon_tok, "", 10, ANOLE), "empty"),
-        (lambda: prompt_rows(chameleon_tok, "  \n", 10, ANOLE), "empty"),
+        (lambda: prompt_rows(chameleon_tok, None, 10, ANOLE), "must be a string"),
         (lambda: prompt_rows(chameleon_tok, "a cat", 3, ANOLE), "too small"),
         (lambda: prompt_rows(chameleon_tok, "a cat", 5, LUMINA), "too small"),
         (lambda: prompt_rows(chameleon_tok, "a cat", True, ANOLE), "too small"),

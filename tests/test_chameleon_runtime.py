@@ -434,3 +434,37 @@ def test_cli_drafter_override_takes_the_authors_folder(model_dir, hf, tmp_path):
         main, [*args, "--method", "exact", "--drafter", str(bad), "--output", str(tmp_path / "y.png")]
     )
     assert out.exit_code == 2 and "vocabulary 77" in out.output and "Traceback" not in out.output
+
+
+@pytest.fixture(scope="module")
+def large_vocab(tmp_path_factory):
+    """An Anole-layout model with 4096 image codes: more than the 3840 logits the graphs' filter
+    sorts (TensorRT's TopK limit), as Anole's 8192 and LlamaGen's 16384 are."""
+    model = hf_model(n_image=4096)
+    root = tmp_path_factory.mktemp("anole4096")
+    write_authors_drafter(root / "drafter", model)
+    return open_model_dir(write_model_dir(root, model, root / "drafter"))
+
+
+def test_a_vocabulary_above_the_sort_width_samples_alike_on_torch_and_onnxruntime(large_vocab, tmp_path):
+    """The drafter bundle passes its export checks, and sampling with top-k and top-p off draws
+    the same tokens on torch and onnxruntime for each method, tokens ranked past 3840 included."""
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline
+    from lantern_rt.runtime.sampling import TOPK_LIMIT
+    from lantern_rt.runtime.tree import load_tree
+
+    md = large_vocab
+    assert md.gpt.vocab_size == 4096 > TOPK_LIMIT
+    bundle = Bundle.open(export_bundle(md, tmp_path / "b", [load_tree("chain-5")]))
+    sampling = SamplingConfig(3.0, temperature=3.0)
+    for method in ("ar", "exact", "lantern++"):
+        ours, theirs = (
+            generate(pipe(method), PROMPTS, sampling, seed=3, progress=False)
+            for pipe in (
+                lambda m: onnxruntime_pipeline(bundle, MethodConfig(method=m)),
+                lambda m: torch_pipeline(md, MethodConfig(method=m)),
+            )
+        )
+        assert ours.tokens.tolist() == theirs.tokens.tolist(), method

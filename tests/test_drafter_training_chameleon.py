@@ -251,12 +251,9 @@ def test_single_rows_use_the_prompts_unconditional_row(md):
 
 def _bad_files(codes, prompts):
     """(name, arrays, words of the error) for each malformed --codes file."""
-    blank = prompts.copy()
-    blank[3] = "  "
     return [
         ("no_prompts", {"codes": codes, "labels": np.zeros(len(codes), dtype=np.int64)}, "'prompts'"),
         ("short", {"codes": codes[:, :9], "prompts": prompts}, "9 tokens; this model's are 16"),
-        ("blank", {"codes": codes, "prompts": blank}, "prompt 3 is empty"),
         ("count", {"codes": codes, "prompts": prompts[:-1]}, "hold 16 and 15 images"),
         ("range", {"codes": codes + 64, "prompts": prompts}, "outside 0..31"),
         ("bytes", {"codes": codes, "prompts": prompts.astype(bytes)}, "'prompts' must be strings [N]"),

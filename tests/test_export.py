@@ -394,8 +394,8 @@ SCHEMA_ERRORS = {
     ),
     "tree-names-a-missing-graph": (
         ("trees", "mc_sim_7b_63", "graph"),
-        "draft_tree_0",
-        r"tree mc_sim_7b_63 names a missing graph 'draft_tree_0'",
+        "draft_tree_9",
+        r"the bundle lacks its draft_tree_9 graph",
     ),
     "dtype-int4": (("dtype",), "int4", r"dtype 'int4' is none of fp32, fp16, int8"),
     "gpt-field-a-string": (("gpt", "n_layer"), "2", r"GPTConfig\.n_layer must be int, got '2'"),

@@ -68,6 +68,20 @@ def test_filter_matches_the_sort_and_scatter_reference(temperature, top_k, top_p
         assert torch.equal(filter_logits(logits, t, k, p, 32), got)
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (3000, 1.0), (100, 0.5)])
+def test_filter_beyond_the_sort_width_matches_the_reference(top_k, top_p):
+    """A vocabulary above the sort width (LlamaGen's 16384, Chameleon's 8192 codes): off is a
+    no-op and top-k alone keeps its k, however many logits are past the sorted ones."""
+    vocab, width = 5000, 3840
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    cfg = SamplingConfig(cfg_scale=3.0, temperature=0.9, top_k=top_k, top_p=top_p)
+    _, t, k, p = filter_inputs(cfg, torch.device("cpu"))
+    got = filter_logits(logits, t, k, p, min(vocab, width))
+    want = reference_filter(logits, 0.9, top_k, top_p)
+    assert torch.equal(got.isinf(), want.isinf())
+    torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()])
+
+
 def test_sort_width_limits_are_one_line_errors():
     check_sort_width(SamplingConfig(3.0, top_k=2000, top_p=0.9), 16384, 3840)  # LlamaGen's settings fit
     check_sort_width(SamplingConfig(3.0, top_p=0.9), 1024, 1024)  # the whole vocabulary is sorted

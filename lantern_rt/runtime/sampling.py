@@ -98,8 +98,10 @@ def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int) 
     top = top.masked_fill(top < kth, float("-inf"))
     mass = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
     before = torch.cumsum(mass, dim=-1) - mass  # the mass of the larger logits
-    kept = (before <= top_p) | (top_p >= 1.0)
+    kept = before <= top_p
     smallest = torch.where(kept, top, float("inf")).amin(dim=-1, keepdim=True)
+    # top-p off keeps every token top-k kept, beyond the sort width too (a no-op when both are off)
+    smallest = torch.where(top_p >= 1.0, float("-inf"), smallest)
     return logits.masked_fill(logits < smallest, float("-inf"))
 
 
