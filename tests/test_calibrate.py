@@ -59,6 +59,7 @@ def quantized_graphs(path: Path) -> dict[str, Path]:
 def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
     out, _, _ = calibrated
     graphs = quantized_graphs(out)
+    vocab = Bundle.open(out).constants.vocab_size
     assert set(graphs) == {
         "target_prefill",
         "target_ar_step",
@@ -81,6 +82,15 @@ def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
             axis = next(a.i for a in node.attribute if a.name == "axis")
             assert weight.dtype == np.int8 and axis == out_axis and scale.shape == (weight.shape[axis],)
             assert not np.isin(weight, (-127, 0, 127)).all(), "a 0/+-1 matrix (RoPE) was quantized"
+            assert weight.shape[axis] != vocab, "the output head was quantized"
+        heads = [  # the logits' matmul keeps its fp32 weight
+            n
+            for n in model.graph.node
+            if n.op_type in ("MatMul", "Gemm")
+            and n.input[1] in consts
+            and consts[n.input[1]].shape[-1] == vocab
+        ]
+        assert heads and all(consts[n.input[1]].dtype == np.float32 for n in heads)
 
 
 def test_the_int8_bundle_is_complete(fp32, calibrated):

@@ -3,7 +3,8 @@
 :func:`calibrate_bundle` generates images with the fp32 bundle on onnxruntime through a recording
 :data:`RunnerFactory` (the decode loop is unchanged), quantizes the target and drafter graphs with
 onnxruntime's static QDQ quantizer (symmetric int8, zero points 0, per-channel weight scales, only
-the weight MatMul/Gemm inputs: attention products, softmax and the VQ decoder stay fp32), writes
+the weight MatMul/Gemm inputs: attention products, softmax, the output head that makes the logits
+and the VQ decoder stay fp32), writes
 the new bundle as the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
 :func:`~lantern_rt.bundle.write_manifest`), and compares it with the fp32 bundle: accuracy with the
 Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime sessions.
@@ -186,11 +187,12 @@ def record_inputs(
     return recorder
 
 
-def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]]) -> None:
-    """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes, calibrated on
-    ``samples`` (min/max, symmetric); raises :class:`CalibrationError` if it breaks a rule."""
+def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]], vocab: int) -> None:
+    """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes but the output
+    head (``vocab`` outputs), calibrated on ``samples`` (min/max, symmetric); raises
+    :class:`CalibrationError` if it breaks a rule."""
     model = onnx.load(str(src))
-    nodes = weight_nodes(model)
+    nodes = weight_nodes(model, vocab)
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     # its advice to run quant_pre_process goes to the root logger; that step adds nothing here
     # (static shapes, same ops) but opset imports of onnxruntime's own domains
@@ -206,18 +208,29 @@ def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]]) -
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
 
 
-def weight_nodes(model: onnx.ModelProto) -> list[str]:
+def weight_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
     """The MatMul/Gemm nodes whose second input is a learned weight: a constant that is not all
     0 and +-1 (RoPE's rotate-half matrix is exact in any precision, and quantizing its input
-    would only add error to the queries and keys)."""
+    would only add error to the queries and keys), and that does not have ``vocab`` outputs.
+
+    The output head stays fp32: the logits decide every draw and acceptance, and on
+    onnxruntime's CPU kernels its int8 form is slower (its weight is dequantized at every call:
+    BENCHMARKS.md, "INT8 on a CPU with VNNI")."""
     consts = {t.name: t for t in model.graph.initializer}
     return [
         node.name
         for node in model.graph.node
         if node.op_type in QUANTIZED_OPS
         and node.input[1] in consts
+        and _outputs(node, consts[node.input[1]]) != vocab
         and not np.isin(onnx.numpy_helper.to_array(consts[node.input[1]]), (-1, 0, 1)).all()
     ]
+
+
+def _outputs(node: onnx.NodeProto, weight: onnx.TensorProto) -> int:
+    """Output features of a weight MatMul ([in, out]) or Gemm ([out, in] with transB)."""
+    trans_b = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+    return weight.dims[0] if trans_b else weight.dims[-1]
 
 
 def _quantize(
@@ -393,7 +406,7 @@ def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, An
             onnx.save(onnx.load(str(src)), str(dst))  # its weights inline, until shared below
             graphs[name] = {**raw[name], "precision": "fp32"}
             continue
-        quantize_graph(src, dst, recorder.samples[name])
+        quantize_graph(src, dst, recorder.samples[name], bundle.constants.vocab_size)
         inputs, outputs = io_specs(dst)
         if (inputs, outputs) != ([s.to_json() for s in entry.inputs], [s.to_json() for s in entry.outputs]):
             raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
