@@ -458,7 +458,9 @@ def test_a_vocabulary_above_the_sort_width_samples_alike_on_torch_and_onnxruntim
     md = large_vocab
     assert md.gpt.vocab_size == 4096 > TOPK_LIMIT
     bundle = Bundle.open(export_bundle(md, tmp_path / "b", [load_tree("chain-5")]))
-    sampling = SamplingConfig(3.0, temperature=3.0)
+    # hot enough that tokens ranked past 3840 are drawn: an eager filter that cut them (the bug)
+    # gives other tokens than the graphs for every method at this temperature (checked), not at 3
+    sampling = SamplingConfig(3.0, temperature=30.0)
     for method in ("ar", "exact", "lantern++"):
         ours, theirs = (
             generate(pipe(method), PROMPTS, sampling, seed=3, progress=False)
