@@ -109,7 +109,8 @@ class GraphEntry:
 @dataclass(frozen=True)
 class TreeEntry:
     """A tree the bundle was exported for: its paths, the graph that drafts it and the graph that
-    verifies and accepts it (both None when the model has no drafter)."""
+    verifies and accepts it (``graph`` None when the model has no drafter: a chain's verify graph
+    still serves a Jacobi window, docs/method.md §11)."""
 
     name: str
     paths: tuple[tuple[int, ...], ...]

@@ -20,6 +20,7 @@ from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import (
     BACKENDS,
     CPU_DEFAULT_TREE,
+    DEFAULT_WINDOW,
     GPU_DEFAULT_TREE,
     MAX_BATCH_SIZE,
     MAX_IMAGES_PER_CLASS,
@@ -150,8 +151,9 @@ _RUN_OPTIONS = [
         "--method",
         type=click.Choice(METHODS),
         default=None,
-        help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++). "
-        "Default: lantern++ when the model has a drafter, else ar.",
+        help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++); "
+        "sjd and sjd++ need no drafter: a Jacobi window drafted from the target's own distributions, exact "
+        "or with LANTERN++'s neighbour credit. Default: lantern++ when the model has a drafter, else ar.",
     ),
     click.option(
         "--tree",
@@ -159,6 +161,13 @@ _RUN_OPTIONS = [
         help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
         f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
         f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
+    ),
+    click.option(
+        "--window",
+        type=int,
+        default=None,
+        help=f"Draft positions per step of --method sjd or sjd++ (a chain of N; a bundle needs 'lantern export "
+        f"--tree chain-N'). Default: {DEFAULT_WINDOW}.",
     ),
     click.option(
         "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
@@ -285,6 +294,7 @@ def generate(
     seed,
     method,
     tree,
+    window,
     lantern_k,
     lantern_delta,
     lantern_lambda,
@@ -335,6 +345,7 @@ def generate(
         greedy,
         method,
         tree,
+        window,
         backend,
         device,
         lantern_k,
@@ -378,6 +389,7 @@ def _run_request(
     greedy: bool,
     method: str | None,
     tree: str | None,
+    window: int | None,
     backend: str | None,
     device: str,
     lantern_k: int,
@@ -401,6 +413,7 @@ def _run_request(
         cfg_scale=cfg_scale,
         device=device,
         drafter_override=drafter_path is not None,
+        window=window,
     )
     class_ids = requested_conditions(md, classes, prompts)
     sampling = SamplingConfig(
@@ -469,6 +482,7 @@ def generate_set_cmd(
     seed,
     method,
     tree,
+    window,
     lantern_k,
     lantern_delta,
     lantern_lambda,
@@ -519,6 +533,7 @@ def generate_set_cmd(
         greedy,
         method,
         tree,
+        window,
         backend,
         device,
         lantern_k,

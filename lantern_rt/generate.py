@@ -23,7 +23,7 @@ from lantern_rt.captions import left_pad, load_tokenizer, tokenize
 from lantern_rt.chameleon_prompts import PromptLayout, load_chameleon_tokenizer, prompt_layout, prompt_rows
 from lantern_rt.fileio import WriteError, held
 from lantern_rt.images import to_uint8
-from lantern_rt.models.config import ConfigError
+from lantern_rt.models.config import ConfigError, GPTConfig
 from lantern_rt.models.model_dir import (
     ModelDir,
     load_drafter,
@@ -46,6 +46,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, decode_images
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
+from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
 from lantern_rt.settings import BACKENDS, MethodConfig, check_batch_sizes
@@ -54,7 +55,7 @@ from lantern_rt.version import package_version
 
 
 def speculation(
-    drafter: DrafterBackend,
+    drafter: DrafterBackend | JacobiDrafter,
     tree: StaticTree,
     method: MethodConfig,
     neighbors: torch.Tensor | Callable[[int], torch.Tensor],
@@ -69,6 +70,23 @@ def speculation(
     else:
         table = neighbors(relax.k).to(device) if relax.relaxed else None
     return Speculation(drafter, tree, relax, table)
+
+
+def jacobi_speculation(
+    target: TargetBackend,
+    gpt: GPTConfig,
+    method: MethodConfig,
+    neighbors: torch.Tensor | Callable[[int], torch.Tensor],
+) -> Speculation:
+    """A Jacobi ``method``'s window (its tree, ``chain-N``) over ``target``'s batch and cache, on
+    the target's device: no drafter (docs/method.md §11)."""
+    tree = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
+    cache = target.cache
+    row = gpt.grid_size + gpt.row_end  # tokens per image row: the spatial drafts' "above"
+    window = JacobiDrafter(
+        tree, cache.images, gpt.vocab_size, cache.capacity, target.cls_token_num, row, cache.length.device
+    )
+    return speculation(window, tree, method, neighbors, cache.length.device)
 
 
 def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -195,8 +213,11 @@ def torch_pipeline(
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
+    target = TorchTarget(target_model, batch_size)
     spec = None
-    if method.method != "ar":
+    if method.jacobi:
+        spec = jacobi_speculation(target, md.gpt, method, lambda k: load_neighbors(md, k))
+    elif method.method != "ar":
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
         spec = speculation(
@@ -235,7 +256,7 @@ def torch_pipeline(
     return Pipeline(
         info=md,
         backend="torch",
-        target=TorchTarget(target_model, batch_size),
+        target=target,
         spec=spec,
         condition=condition,
         decode_codes=decode_codes,
@@ -325,7 +346,7 @@ def cached_bundle(
     wait and reuse it; :class:`WriteError` when the cache cannot be written."""
     from lantern_rt.export.bundle import export_bundle
 
-    trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files else []
+    trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files or method.jacobi else []
     sizes = check_batch_sizes(list(batch_sizes))
     key = hashlib.sha256(
         json.dumps(
@@ -380,7 +401,15 @@ def bundle_pipeline(
     info = bundle.model_info()
     target = BundleTarget(bundle, runner, backend, batch_size)
     spec = None
-    if method.method != "ar":
+    if method.jacobi:
+        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
+        if window.paths not in {t.paths for t in bundle.trees.values() if t.verify is not None}:
+            raise ConfigError(
+                f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
+                f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
+            )
+        spec = jacobi_speculation(target, info.gpt, method, bundle.neighbors())
+    elif method.method != "ar":
         if not bundle.has_drafter:
             raise ConfigError(
                 f"bundle {bundle.path} has no drafter graphs: re-export a model that has a drafter"

@@ -18,7 +18,11 @@ if TYPE_CHECKING:  # torch-free at import: the command line reads the lists abov
     from lantern_rt.models.model_dir import ModelDir
     from lantern_rt.runtime.acceptance import Relaxation
 
-METHODS = ("ar", "exact", "lantern", "lantern++")
+METHODS = ("ar", "exact", "lantern", "lantern++", "sjd", "sjd++")
+# Drafter-free methods: a Jacobi window of --window positions (docs/method.md §11), exact or
+# with LANTERN++'s neighbour credit. Their tree is the chain of the window.
+JACOBI_METHODS = ("sjd", "sjd++")
+DEFAULT_WINDOW = 5
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 # Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
 # on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
@@ -76,6 +80,13 @@ class MethodConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.jacobi and self.drafter is not None:
+            raise ConfigError(f"--method {self.method} drafts without a drafter: drop --drafter")
+
+    @property
+    def jacobi(self) -> bool:
+        """Whether the method drafts from a Jacobi window instead of a drafter."""
+        return self.method in JACOBI_METHODS
 
     def relaxation(self) -> Relaxation:
         """The acceptance rule of this method (validates k, delta and lambda)."""
@@ -83,7 +94,7 @@ class MethodConfig:
 
         if self.method == "lantern":
             return Relaxation("lantern", k=self.k, delta=self.delta)
-        if self.method == "lantern++":
+        if self.method in ("lantern++", "sjd++"):
             return Relaxation("lantern++", k=self.k, lam=self.lam)
         return Relaxation("exact")
 
@@ -91,6 +102,9 @@ class MethodConfig:
         """The parameters that matter for this method, for reports."""
         if self.method == "ar":
             return {}
+        if self.jacobi:
+            window = {"window": int(self.tree.removeprefix("chain-"))}
+            return window | ({"k": self.k, "lambda": self.lam} if self.method == "sjd++" else {})
         extra = {
             "lantern": {"k": self.k, "delta": self.delta},
             "lantern++": {"k": self.k, "lambda": self.lam},
@@ -134,6 +148,21 @@ def runs_on_gpu(backend: str, device: str) -> bool:
     return backend == "tensorrt" or not device.startswith("cpu")
 
 
+def window_tree(method: str, tree: str | None, window: int | None, image_tokens: int | None) -> str:
+    """The tree of a Jacobi ``method``: ``chain-{window}`` (:data:`DEFAULT_WINDOW` when None),
+    :class:`ConfigError` for a ``tree`` (a window is a chain: ``--window``) or a window outside
+    1..image_tokens - 1 (the image's first token is drawn before any window; no upper bound
+    when ``image_tokens`` is None)."""
+    if tree is not None:
+        raise ConfigError(f"--method {method} drafts a Jacobi window: give --window N instead of --tree")
+    window = DEFAULT_WINDOW if window is None else window
+    top = image_tokens - 1 if image_tokens is not None else window
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= top:
+        bound = f"1..{top} (the image has {image_tokens} tokens)" if image_tokens is not None else ">= 1"
+        raise ConfigError(f"--window must be an integer in {bound}, not {window}")
+    return f"chain-{window}"
+
+
 def run_defaults(
     source: ModelDir | Bundle,
     *,
@@ -143,12 +172,14 @@ def run_defaults(
     cfg_scale: float | None = None,
     device: str = "cpu",
     drafter_override: bool = False,
+    window: int | None = None,
 ) -> RunDefaults:
     """Fill in what the caller left as None for a run over a model directory or a bundle: the
     backend from the device and what is installed (:func:`default_backend`), the method from
     whether there is a drafter (lantern++, else ar), the tree from the bundle (its first) or
-    the backend's device (:data:`GPU_DEFAULT_TREE` on a GPU, :data:`CPU_DEFAULT_TREE` on a CPU),
-    and the CFG scale from the model (:func:`default_cfg_scale`)."""
+    the backend's device (:data:`GPU_DEFAULT_TREE` on a GPU, :data:`CPU_DEFAULT_TREE` on a CPU;
+    a Jacobi method's: the chain of its ``window``, :data:`DEFAULT_WINDOW` positions unless
+    given), and the CFG scale from the model (:func:`default_cfg_scale`)."""
     from lantern_rt.bundle import Bundle
 
     is_bundle = isinstance(source, Bundle)
@@ -158,6 +189,12 @@ def run_defaults(
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     method = method or ("lantern++" if has_drafter else "ar")
+    if method in JACOBI_METHODS:
+        tree = window_tree(method, tree, window, info.gpt.block_size)
+    elif window is not None:
+        raise ConfigError(
+            f"--window sets the Jacobi window of --method {' or '.join(JACOBI_METHODS)}, not {method}"
+        )
     if tree is None:
         exported = list(source.trees) if is_bundle else []
         on_gpu = runs_on_gpu(backend, device)

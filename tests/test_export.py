@@ -84,14 +84,13 @@ def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 def graph_names(trees: list[str], with_drafter: bool, prefix_slots: int = 1) -> set[str]:
-    """The graphs a bundle of these trees holds (a drafter over a longer prefix: its prefill)."""
+    """The graphs a bundle of these trees holds: a verify graph per tree, with a drafter a
+    drafting graph per tree too (and, over a longer prefix, its prefill)."""
     names = {"target_prefill", "target_ar_step", "vq_decode"}
     if with_drafter and prefix_slots > 1:
         names.add("drafter_prefill")
-    drafting = {
-        f(i) for i in range(len(trees)) for f in (draft_graph_name, verify_graph_name) if with_drafter
-    }
-    return names | drafting
+    names |= {verify_graph_name(i) for i in range(len(trees))}
+    return names | {draft_graph_name(i) for i in range(len(trees)) if with_drafter}
 
 
 @pytest.fixture(scope="module")

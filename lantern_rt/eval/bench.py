@@ -56,7 +56,14 @@ from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import TreeError, load_tree
-from lantern_rt.settings import METHODS, MethodConfig, check_batch_sizes, run_defaults
+from lantern_rt.settings import (
+    JACOBI_METHODS,
+    METHODS,
+    MethodConfig,
+    check_batch_sizes,
+    run_defaults,
+    window_tree,
+)
 from lantern_rt.stats import GenerationStats
 from lantern_rt.training.data import (
     CLASS_NAMES,
@@ -73,14 +80,18 @@ SPEC_KEYS: dict[str, tuple[str, ...]] = {  # the keys each of settings.METHODS t
     "exact": ("tree",),
     "lantern": ("tree", "k", "delta"),
     "lantern++": ("tree", "k", "lambda"),
+    "sjd": ("window",),
+    "sjd++": ("window", "k", "lambda"),
 }
 assert tuple(SPEC_KEYS) == METHODS
 SPEC_DEFAULTS: dict[str, dict[str, Any]] = {
     "lantern": {"k": 1000, "delta": 0.1},
     "lantern++": {"k": 10, "lambda": 5.0},
+    "sjd++": {"k": 10, "lambda": 5.0},
 }
 KEY_TYPES: dict[str, tuple[type, str]] = {
     "tree": (str, "a tree name or file"),
+    "window": (int, "an integer"),
     "k": (int, "an integer"),
     "delta": (float, "a number"),
     "lambda": (float, "a number"),
@@ -132,11 +143,14 @@ def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
     return method, params
 
 
-def method_config(spec: str, tree: str) -> MethodConfig:
-    """The validated method config of ``spec`` (running on ``tree`` unless the spec names one)."""
+def method_config(spec: str, tree: str, image_tokens: int | None = None) -> MethodConfig:
+    """The validated method config of ``spec`` (running on ``tree`` unless the spec names one; a
+    Jacobi method on the chain of its window, at most ``image_tokens`` - 1 when given)."""
     method, params = parse_config(spec)
     if method == "ar":
         return MethodConfig("ar")
+    if method in JACOBI_METHODS:
+        tree = window_tree(method, None, params.pop("window", None), image_tokens)
     merged = {**SPEC_DEFAULTS.get(method, {}), "tree": tree, **params}
     mc = MethodConfig(method, **{MC_FIELDS.get(k, k): v for k, v in merged.items()})
     try:
@@ -147,11 +161,13 @@ def method_config(spec: str, tree: str) -> MethodConfig:
     return mc
 
 
-def expand_configs(specs: Sequence[str], trees: Sequence[str]) -> list[MethodConfig]:
+def expand_configs(
+    specs: Sequence[str], trees: Sequence[str], image_tokens: int | None = None
+) -> list[MethodConfig]:
     """AR first (on the first tree's bundle: every bundle holds AR's step graph), then every spec
-    on each of ``trees`` (a spec naming its tree: that one); no repeats."""
+    on each of ``trees`` (a spec naming its tree, or a Jacobi window: that one); no repeats."""
     ar = MethodConfig("ar", tree=trees[0])
-    configs = [method_config(s, t) for s in specs for t in trees]
+    configs = [method_config(s, t, image_tokens) for s in specs for t in trees]
     return list(dict.fromkeys([ar] + [ar if mc.method == "ar" else mc for mc in configs]))
 
 
@@ -671,7 +687,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     md = source if isinstance(source, ModelDir) else None
     backends = resolve_backends(s.backends, md is None)
     trees = s.trees or tuple(dict.fromkeys(run_defaults(source, backend=b).tree for b in backends))
-    configs = expand_configs(s.configs, trees)
+    configs = expand_configs(s.configs, trees, info.gpt.block_size)
     classes = requested_conditions(info, s.classes, s.prompts)
     labels = [c for c in classes for _ in range(s.num_images)]
     sampling = sampling_config(source, s)

@@ -91,9 +91,9 @@ def export_bundle(
     batch_sizes: Sequence[int] = (1,),
     on_start: Callable[[], object] | None = None,
 ) -> Path:
-    """Export the target (prefill, the AR step and the verify step of each tree), the VQ
-    decoder, the neighbour table and, when ``model_dir`` has a drafter, the drafting graph of
-    each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
+    """Export the target (prefill, the AR step and the verify step of each tree: a chain's also
+    serves the Jacobi window of its length), the VQ decoder, the neighbour table and, when
+    ``model_dir`` has a drafter, the drafting graph of each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
@@ -188,6 +188,9 @@ def _graphs(
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low, batch), TargetPrefill(target, batch))]
     ar = (ROOT_ONLY, 1, AR_STEP_GRAPH, batch)
     pairs.append((TargetVerify(low, *ar), TargetVerify(target, *ar)))
+    for i, tree in enumerate(trees):  # without a drafter, a chain's verify graph serves Jacobi windows
+        verify = (tree, neighbors_k, verify_graph_name(i), batch)
+        pairs.append((TargetVerify(low, *verify), TargetVerify(target, *verify)))
     if drafter is not None:
         c = target.config
         low_drafter, cap = _cast(drafter, dtype), drafter_capacity(c.cls_token_num, c.block_size)
@@ -195,15 +198,13 @@ def _graphs(
             prefill = (c.cls_token_num, batch)
             pairs.append((DrafterPrefill(low_drafter, *prefill), DrafterPrefill(drafter, *prefill)))
         for i, tree in enumerate(trees):
-            verify = (tree, neighbors_k, verify_graph_name(i), batch)
             drafting = (tree, cap, draft_graph_name(i), batch, c.cls_token_num - 1)
-            pairs += [
-                (TargetVerify(low, *verify), TargetVerify(target, *verify)),
+            pairs.append(
                 (
                     DrafterTree(low_drafter, low.output, *drafting, c),
                     DrafterTree(drafter, target.output, *drafting, c),
-                ),
-            ]
+                )
+            )
     return pairs
 
 
@@ -341,7 +342,7 @@ def _manifest(
             tree.name: {
                 **tree_to_json(tree),
                 "graph": draft_graph_name(i) if has_drafter else None,
-                "verify": verify_graph_name(i) if has_drafter else None,
+                "verify": verify_graph_name(i),
             }
             for i, tree in enumerate(trees)
         },

@@ -21,6 +21,7 @@ from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, draw, relax_i
 from lantern_rt.runtime.backends.base import Draft, DrafterBackend, FilterInputs, TargetBackend
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.drafting import draft, noise_rows
+from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
@@ -35,9 +36,10 @@ from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 @dataclass(frozen=True)
 class Speculation:
-    """What speculative decoding adds to plain decoding."""
+    """What speculative decoding adds to plain decoding: a drafter backend, or the Jacobi
+    window that drafts from the target's own distributions (docs/method.md §11)."""
 
-    drafter: DrafterBackend
+    drafter: DrafterBackend | JacobiDrafter
     tree: StaticTree
     relax: Relaxation
     neighbors: Tensor | None = None  # [V, k_max] latent neighbours, needed when relaxed
@@ -87,7 +89,11 @@ class DecodeStep:
         bonus_noise: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         target = self.target
-        if self.spec:
+        jacobi = self.spec.drafter if self.spec and isinstance(self.spec.drafter, JacobiDrafter) else None
+        if jacobi:
+            with span("draft"):
+                drafted = jacobi.draft(pending, m, target.cache.length, draft_noise, self.relax.greedy)
+        elif self.spec:
             with span("draft"):
                 drafted = draft(
                     self.spec.drafter,
@@ -104,6 +110,9 @@ class DecodeStep:
             drafted = Draft(pending.gather(1, (m - 1)[:, None]), self.ar_valid, self.ar_q)
         with span("verify"):
             out = target.verify(self.tree, drafted, noise, bonus_noise, self.filters, self.relax)
+        if jacobi:
+            with span("draft"):
+                jacobi.record(out.logits, self.filters, active)
         with span("kv_compaction"):
             target.cache.write(out.new_k, out.new_v, (out.length + 1) * active)
         return out.length, out.tokens, out.hidden
@@ -354,9 +363,17 @@ def _step(
         return step
     if device.type != "cuda":
         raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device}")
-    lengths = (target.cache.length, *((spec.drafter.cache.length,) if spec else ()))
-    graphs[key] = CudaGraphed(step, state=lengths)
+    graphs[key] = CudaGraphed(step, state=(target.cache.length, *_drafter_state(spec)))
     return graphs[key]
+
+
+def _drafter_state(spec: Speculation | None) -> tuple[Tensor, ...]:
+    """What a step's drafting updates in place: the drafter cache's length, or the Jacobi state."""
+    if spec is None:
+        return ()
+    if isinstance(spec.drafter, JacobiDrafter):
+        return spec.drafter.state
+    return (spec.drafter.cache.length,)
 
 
 def _uniform(
