@@ -39,8 +39,11 @@ FORMAT = "lantern-rt-bundle"
 # 6: the target's step graphs accept on the device (a verify graph per tree, one AR step graph);
 # 7: B images per call, the graphs of each exported batch size reading one shared weight file;
 # 8: captions: a prefix-visibility input, every prefix hidden state out of the prefill, the
-# drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer
-BUNDLE_VERSION = 9
+# drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer;
+# 9: prompt-token prefixes (the Chameleon family); 10: the verify graphs also return the target
+# distribution at every node (probs: what a Jacobi window drafts from), and a tree's verify
+# graph is exported without a drafter too
+BUNDLE_VERSION = 10
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"

@@ -213,6 +213,7 @@ def test_declared_shapes_and_dtypes(opened):
         "new_k": ([*kv, 1, 8], "float16"),
         "new_v": ([*kv, 1, 8], "float16"),
         "logits": ([2, 1, 64], "float32"),
+        "probs": ([1, 1, 64], "float32"),
     }
     verify = shapes["target_verify_0"]  # chain-1: two nodes, both kept at most
     assert verify["node_tokens"] == ([1, 2], "int64") and verify["neighbors"][0][0] == 64
@@ -256,7 +257,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 9
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 10
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}

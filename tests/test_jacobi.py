@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
+from lantern_rt.export.bundle import export_bundle
 from lantern_rt.generate import generate, make_pipeline
 from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.runtime import jacobi
@@ -32,7 +33,6 @@ from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 from tests.test_baseline import chi_square, chi_square_critical
-from tests.test_export import make_bundle
 from tests.test_speculative import GREEDY
 from tests.test_text_to_image import prompt_model  # noqa: F401  (a t2i model directory with T5)
 
@@ -185,8 +185,6 @@ def no_drafter_bundle(tmp_path_factory) -> Bundle:
     target = tiny_gpt(1)
     path = tmp_path_factory.mktemp("jacobi") / "bundle"
     model = write_model_dir(path.with_name("bundle-model"), target, tiny_vq())
-    from lantern_rt.export.bundle import export_bundle
-
     return Bundle.open(
         export_bundle(open_model_dir(model), path, [load_tree("chain-3")], threads=1, batch_sizes=(1, 2))
     )
@@ -303,8 +301,12 @@ def _chameleon_model(tmp_path):
 
 @pytest.mark.parametrize("family", ["c2i", "t2i", "chameleon"])
 def test_a_model_without_a_drafter_generates_with_sjd(
-    family, tiny_model_dir, prompt_model, tmp_path, monkeypatch
-):  # noqa: F811
+    family,
+    tiny_model_dir,
+    prompt_model,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
     """On onnxruntime (the model exported on first use, with the window's verify graph) and on
     torch: greedy sjd gives AR's tokens; the stats name the method and its window."""
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))

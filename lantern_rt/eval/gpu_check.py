@@ -72,11 +72,16 @@ def run_path(
 
 
 def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]:
-    """Every path x (ar, lantern++): speed, tau, speedup vs AR on that path, greedy agreement."""
+    """Every path x (ar, lantern++, sjd over a window of 5): speed, tau, speedup vs AR on that
+    path, greedy agreement (sjd's greedy tokens are AR's)."""
     rows, reference = [], {}
     for name, backend, graphs in paths(device):
         ar = None
-        for method in (MethodConfig("ar"), MethodConfig("lantern++", tree=tree)):
+        for method in (
+            MethodConfig("ar"),
+            MethodConfig("lantern++", tree=tree),
+            MethodConfig("sjd", tree="chain-5"),
+        ):
             r = run_path(backend, graphs, method, device, labels)
             ar = ar or r["s_per_image"]
             tokens = r.pop("greedy_tokens")

@@ -298,6 +298,7 @@ class TargetVerify(nn.Module):
                 _kv_spec("new_k", kv, b, kept, dtype),
                 _kv_spec("new_v", kv, b, kept, dtype),
                 TensorSpec("logits", (2 * b, s, v), torch.float32),
+                TensorSpec("probs", (b, s, v), torch.float32),
             ),
             dtype,
         )

@@ -390,6 +390,8 @@ class Verified(NamedTuple):
     new_k: Tensor  # [n_layer, 2B, Hkv, D + 1, head_dim]: their K, to commit to the cache
     new_v: Tensor
     logits: Tensor  # [2B, N + 1, V] fp32: the target's logits at every node
+    probs: Tensor  # [B, N + 1, V] fp32: the target distribution at every node (target_probabilities),
+    # what a Jacobi window drafts the next positions from (docs/method.md §11)
 
 
 def verify_tree(
@@ -423,4 +425,5 @@ def verify_tree(
         gather_rows(new_k, out.kept, 1, 3),
         gather_rows(new_v, out.kept, 1, 3),
         logits,
+        p,
     )

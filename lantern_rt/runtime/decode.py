@@ -112,7 +112,7 @@ class DecodeStep:
             out = target.verify(self.tree, drafted, noise, bonus_noise, self.filters, self.relax)
         if jacobi:
             with span("draft"):
-                jacobi.record(out.logits, self.filters, active)
+                jacobi.record(out.probs, active)
         with span("kv_compaction"):
             target.cache.write(out.new_k, out.new_v, (out.length + 1) * active)
         return out.length, out.tokens, out.hidden

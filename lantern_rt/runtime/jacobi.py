@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lantern_rt.runtime.acceptance import draw, target_probabilities
-from lantern_rt.runtime.backends.base import Draft, FilterInputs
+from lantern_rt.runtime.acceptance import draw
+from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.tree import StaticTree
 
 
@@ -112,8 +112,9 @@ class JacobiDrafter:
             F.pad(q, (0, 0, 0, 1)),  # q[:, i]: what node i + 1 was drawn from; none below the last
         )
 
-    def record(self, logits: Tensor, sampling: FilterInputs, active: Tensor) -> None:
-        """Keep the target's distributions at every node of this call (``logits`` [2B, N+1, V],
-        CFG rows) for the next draft of the ``active`` [B] images."""
-        self.probs.copy_(target_probabilities(logits, sampling))
+    def record(self, probs: Tensor, active: Tensor) -> None:
+        """Keep the target's distributions at every node of this call (``probs`` [B, N+1, V],
+        :attr:`Verified.probs <lantern_rt.runtime.acceptance.Verified.probs>`) for the next
+        draft of the ``active`` [B] images."""
+        self.probs.copy_(probs)
         self.ready |= active
