@@ -75,12 +75,12 @@ def speculation(
 def jacobi_speculation(
     target: TargetBackend,
     gpt: GPTConfig,
+    tree: StaticTree,
     method: MethodConfig,
     neighbors: torch.Tensor | Callable[[int], torch.Tensor],
 ) -> Speculation:
-    """A Jacobi ``method``'s window (its tree, ``chain-N``) over ``target``'s batch and cache, on
-    the target's device: no drafter (docs/method.md §11)."""
-    tree = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
+    """A Jacobi ``method``'s window (``tree``, a chain) over ``target``'s batch and cache, on the
+    target's device: no drafter (docs/method.md §11)."""
     cache = target.cache
     row = gpt.grid_size + gpt.row_end  # tokens per image row: the spatial drafts' "above"
     window = JacobiDrafter(
@@ -216,7 +216,8 @@ def torch_pipeline(
     target = TorchTarget(target_model, batch_size)
     spec = None
     if method.jacobi:
-        spec = jacobi_speculation(target, md.gpt, method, lambda k: load_neighbors(md, k))
+        window = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
+        spec = jacobi_speculation(target, md.gpt, window, method, lambda k: load_neighbors(md, k))
     elif method.method != "ar":
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
@@ -408,7 +409,7 @@ def bundle_pipeline(
                 f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
                 f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
             )
-        spec = jacobi_speculation(target, info.gpt, method, bundle.neighbors())
+        spec = jacobi_speculation(target, info.gpt, window, method, bundle.neighbors())
     elif method.method != "ar":
         if not bundle.has_drafter:
             raise ConfigError(

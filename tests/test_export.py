@@ -84,13 +84,18 @@ def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 def graph_names(trees: list[str], with_drafter: bool, prefix_slots: int = 1) -> set[str]:
-    """The graphs a bundle of these trees holds: a verify graph per tree, with a drafter a
-    drafting graph per tree too (and, over a longer prefix, its prefill)."""
+    """The graphs a bundle of these trees holds: with a drafter a drafting and a verify graph per
+    tree (and, over a longer prefix, its prefill); without one, a verify graph per chain (a
+    Jacobi window)."""
     names = {"target_prefill", "target_ar_step", "vq_decode"}
     if with_drafter and prefix_slots > 1:
         names.add("drafter_prefill")
-    names |= {verify_graph_name(i) for i in range(len(trees))}
-    return names | {draft_graph_name(i) for i in range(len(trees)) if with_drafter}
+    verified = [i for i, t in enumerate(trees) if with_drafter or t.startswith("chain-")]
+    return (
+        names
+        | {verify_graph_name(i) for i in verified}
+        | {draft_graph_name(i) for i in verified if with_drafter}
+    )
 
 
 @pytest.fixture(scope="module")

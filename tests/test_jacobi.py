@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -20,8 +21,10 @@ from click.testing import CliRunner
 
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
+from lantern_rt.eval.bench import method_config
 from lantern_rt.export.bundle import export_bundle
 from lantern_rt.generate import generate, make_pipeline
+from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.runtime import jacobi
 from lantern_rt.runtime.acceptance import Relaxation, tree_plan, verify_tree
@@ -324,3 +327,46 @@ def test_a_model_without_a_drafter_generates_with_sjd(
         )
         assert np.array_equal(got, ar), backend
         assert stats["method"] == "sjd" and stats["params"] == {"window": 3} and stats["backend"] == backend
+
+
+# ----------------------------------------------------------------------------- bench and calibrate
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        ("sjd", MethodConfig("sjd", tree="chain-5")),
+        ("sjd:window=8", MethodConfig("sjd", tree="chain-8")),
+        ("sjd++:window=3,k=4,lambda=2", MethodConfig("sjd++", tree="chain-3", k=4, lam=2.0)),
+    ],
+)
+def test_bench_configs_name_a_window(spec, want):
+    assert method_config(spec, "naive_extend_57", image_tokens=16) == want
+    assert want.params()["window"] == int(want.tree.removeprefix("chain-"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("sjd:tree=chain-3", "'tree' is not a parameter of sjd"),
+        ("sjd:window=16", "in 1..15"),
+        ("sjd++:k=x", "an integer"),
+    ],
+)
+def test_bad_bench_configs_are_refused(spec, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        method_config(spec, "chain-5", image_tokens=16)
+
+
+def test_calibrating_a_bundle_without_a_drafter_drives_its_window(no_drafter_bundle, tmp_path):
+    """Its default method is sjd, whose calls reach the chain's verify graph; the int8 bundle then
+    runs sjd."""
+    out, report = tmp_path / "int8", tmp_path / "report.json"
+    args = ["calibrate", str(no_drafter_bundle.path), "--samples", "2", "--validate", "2", "--out", str(out)]
+    r = CliRunner().invoke(main, [*args, "--threads", "1", "--report-json", str(report), "-q"])
+    assert r.exit_code == 0, r.output
+    graphs = json.loads(report.read_text())["graphs"]
+    assert graphs["target_verify_0"]["calls"] > 0 and graphs["target_verify_0"]["samples"] > 0
+    int8 = Bundle.open(out)
+    assert int8.manifest()["calibration"]["method"] == "sjd"
+    assert run(int8, "onnxruntime", SJD, SAMPLED).stats.mean_accepted_length > 1.0

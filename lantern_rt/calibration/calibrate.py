@@ -38,10 +38,11 @@ from lantern_rt.bundle import (
 )
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
-from lantern_rt.generate import Pipeline, bundle_pipeline, generate, speculation
+from lantern_rt.generate import Pipeline, bundle_pipeline, generate, jacobi_speculation, speculation
 from lantern_rt.graph_rules import check_graph, node_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, GraphRunner, RunnerFactory, bundle_trees
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
+from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig, default_cfg_scale, run_defaults
 from lantern_rt.shared_weights import share_weights
@@ -143,11 +144,26 @@ def conditions(bundle: Bundle, count: int | None, prompts: Sequence[str]) -> lis
 def pipelines(
     bundle: Bundle, method: MethodConfig, runner: RunnerFactory, batch: int = 1
 ) -> dict[str, Pipeline]:
-    """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle, all on one
-    set of graph runners, ``batch`` images per step."""
+    """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle (a Jacobi
+    method: per chain with a verify graph), all on one set of graph runners, ``batch`` images
+    per step."""
     ar = bundle_pipeline(bundle, MethodConfig("ar"), runner, "onnxruntime", batch)
     if method.method == "ar":
         return {"ar": ar}
+    if method.jacobi:
+        windows = {n: t for n, t in bundle_trees(bundle).items() if is_window(t) and bundle.trees[n].verify}
+        if not windows:
+            raise CalibrationError(
+                f"{bundle.path} has no chain verify graph for {method.method}: use method ar"
+            )
+        return {
+            name: dataclasses.replace(
+                ar,
+                spec=jacobi_speculation(ar.target, bundle.gpt, window, method, bundle.neighbors()),
+                method=dataclasses.replace(method, tree=name),
+            )
+            for name, window in windows.items()
+        } | {"ar": ar}
     if not bundle.has_drafter:
         raise CalibrationError(f"{bundle.path} has no drafter graphs: use method ar")
     drafter = BundleDrafter(bundle, runner, "onnxruntime", batch)
@@ -318,6 +334,15 @@ def qdq_problems(path: Path) -> list[str]:
     return problems
 
 
+def default_method(bundle: Bundle) -> MethodConfig:
+    """What calibration drives the graphs with: the run's default method (lantern++ with a
+    drafter, else ar), or sjd for a bundle without a drafter whose chains have verify graphs."""
+    windows = [t for t in bundle.trees.values() if t.verify is not None]
+    if not bundle.has_drafter and windows:
+        return MethodConfig("sjd", tree=windows[0].name)
+    return MethodConfig(run_defaults(bundle).method)
+
+
 def calibrate_bundle(
     bundle: Bundle,
     out: Path,
@@ -345,7 +370,7 @@ def calibrate_bundle(
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
-    method = method or MethodConfig(run_defaults(bundle).method)
+    method = method or default_method(bundle)
     recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts)
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp)

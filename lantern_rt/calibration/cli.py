@@ -29,7 +29,7 @@ from lantern_rt.settings import MAX_SEED, METHODS
     type=click.Choice(METHODS),
     default=None,
     help="Speculative method that drives the drafter and verify graphs. Default: lantern++ when "
-    "the bundle has a drafter, else ar.",
+    "the bundle has a drafter, else sjd when it has a chain's verify graph (a Jacobi window), else ar.",
 )
 @click.option(
     "--seed",

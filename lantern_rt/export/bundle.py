@@ -55,6 +55,7 @@ from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.text_encoder import load_text_encoder
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
+from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
 from lantern_rt.settings import check_batch_sizes
 from lantern_rt.shared_weights import share_weights
@@ -91,9 +92,9 @@ def export_bundle(
     batch_sizes: Sequence[int] = (1,),
     on_start: Callable[[], object] | None = None,
 ) -> Path:
-    """Export the target (prefill, the AR step and the verify step of each tree: a chain's also
-    serves the Jacobi window of its length), the VQ decoder, the neighbour table and, when
-    ``model_dir`` has a drafter, the drafting graph of each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
+    """Export the target (prefill, the AR step and the verify step of each tree; without a
+    drafter, of each chain, for the Jacobi window of its length), the VQ decoder, the neighbour
+    table and, when ``model_dir`` has a drafter, the drafting graph of each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
@@ -188,9 +189,10 @@ def _graphs(
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low, batch), TargetPrefill(target, batch))]
     ar = (ROOT_ONLY, 1, AR_STEP_GRAPH, batch)
     pairs.append((TargetVerify(low, *ar), TargetVerify(target, *ar)))
-    for i, tree in enumerate(trees):  # without a drafter, a chain's verify graph serves Jacobi windows
-        verify = (tree, neighbors_k, verify_graph_name(i), batch)
-        pairs.append((TargetVerify(low, *verify), TargetVerify(target, *verify)))
+    for i, tree in enumerate(trees):
+        if verified(tree, drafter is not None):
+            verify = (tree, neighbors_k, verify_graph_name(i), batch)
+            pairs.append((TargetVerify(low, *verify), TargetVerify(target, *verify)))
     if drafter is not None:
         c = target.config
         low_drafter, cap = _cast(drafter, dtype), drafter_capacity(c.cls_token_num, c.block_size)
@@ -206,6 +208,12 @@ def _graphs(
                 )
             )
     return pairs
+
+
+def verified(tree: StaticTree, has_drafter: bool) -> bool:
+    """Whether a bundle holds ``tree``'s verify graph: with a drafter, every tree's; without one,
+    a chain's alone, which serves the Jacobi window of its length (docs/method.md §11)."""
+    return has_drafter or is_window(tree)
 
 
 def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -342,7 +350,7 @@ def _manifest(
             tree.name: {
                 **tree_to_json(tree),
                 "graph": draft_graph_name(i) if has_drafter else None,
-                "verify": verify_graph_name(i),
+                "verify": verify_graph_name(i) if verified(tree, has_drafter) else None,
             }
             for i, tree in enumerate(trees)
         },
