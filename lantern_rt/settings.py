@@ -156,10 +156,12 @@ def window_tree(method: str, tree: str | None, window: int | None, image_tokens:
     if tree is not None:
         raise ConfigError(f"--method {method} drafts a Jacobi window: give --window N instead of --tree")
     window = DEFAULT_WINDOW if window is None else window
-    top = image_tokens - 1 if image_tokens is not None else window
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= top:
-        bound = f"1..{top} (the image has {image_tokens} tokens)" if image_tokens is not None else ">= 1"
-        raise ConfigError(f"--window must be an integer in {bound}, not {window}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"--window must be an integer >= 1, not {window}")
+    if image_tokens is not None and window >= image_tokens:
+        raise ConfigError(
+            f"--window must be at most {image_tokens - 1} (the image has {image_tokens} tokens), not {window}"
+        )
     return f"chain-{window}"
 
 
