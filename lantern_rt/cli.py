@@ -882,7 +882,9 @@ def inspect_cmd(bundle, graph):
             f"prompts  {b.prompt_layout} layout, {c.cls_token_num} slots per row, tokenized by tokenizer.json"
         )
     for name, tree in b.trees.items():
-        drafted = f", drafted by {tree.graph}, verified by {tree.verify}" if tree.graph else ""
+        drafted = f", drafted by {tree.graph}" if tree.graph else ""
+        drafted += f", verified by {tree.verify}" if tree.verify else ""
+        drafted += " (a Jacobi window: --method sjd)" if tree.verify and not tree.graph else ""
         click.echo(f"tree     {name}: {len(tree.paths)} nodes{drafted}")
     click.echo("")
     click.echo(f"{'graph':<22} {'io':<4} {'name':<12} {'dtype':<9} shape")

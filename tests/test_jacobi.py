@@ -4,7 +4,7 @@
   real decode loop with the Jacobi window, which fails when a bug is planted in the drafts;
 - greedy sjd gives AR's tokens on torch and onnxruntime at batch sizes 1 and 2, and sampled
   tokens do not depend on the batch or the backend;
-- model directories with no drafter (LlamaGen c2i and t2i, a Chameleon model) generate with it
+- model directories with no drafter (LlamaGen c2i and t2i, Anole, Lumina-mGPT) generate with it
   end to end from the command line;
 - bad settings are one line, exit code 2.
 """
@@ -248,6 +248,8 @@ def test_a_bundle_without_the_window_names_the_export(no_drafter_bundle, tmp_pat
         and "--tree chain-4" in r.output
     )
     assert not (tmp_path / "x.png").exists()
+    shown = CliRunner().invoke(main, ["inspect", str(no_drafter_bundle.path)])
+    assert "tree     chain-3: 3 nodes, verified by target_verify_0 (a Jacobi window" in shown.output
 
 
 @pytest.mark.parametrize(
@@ -295,14 +297,17 @@ def cli_tokens(model, tmp_path, name: str, *args: str) -> tuple[np.ndarray, dict
     return np.load(tokens), json.loads(stats.read_text())
 
 
-def _chameleon_model(tmp_path):
-    from tests.chameleon_fixtures import hf_model
+def _chameleon_model(tmp_path, layout: str):
+    """A tiny Anole, or a Lumina-mGPT whose grid rows end in forced row-end tokens (the window's
+    spatial drafts then read the row above through a row end of its own)."""
+    from tests.chameleon_fixtures import LUMINA_VQ, hf_model
     from tests.chameleon_fixtures import write_model_dir as write_chameleon
 
-    return write_chameleon(tmp_path / "anole", hf_model())
+    model = hf_model(vq_config=LUMINA_VQ) if layout == "lumina" else hf_model()
+    return write_chameleon(tmp_path / layout, model, layout=layout)
 
 
-@pytest.mark.parametrize("family", ["c2i", "t2i", "chameleon"])
+@pytest.mark.parametrize("family", ["c2i", "t2i", "anole", "lumina"])
 def test_a_model_without_a_drafter_generates_with_sjd(
     family,
     tiny_model_dir,
@@ -316,7 +321,8 @@ def test_a_model_without_a_drafter_generates_with_sjd(
     model = {
         "c2i": lambda: tiny_model_dir,
         "t2i": lambda: prompt_model,
-        "chameleon": lambda: _chameleon_model(tmp_path),
+        "anole": lambda: _chameleon_model(tmp_path, "anole"),
+        "lumina": lambda: _chameleon_model(tmp_path, "lumina"),
     }[family]()
     assert "drafter" not in json.loads((model / "config.json").read_text())["files"]
     what = ["--class", "1"] if family == "c2i" else ["--prompt", "a red cat"]

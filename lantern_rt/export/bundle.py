@@ -94,7 +94,8 @@ def export_bundle(
 ) -> Path:
     """Export the target (prefill, the AR step and the verify step of each tree; without a
     drafter, of each chain, for the Jacobi window of its length), the VQ decoder, the neighbour
-    table and, when ``model_dir`` has a drafter, the drafting graph of each tree; the step graphs once per batch size in ``batch_sizes`` (images per call).
+    table and, when ``model_dir`` has a drafter, the drafting graph of each tree; the step
+    graphs once per batch size in ``batch_sizes`` (images per call).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
