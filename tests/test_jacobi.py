@@ -142,6 +142,14 @@ def test_the_window_accepts_drafts():
     assert calls < 200 * 19 / 1.3
 
 
+def test_spatial_drafts_read_the_row_above_or_the_root():
+    """Positions 5..9 after a root at 4 (prefix 1, rows of 3, history up to the root only, the
+    last slots of a 6-slot history: a window longer than a row reads nothing past the root)."""
+    history = torch.tensor([[0, 11, 12, 13, 14, 0]])
+    got = jacobi.spatial_drafts(history, torch.tensor([14]), torch.tensor([4]), 5, 3, 1)
+    assert got.tolist() == [[12, 13, 14, 14, 14]]  # above 5, 6, 7 = 2, 3, 4; 8 and 9: the root
+
+
 def _plant_argmax_drafts(monkeypatch):
     """Draft the most likely token of each carried row but keep the row as its q."""
     carried = jacobi.carried_drafts

@@ -56,7 +56,8 @@ def spatial_drafts(
     positions = root_position[:, None] + torch.arange(1, window + 1, device=root.device)
     above = positions - row
     known = (above >= prefix) & (above <= root_position[:, None])
-    return torch.where(known, history.gather(1, above.clamp_min(0)), root[:, None])
+    committed = history.gather(1, torch.minimum(above.clamp_min(0), root_position[:, None]))
+    return torch.where(known, committed, root[:, None])
 
 
 class JacobiDrafter:
