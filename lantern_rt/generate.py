@@ -42,6 +42,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     BundleVQDecoder,
     RunnerFactory,
     bundle_trees,
+    bundle_windows,
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, decode_images
@@ -404,7 +405,7 @@ def bundle_pipeline(
     spec = None
     if method.jacobi:
         window = load_tree(method.tree, MAX_DRAFT_WIDTH)
-        if window.paths not in {t.paths for t in bundle.trees.values() if t.verify is not None}:
+        if window.paths not in {t.paths for t in bundle_windows(bundle).values()}:
             raise ConfigError(
                 f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
                 f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"

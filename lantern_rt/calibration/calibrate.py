@@ -40,9 +40,14 @@ from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
 from lantern_rt.generate import Pipeline, bundle_pipeline, generate, jacobi_speculation, speculation
 from lantern_rt.graph_rules import check_graph, node_subgraphs
-from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, GraphRunner, RunnerFactory, bundle_trees
+from lantern_rt.runtime.backends.bundle_graphs import (
+    BundleDrafter,
+    GraphRunner,
+    RunnerFactory,
+    bundle_trees,
+    bundle_windows,
+)
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
-from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig, default_cfg_scale, run_defaults
 from lantern_rt.shared_weights import share_weights
@@ -151,7 +156,7 @@ def pipelines(
     if method.method == "ar":
         return {"ar": ar}
     if method.jacobi:
-        windows = {n: t for n, t in bundle_trees(bundle).items() if is_window(t) and bundle.trees[n].verify}
+        windows = bundle_windows(bundle)
         if not windows:
             raise CalibrationError(
                 f"{bundle.path} has no chain verify graph for {method.method}: use method ar"
@@ -337,9 +342,9 @@ def qdq_problems(path: Path) -> list[str]:
 def default_method(bundle: Bundle) -> MethodConfig:
     """What calibration drives the graphs with: the run's default method (lantern++ with a
     drafter, else ar), or sjd for a bundle without a drafter whose chains have verify graphs."""
-    windows = [t for t in bundle.trees.values() if t.verify is not None]
+    windows = bundle_windows(bundle)
     if not bundle.has_drafter and windows:
-        return MethodConfig("sjd", tree=windows[0].name)
+        return MethodConfig("sjd", tree=next(iter(windows)))
     return MethodConfig(run_defaults(bundle).method)
 
 

@@ -26,6 +26,7 @@ from lantern_rt.bundle import (
 )
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
+from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
@@ -215,3 +216,9 @@ def bundle_trees(bundle: Bundle) -> dict[str, StaticTree]:
         name: build_tree([list(p) for p in tree.paths], name=tree.name, max_width=width)
         for name, tree in bundle.trees.items()
     }
+
+
+def bundle_windows(bundle: Bundle) -> dict[str, StaticTree]:
+    """The bundle's trees that can serve a Jacobi window (docs/method.md §11), by name: its chains
+    with a verify graph."""
+    return {n: t for n, t in bundle_trees(bundle).items() if is_window(t) and bundle.trees[n].verify}
