@@ -43,7 +43,7 @@ FORMAT = "lantern-rt-bundle"
 # 9: prompt-token prefixes (the Chameleon family); 10: the verify graphs also return the target
 # distribution at every node (probs: what a Jacobi window drafts from), and a tree's verify
 # graph is exported without a drafter too
-BUNDLE_VERSION = 10
+BUNDLE_VERSION = 11
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
@@ -66,6 +66,12 @@ class BundleError(LanternError, ValueError):
 def batched_name(name: str, batch: int) -> str:
     """The name of graph ``name``'s copy for ``batch`` images per call (batch 1 keeps the name)."""
     return name if batch == 1 else f"{name}_b{batch}"
+
+
+def windowed_name(name: str, window: int, capacity: int) -> str:
+    """The name of target step graph ``name``'s copy reading ``window`` of the cache's
+    ``capacity`` slots (the whole cache keeps the name; docs/method.md §12)."""
+    return name if window == capacity else f"{name}_w{window}"
 
 
 def draft_graph_name(index: int) -> str:
@@ -136,6 +142,7 @@ class Constants:
     drafter_capacity: int
     max_draft_width: int
     batch_sizes: tuple[int, ...]  # images per call the graphs were exported for
+    cache_windows: tuple[int, ...]  # the target cache windows its step graphs read (slots, ascending)
     neighbors_file: str
     neighbors_k: int
     null_class_id: int | None  # class-conditional models
@@ -348,6 +355,7 @@ _CONSTANTS = {
     "drafter_capacity": _INT,
     "max_draft_width": _INT,
     "batch_sizes": _LIST,
+    "cache_windows": _LIST,
     "neighbors": _DICT,
     "null_condition": _DICT,
 }
@@ -408,7 +416,18 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
     sizes = c["batch_sizes"]
     if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
         raise BundleError(f"{where}: constants.batch_sizes must list batch sizes >= 1")
-    per_batch = [PREFILL_GRAPH, AR_STEP_GRAPH]
+    windows, capacity = c["cache_windows"], c["cache_capacity"]
+    if (
+        not windows
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in windows)
+        or windows != sorted(set(windows))
+        or windows[-1] != capacity
+    ):
+        raise BundleError(
+            f"{where}: constants.cache_windows must list ascending window sizes ending with cache_capacity"
+        )
+    steps = [windowed_name(AR_STEP_GRAPH, w, capacity) for w in windows]
+    per_batch = [PREFILL_GRAPH, *steps]
     if c["drafter"] and c["cls_token_num"] > 1:
         per_batch.append(DRAFTER_PREFILL_GRAPH)
     needed = [VQ_DECODE_GRAPH] + [batched_name(g, b) for g in per_batch for b in sizes]
@@ -417,7 +436,13 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
         check(text, {"max_length": _INT}, "text_encoder.")
         needed.append(TEXT_ENCODER_GRAPH)
     for tree in manifest["trees"].values():
-        needed += [batched_name(tree[key], b) for key in ("graph", "verify") if tree[key] for b in sizes]
+        needed += [batched_name(tree["graph"], b) for b in sizes if tree["graph"]]
+        needed += [
+            batched_name(windowed_name(tree["verify"], w, capacity), b)
+            for b in sizes
+            for w in windows
+            if tree["verify"]
+        ]
     for graph in needed:
         if graph not in manifest["graphs"]:
             raise BundleError(f"{where}: the bundle lacks its {graph} graph")
@@ -460,6 +485,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         drafter_capacity=c["drafter_capacity"],
         max_draft_width=c["max_draft_width"],
         batch_sizes=tuple(c["batch_sizes"]),
+        cache_windows=tuple(c["cache_windows"]),
         neighbors_file=c["neighbors"]["file"],
         neighbors_k=c["neighbors"]["k"],
         null_class_id=null.get("class_id"),

@@ -19,6 +19,7 @@ from lantern_rt.errors import OneLineErrors, UserError, first_line, reports_erro
 from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import (
     BACKENDS,
+    CACHE_WINDOWS,
     CPU_DEFAULT_TREE,
     DEFAULT_WINDOW,
     GPU_DEFAULT_TREE,
@@ -809,10 +810,19 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
     help="Images per call the step graphs are exported for, comma-separated (e.g. 1,8); the "
     "graphs of every size share one weights file.",
 )
+@click.option(
+    "--cache-windows",
+    "windows",
+    type=int,
+    default=CACHE_WINDOWS,
+    show_default=True,
+    help="Target step graphs per batch size, each reading a window of the KV cache's first slots "
+    "(a step reads the smallest that holds the batch's longest image); 1: the whole cache only.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
-def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, force, quiet):
+def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, windows, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.bundle import export_bundle
     from lantern_rt.models.model_dir import open_model_dir
@@ -832,10 +842,11 @@ def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, force, quiet):
         overwrite=force,
         progress=not quiet,
         batch_sizes=sizes,
+        windows=windows,
     )
     click.echo(
         f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}, batch sizes "
-        f"{','.join(map(str, sizes))}) in {time.perf_counter() - t0:.0f}s -> {out}",
+        f"{','.join(map(str, sizes))}, {windows} cache window(s)) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
     )
 
@@ -875,6 +886,9 @@ def inspect_cmd(bundle, graph):
     size = sum(f.stat().st_size for f in files)
     click.echo(f"size     {size / 2**20:.1f} MiB on disk in {len(files)} files (TensorRT plans not counted)")
     click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call")
+    click.echo(
+        f"cache    {c.cache_capacity} slots, read through windows of {', '.join(map(str, c.cache_windows))}"
+    )
     if b.text_max_length is not None:
         click.echo(f"text     prompts of {b.text_max_length} tokens, encoded by the text_encoder graph")
     if b.prompt_layout is not None:

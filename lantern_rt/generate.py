@@ -50,7 +50,7 @@ from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
-from lantern_rt.settings import BACKENDS, MethodConfig, check_batch_sizes
+from lantern_rt.settings import BACKENDS, CACHE_WINDOWS, MethodConfig, check_batch_sizes
 from lantern_rt.stats import GenerationStats
 from lantern_rt.version import package_version
 
@@ -214,7 +214,7 @@ def torch_pipeline(
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
-    target = TorchTarget(target_model, batch_size)
+    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS)
     spec = None
     if method.jacobi:
         window = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)

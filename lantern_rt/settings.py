@@ -31,6 +31,11 @@ BACKENDS = ("onnxruntime", "tensorrt", "torch")
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
 MAX_BATCH_SIZE = 256  # images per decode step
+# Target step graphs per batch size, each reading a window of the KV cache's first slots
+# (docs/method.md §12); measured on the demo (BENCHMARKS.md, issue 27): an AR step at B = 16
+# reading 80 of 257 slots costs half the whole cache's step. 1 reads the whole cache only.
+CACHE_WINDOWS = 4
+MAX_CACHE_WINDOWS = 16
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no negative entropy)
 MAX_IMAGES_PER_CLASS = 1_000_000
 
@@ -59,6 +64,13 @@ def check_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:
     ):
         raise ConfigError(f"batch sizes must be integers in 1..{MAX_BATCH_SIZE}, got {list(sizes)}")
     return sorted(set(sizes))
+
+
+def check_cache_windows(count: int) -> int:
+    """``count`` (cache windows per step graph); :class:`ConfigError` unless in 1..MAX_CACHE_WINDOWS."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CACHE_WINDOWS:
+        raise ConfigError(f"--cache-windows must be an integer in 1..{MAX_CACHE_WINDOWS}, got {count!r}")
+    return count
 
 
 # LlamaGen's own sampling scripts: class-conditional 4.0, text-conditional 7.5; LANTERN's Anole

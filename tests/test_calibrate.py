@@ -63,7 +63,9 @@ def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
     assert set(graphs) == {
         "target_prefill",
         "target_ar_step",
+        "target_ar_step_w16",  # the cache window below the tiny model's 17 slots
         "target_verify_0",
+        "target_verify_0_w16",
         "draft_tree_0",
     }
     for path in graphs.values():
@@ -138,7 +140,9 @@ def test_calibration_used_recorded_inputs(calibrated):
         assert 0 < graph["samples"] <= min(MAX_SAMPLES_PER_GRAPH, graph["calls"]), name
         assert calls[name] == graph["calls"]
     assert report["graphs"]["target_prefill"]["calls"] == 2 * SAMPLES  # one per image, both pipelines
-    assert report["graphs"]["target_ar_step"]["calls"] == SAMPLES * 15  # ar: the 15 tokens after prefill
+    ar_steps = report["graphs"]["target_ar_step"]["calls"] + report["graphs"]["target_ar_step_w16"]["calls"]
+    assert ar_steps == SAMPLES * 15  # ar: the 15 tokens after prefill, in the 16-slot window then the whole cache
+    assert report["graphs"]["target_ar_step"]["calls"] == SAMPLES  # the last token
 
 
 def test_recorder_keeps_a_bounded_uniform_sample_of_copies(fp32):

@@ -32,6 +32,7 @@ from lantern_rt.bundle import (
     draft_graph_name,
     staged_bundle,
     verify_graph_name,
+    windowed_name,
     write_manifest,
 )
 from lantern_rt.chameleon_prompts import TOKENIZER_FILE as CHAMELEON_TOKENIZER
@@ -56,8 +57,9 @@ from lantern_rt.models.target import Transformer
 from lantern_rt.models.text_encoder import load_text_encoder
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import is_window
+from lantern_rt.runtime.kv_cache import cache_windows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
-from lantern_rt.settings import check_batch_sizes
+from lantern_rt.settings import CACHE_WINDOWS, check_batch_sizes, check_cache_windows
 from lantern_rt.shared_weights import share_weights
 from lantern_rt.version import package_version
 
@@ -91,11 +93,13 @@ def export_bundle(
     progress: bool = False,
     batch_sizes: Sequence[int] = (1,),
     on_start: Callable[[], object] | None = None,
+    windows: int = CACHE_WINDOWS,
 ) -> Path:
     """Export the target (prefill, the AR step and the verify step of each tree; without a
     drafter, of each chain, for the Jacobi window of its length), the VQ decoder, the neighbour
     table and, when ``model_dir`` has a drafter, the drafting graph of each tree; the step
-    graphs once per batch size in ``batch_sizes`` (images per call).
+    graphs once per batch size in ``batch_sizes`` (images per call), the target's steps once per
+    cache window (``windows`` of them, :func:`~lantern_rt.runtime.kv_cache.cache_windows`).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
@@ -104,10 +108,12 @@ def export_bundle(
     out = Path(out)
     trees = _check_args(out, trees, dtype, opset, overwrite)
     sizes = check_batch_sizes(list(batch_sizes))
+    check_cache_windows(windows)
     target, vq = load_target(model_dir), load_vq(model_dir)
     drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
     k = neighbors_k(model_dir)
-    graphs = [pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b)]
+    spans = cache_windows(cache_capacity(target), windows)
+    graphs = [pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b, spans)]
     decode = VQDecode(vq, target.config)
     graphs.append((decode, decode))
     text = _text_encoder(model_dir, target)
@@ -128,7 +134,9 @@ def export_bundle(
         if model_dir.chameleon is not None:  # the prompts' tokenizer, as the model folder has it
             shutil.copyfile(model_dir.chameleon.root / CHAMELEON_TOKENIZER, tmp / CHAMELEON_TOKENIZER)
         save_neighbors(neighbors, tmp / NEIGHBORS)
-        manifest = _manifest(model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes)
+        manifest = _manifest(
+            model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes, spans
+        )
         if text is not None:
             manifest["text_encoder"] = {"max_length": target.config.cls_token_num}
         write_manifest(tmp, manifest)
@@ -181,19 +189,26 @@ def _graphs(
     dtype: torch.dtype,
     neighbors_k: int,
     batch: int,
+    windows: tuple[int, ...],
 ) -> list[tuple[GraphModule, GraphModule]]:
-    """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call
-    (the VQ decoder always runs in fp32: its softmax and GroupNorms are not fp16-safe, and it
-    runs once per image). AR's step verifies the root-only tree and credits no neighbours: its
-    table is one column nothing reads."""
+    """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call,
+    the target's steps once per cache window in ``windows`` (the VQ decoder always runs in fp32:
+    its softmax and GroupNorms are not fp16-safe, and it runs once per image). AR's step
+    verifies the root-only tree and credits no neighbours: its table is one column nothing
+    reads."""
     low = _cast(target, dtype)
     pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low, batch), TargetPrefill(target, batch))]
-    ar = (ROOT_ONLY, 1, AR_STEP_GRAPH, batch)
-    pairs.append((TargetVerify(low, *ar), TargetVerify(target, *ar)))
-    for i, tree in enumerate(trees):
-        if verified(tree, drafter is not None):
-            verify = (tree, neighbors_k, verify_graph_name(i), batch)
-            pairs.append((TargetVerify(low, *verify), TargetVerify(target, *verify)))
+    steps = [(ROOT_ONLY, 1, AR_STEP_GRAPH)]
+    steps += [
+        (tree, neighbors_k, verify_graph_name(i))
+        for i, tree in enumerate(trees)
+        if verified(tree, drafter is not None)
+    ]
+    capacity = cache_capacity(target)
+    for tree, k, name in steps:
+        for window in windows:
+            step = (tree, k, windowed_name(name, window, capacity), batch, window)
+            pairs.append((TargetVerify(low, *step), TargetVerify(target, *step)))
     if drafter is not None:
         c = target.config
         low_drafter, cap = _cast(drafter, dtype), drafter_capacity(c.cls_token_num, c.block_size)
@@ -311,6 +326,7 @@ def _manifest(
     opset: int,
     graphs: dict,
     batch_sizes: list[int],
+    windows: tuple[int, ...],
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -325,6 +341,7 @@ def _manifest(
         "drafter_capacity": drafter_capacity(c.cls_token_num, c.block_size),
         "max_draft_width": MAX_DRAFT_WIDTH,
         "batch_sizes": batch_sizes,
+        "cache_windows": list(windows),
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
         "null_condition": {
             "c2i": {"class_id": c.num_classes},

@@ -261,16 +261,26 @@ class TargetVerify(nn.Module):
     the kept nodes' hidden states and K/V, and the logits at every node. The target
     distribution is mixed and filtered in the graph, its top-k/top-p filter behind an If as in
     drafting. ``neighbors`` is the bundle's whole table; ``k`` says how many columns are
-    credited. AR's step is this graph over the root-only tree."""
+    credited. AR's step is this graph over the root-only tree. The graph reads ``window`` slots
+    of the cache (default: all of them; docs/method.md §12)."""
 
-    def __init__(self, model: Transformer, tree: StaticTree, neighbors_k: int, name: str, batch: int = 1):
+    def __init__(
+        self,
+        model: Transformer,
+        tree: StaticTree,
+        neighbors_k: int,
+        name: str,
+        batch: int = 1,
+        window: int | None = None,
+    ):
         super().__init__()
         self.model, self.blocks, self.tree, self.batch = model, Blocks.of_target(model), tree, batch
         self.plan = tree_plan(tree, torch.device("cpu"))
         self.depth, self.tree_mask = tree.depth.clone(), tree.mask.clone()  # built before tracing
         c = model.config
         dtype = model.output.weight.dtype
-        cap, kv = cache_capacity(model), _target_kv(model)
+        self.window = cap = window or cache_capacity(model)
+        kv = _target_kv(model)
         s, kept, v, b = tree.num_nodes + 1, tree.max_depth + 1, c.vocab_size, batch
         self.spec = GraphSpec(
             batched_name(name, batch),
@@ -306,8 +316,7 @@ class TargetVerify(nn.Module):
     def _inputs(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
         """Embedded nodes, positions and mask of the step, and the per-layer past inputs."""
         tokens, length, prefix = inputs[:3]
-        capacity = cache_capacity(self.model)
-        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, capacity, prefix)
+        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, self.window, prefix)
         return self.model.tok_embeddings(cfg_rows(tokens)), positions, mask, inputs[16:]
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
@@ -340,7 +349,7 @@ class TargetVerify(nn.Module):
         -4.5). LANTERN++ with lambda 3 and CFG 3, sampling without filters."""
         c, tree, b = self.model.config, self.tree, self.batch
         s, v = tree.num_nodes + 1, c.vocab_size
-        length = torch.randint(c.cls_token_num, cache_capacity(self.model), (b,), generator=g)
+        length = torch.randint(c.cls_token_num, self.window, (b,), generator=g)
         tokens = torch.randint(v, (b, s), generator=g)
         q = torch.softmax(torch.randn(b, s, v, generator=g), dim=-1)
         bonus_noise = torch.zeros(b, v)

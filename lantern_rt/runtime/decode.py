@@ -22,6 +22,7 @@ from lantern_rt.runtime.backends.base import Draft, DrafterBackend, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.drafting import draft, noise_rows
 from lantern_rt.runtime.jacobi import JacobiDrafter
+from lantern_rt.runtime.kv_cache import window_needed
 from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
@@ -172,19 +173,21 @@ def decode_images(
     step (:class:`DecodeStep`) drafts, verifies and accepts the trees of all of them and commits
     on the device, from uniform noise drawn from each image's own generator in the order a
     batch of one draws it, so an image's tokens do not depend on its batch or slot. The host
-    then reads one small tensor, the accepted lengths and tokens. A finished image's slot takes
+    then reads one small tensor, the accepted lengths and tokens. Each step reads the smallest
+    cache window that holds the batch's longest image (docs/method.md §12). A finished image's slot takes
     the next job at once (its prefill runs with the other slots' rows untouched); slots with no
     job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs`` (a
     dict the caller keeps across calls, on a CUDA device) each step is replayed from one
     captured CUDA graph.
     """
     tree = spec.tree if spec else ROOT_ONLY
-    batch = target.cache.images
+    cache = target.cache
+    batch = cache.images
     queue = enumerate(jobs)
     slots: list[_Slot | None] = [None] * batch
     exhausted = False
     state: _State | None = None
-    step: DecodeStep | CudaGraphed | None = None
+    steps: dict[int, DecodeStep | CudaGraphed] = {}  # by cache window
     while True:
         fresh = []
         for b in range(batch):
@@ -197,10 +200,10 @@ def decode_images(
                     cond = cond if isinstance(cond, Condition) else Condition(cond)
                     slots[b] = _Slot(index, cond, generator, [], [])
                     fresh.append(b)
+        longest = max((len(slot.tokens) for slot in slots if slot is not None), default=0)
+        cache.fit(window_needed(target.cls_token_num, longest, tree.max_depth))
         if fresh:
             state = _prefill(target, spec, slots, fresh, sampling, tree, state)
-            if step is None:
-                step = _step(target, spec, tree, state, step_graphs)
         finished = [b for b, slot in enumerate(slots) if slot is not None and len(slot.tokens) >= num_tokens]
         for b in finished:
             slot = slots[b]
@@ -214,6 +217,9 @@ def decode_images(
         if all(slot is None for slot in slots):
             return
         draft_noise, noise, bonus_noise = _step_noise(slots, tree, spec is not None, sampling, state)
+        step = steps.get(cache.window) or steps.setdefault(
+            cache.window, _step(target, spec, tree, state, step_graphs)
+        )
         length, pending, hidden = step(
             state.pending, state.hidden, state.m, state.active(slots), draft_noise, noise, bonus_noise
         )
@@ -346,7 +352,7 @@ def _step(
 ) -> DecodeStep | CudaGraphed:
     """The step of these backends and settings, captured once in ``graphs`` when given."""
     filters, relax, device = state.filters, state.relax, state.device
-    key = (id(target), id(spec), tree.paths, *map(id, filters), *map(id, relax))
+    key = (id(target), id(spec), tree.paths, target.cache.window, *map(id, filters), *map(id, relax))
     if graphs is not None and key in graphs:
         return graphs[key]
     batch = target.cache.images

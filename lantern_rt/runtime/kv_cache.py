@@ -2,10 +2,14 @@
 
 A cache holds B images' 2B CFG rows (:func:`~lantern_rt.runtime.sampling.cfg_rows`: the
 conditional rows, then the unconditional ones) and a committed length per image: images of a
-batch advance by different accepted lengths (docs/method.md §7).
+batch advance by different accepted lengths (docs/method.md §7). Graphs read a window of its
+first slots that covers the batch's longest image, not the whole cache (docs/method.md §12).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +62,38 @@ def gather_rows(t: Tensor, index: Tensor, rows_dim: int, dim: int) -> Tensor:
     return t.gather(dim, rows.view(shape).expand(sizes))
 
 
+WINDOW_ALIGN = 16  # cache windows are multiples of this many slots (or the whole cache)
+
+
+def cache_windows(capacity: int, count: int) -> tuple[int, ...]:
+    """The ``count`` window sizes (slots) a cache of ``capacity`` slots is read through, ascending:
+    ``capacity * j / count`` for j = 1..count rounded up to a multiple of :data:`WINDOW_ALIGN`,
+    the last one the whole cache (docs/method.md §12)."""
+    if count < 1:
+        raise ValueError(f"a cache needs at least one window, got {count}")
+    sizes = {
+        min(capacity, math.ceil(capacity * j / count / WINDOW_ALIGN) * WINDOW_ALIGN) for j in range(1, count)
+    }
+    return tuple(sorted(sizes | {capacity}))
+
+
+def window_needed(cls_token_num: int, tokens: int, max_depth: int) -> int:
+    """The slots a step must see (and may write) for an image with ``tokens`` image tokens
+    committed: its condition prefix, those tokens (the last one, pending, is written by the
+    step), the accepted path of a tree of ``max_depth`` and the spare last slot
+    (:meth:`KVCache.write`)."""
+    return cls_token_num + max(tokens, 1) + max_depth + 1
+
+
 class KVCache:
-    """Fixed-size K/V storage [n_layer, 2B, heads, capacity, head_dim] plus a committed length
+    """Fixed-size K/V storage [n_layer, 2B, heads, window, head_dim] plus a committed length
     per image ([B]).
 
-    The lengths are a tensor on the cache's device, so that a whole decode step (its positions,
+    The storage holds ``capacity`` slots per row; calls read it through one of ``windows``
+    (window sizes, the whole cache among them): ``k``/``v`` are the first 2B x heads x window x
+    head_dim values of each layer's storage viewed as [2B, heads, window, head_dim], so that
+    a window is one contiguous tensor a graph reads in place. :meth:`fit` moves the entries when
+    the window changes. The lengths are a tensor on the cache's device, so that a whole decode step (its positions,
     masks and commits) runs there with no host read (docs/method.md §6). Entries past an image's
     length are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
     (graphs take one input per layer). A target cache also keeps ``prefix`` [2B, P], which of
@@ -80,12 +111,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         prefix: int = 0,
+        windows: Sequence[int] = (),
     ):
-        shape = (n_layer, 2 * images, heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
+        self._rows = (2 * images, heads)
+        self._head_dim = head_dim
+        size = 2 * images * heads * capacity * head_dim
+        self._k = torch.zeros(n_layer, size, dtype=dtype, device=device)
+        self._v = torch.zeros(n_layer, size, dtype=dtype, device=device)
         self.capacity = capacity
+        self.windows = tuple(sorted({w for w in windows if 0 < w < capacity} | {capacity}))
+        self._views(capacity)
         self.length = torch.zeros(images, dtype=torch.long, device=device)
         self.prefix = torch.ones(2 * images, prefix, dtype=torch.bool, device=device) if prefix else None
 
@@ -96,6 +131,26 @@ class KVCache:
 
     def reset(self) -> None:
         self.length.zero_()
+
+    def _views(self, window: int) -> None:
+        self.window = window
+        shape = (self._k.shape[0], *self._rows, window, self._head_dim)
+        count = math.prod(shape[1:])
+        self.k, self.v = self._k[:, :count].view(shape), self._v[:, :count].view(shape)
+        self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
+
+    def fit(self, needed: int) -> None:
+        """Read the cache through its smallest window of at least ``needed`` slots (the whole
+        cache when none is that large), keeping every image's first slots. Every image whose
+        entries matter must have fewer than the new window's slots committed."""
+        window = next((w for w in self.windows if w >= needed), self.capacity)
+        if window == self.window:
+            return
+        keep = min(window, self.window)
+        k, v = self.k[..., :keep, :].clone(), self.v[..., :keep, :].clone()
+        self._views(window)
+        self.k[..., :keep, :] = k
+        self.v[..., :keep, :] = v
 
     def restart(
         self, new_k: Tensor, new_v: Tensor, fresh: Tensor | None = None, prefix: Tensor | None = None
@@ -119,16 +174,17 @@ class KVCache:
 
     def mask(self, new_mask: Tensor) -> Tensor:
         """:func:`cache_mask` over this cache for new tokens seeing each other through ``new_mask``."""
-        return cache_mask(self.length, self.capacity, new_mask, self.prefix)
+        return cache_mask(self.length, self.window, new_mask, self.prefix)
 
     def write(self, new_k: Tensor, new_v: Tensor, count: Tensor | int) -> None:
         """Append the first ``count`` [B] (or one int for all) of the S new entries per image
         (``new_k``/``new_v`` [n_layer, 2B, heads, S, head_dim], the kept ones first) after each
         image's length, on the device: all S are copied to slots ``length``.. (clamped to the
-        last slot), so the ones past ``count`` land in stale slots. The last slot never holds a
-        committed entry (capacities have one to spare: a decode commits at most capacity - 1),
-        so clamped copies only overwrite stale data; a count of 0 leaves an image as it was."""
-        slots = cache_slots(self.length, new_k.shape[3], self.capacity)
+        window's last slot), so the ones past ``count`` land in stale slots. The last slot never
+        holds a committed entry (capacities have one to spare: a decode commits at most capacity
+        - 1, and a window is chosen with :func:`window_needed`), so clamped copies only overwrite
+        stale data; a count of 0 leaves an image as it was."""
+        slots = cache_slots(self.length, new_k.shape[3], self.window)
         index = slots[None, :, None, :, None].expand_as(new_k)
         self.k.scatter_(3, index, new_k)
         self.v.scatter_(3, index, new_v)

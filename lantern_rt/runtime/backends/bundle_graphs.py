@@ -23,6 +23,7 @@ from lantern_rt.bundle import (
     GraphEntry,
     IOSpec,
     batched_name,
+    windowed_name,
 )
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
@@ -81,19 +82,23 @@ def kv_layers(entry: GraphEntry) -> int:
     return sum(spec.name.startswith("past_k_") for spec in entry.inputs)
 
 
-def cache_for(entry: GraphEntry, device: torch.device, prefix: int = 0) -> KVCache:
+def cache_for(
+    entry: GraphEntry, device: torch.device, prefix: int = 0, windows: tuple[int, ...] = ()
+) -> KVCache:
     """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs (2B rows), on
-    ``device``, keeping the visibility of ``prefix`` condition slots (a target's)."""
+    ``device``, keeping the visibility of ``prefix`` condition slots (a target's), read
+    through ``windows`` (see :class:`KVCache`)."""
     past = entry.input("past_k_0")
     rows, heads, capacity, head_dim = past.shape
     dtype = torch_dtype(past.dtype)
-    return KVCache(kv_layers(entry), rows // 2, heads, capacity, head_dim, dtype, device, prefix)
+    return KVCache(kv_layers(entry), rows // 2, heads, capacity, head_dim, dtype, device, prefix, windows)
 
 
 class BundleTarget:
     """``TargetBackend`` over a bundle's prefill graph and its verify graphs for ``batch``
     images per call: one per tree with a drafter (``target_verify_{i}``) and AR's
-    ``target_ar_step`` (names with ``_b{batch}`` for batches above 1)."""
+    ``target_ar_step``, each once per cache window (names with ``_w{window}`` below the whole
+    cache, ``_b{batch}`` for batches above 1); a call runs the one of the cache's window."""
 
     def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str, batch: int = 1):
         bundle.check_batch_size(batch)
@@ -102,11 +107,15 @@ class BundleTarget:
         self._prefill = runner(bundle, bundle.graph(batched_name(PREFILL_GRAPH, batch)))
         names = {ROOT_ONLY.paths: AR_STEP_GRAPH}
         names |= {tree.paths: tree.verify for tree in bundle.trees.values() if tree.verify is not None}
+        capacity, windows = bundle.constants.cache_capacity, bundle.constants.cache_windows
         self._verify = {
-            paths: runner(bundle, bundle.graph(batched_name(name, batch))) for paths, name in names.items()
+            (paths, w): runner(bundle, bundle.graph(batched_name(windowed_name(name, w, capacity), batch)))
+            for paths, name in names.items()
+            for w in windows
         }
         ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
-        self.cache = cache_for(ar, self._verify[ROOT_ONLY.paths].device, self.cls_token_num)
+        device = self._verify[ROOT_ONLY.paths, capacity].device
+        self.cache = cache_for(ar, device, self.cls_token_num, windows)
 
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
@@ -125,12 +134,12 @@ class BundleTarget:
         sampling: FilterInputs,
         relax: RelaxInputs,
     ) -> Verified:
-        graph = self._verify.get(tree.paths)
+        cache = self.cache
+        graph = self._verify.get((tree.paths, cache.window))
         if graph is None:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        cache = self.cache
         past = (*cache.layers_k, *cache.layers_v)
         return Verified(
             *graph(

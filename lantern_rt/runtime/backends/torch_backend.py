@@ -27,7 +27,7 @@ from lantern_rt.runtime.drafting import (
     prefix_pairs,
     prompt_pairs,
 )
-from lantern_rt.runtime.kv_cache import KVCache, prefill_mask
+from lantern_rt.runtime.kv_cache import KVCache, cache_windows, prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import StaticTree
 
@@ -35,12 +35,15 @@ from lantern_rt.runtime.tree import StaticTree
 class TorchTarget:
     """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's own
     ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly (a CUDA graph
-    captures whole decode steps: ``runtime.decode.decode_image``'s ``step_graphs``)."""
+    captures whole decode steps: ``runtime.decode.decode_image``'s ``step_graphs``). Its cache is
+    read through ``windows`` windows (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default:
+    the whole cache alone)."""
 
     name = "torch"
 
-    def __init__(self, model: Transformer, batch: int = 1):
+    def __init__(self, model: Transformer, batch: int = 1, windows: int = 1):
         cfg = model.config
+        capacity = cfg.cls_token_num + cfg.block_size
         self.model = model
         self.cls_token_num = cfg.cls_token_num
         weight = model.output.weight
@@ -48,11 +51,12 @@ class TorchTarget:
             cfg.n_layer,
             batch,
             cfg.kv_heads,
-            cfg.cls_token_num + cfg.block_size,
+            capacity,
             cfg.head_dim,
             weight.dtype,
             weight.device,
             prefix=cfg.cls_token_num,
+            windows=cache_windows(capacity, windows),
         )
         self._tables: dict[StaticTree, tuple[TreePlan, Tensor, Tensor]] = {}  # plan, depth, mask
 
@@ -87,7 +91,7 @@ class TorchTarget:
             )
         plan, depth, tree_mask = tables
         cache = self.cache
-        positions, mask = tree_step_inputs(depth, tree_mask, cache.length, cache.capacity, cache.prefix)
+        positions, mask = tree_step_inputs(depth, tree_mask, cache.length, cache.window, cache.prefix)
         h = self.model.tok_embeddings(cfg_rows(draft.tokens))
         logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
         return verify_tree(
