@@ -34,7 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     bundle = Bundle.open(args.bundle)
     c = bundle.constants
-    trees = {"ar": ROOT_ONLY} | {name: t for name, t in bundle_trees(bundle).items() if bundle.trees[name].verify}
+    trees = {"ar": ROOT_ONLY} | {
+        name: t for name, t in bundle_trees(bundle).items() if bundle.trees[name].verify
+    }
     filters = filter_inputs(SamplingConfig(cfg_scale=3.0), torch.device("cpu"))
     print(f"threads {args.threads}, {args.calls} calls per row, cache {c.cache_capacity} slots")
     print("B  step      " + "".join(f"{f'w {w}':>10}" for w in c.cache_windows))

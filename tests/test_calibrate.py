@@ -141,7 +141,9 @@ def test_calibration_used_recorded_inputs(calibrated):
         assert calls[name] == graph["calls"]
     assert report["graphs"]["target_prefill"]["calls"] == 2 * SAMPLES  # one per image, both pipelines
     ar_steps = report["graphs"]["target_ar_step"]["calls"] + report["graphs"]["target_ar_step_w16"]["calls"]
-    assert ar_steps == SAMPLES * 15  # ar: the 15 tokens after prefill, in the 16-slot window then the whole cache
+    assert (
+        ar_steps == SAMPLES * 15
+    )  # ar: the 15 tokens after prefill, in the 16-slot window then the whole cache
     assert report["graphs"]["target_ar_step"]["calls"] == SAMPLES  # the last token
 
 
