@@ -44,7 +44,8 @@ def main() -> None:
         target = BundleTarget(bundle, ort_runner(threads=args.threads), "onnxruntime", batch)
         cache = target.cache
         for name, tree in trees.items():
-            relax = relax_inputs(Relaxation("exact"), bundle.neighbors(), c.vocab_size, False, "cpu")
+            table = None if tree is ROOT_ONLY else bundle.neighbors()  # AR's step credits none
+            relax = relax_inputs(Relaxation("exact"), table, c.vocab_size, False, torch.device("cpu"))
             s = tree.num_nodes + 1
             draft = Draft(
                 torch.randint(c.vocab_size, (batch, s)),
