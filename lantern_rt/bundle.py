@@ -32,6 +32,7 @@ from lantern_rt.models.chameleon_vq import ChameleonVQConfig
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.neighbors import load_neighbors_file
+from lantern_rt.runtime.kv_cache import step_windows
 
 FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
@@ -426,7 +427,8 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
         raise BundleError(
             f"{where}: constants.cache_windows must list ascending window sizes ending with cache_capacity"
         )
-    steps = [windowed_name(AR_STEP_GRAPH, w, capacity) for w in windows]
+    cls = c["cls_token_num"]
+    steps = [windowed_name(AR_STEP_GRAPH, w, capacity) for w in step_windows(windows, cls, 0)]
     per_batch = [PREFILL_GRAPH, *steps]
     if c["drafter"] and c["cls_token_num"] > 1:
         per_batch.append(DRAFTER_PREFILL_GRAPH)
@@ -437,10 +439,11 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
         needed.append(TEXT_ENCODER_GRAPH)
     for tree in manifest["trees"].values():
         needed += [batched_name(tree["graph"], b) for b in sizes if tree["graph"]]
+        depth = max((len(path) for path in tree["paths"]), default=0)
         needed += [
             batched_name(windowed_name(tree["verify"], w, capacity), b)
             for b in sizes
-            for w in windows
+            for w in step_windows(windows, cls, depth)
             if tree["verify"]
         ]
     for graph in needed:

@@ -19,7 +19,7 @@ from lantern_rt.runtime.backends.bundle_graphs import BundleTarget
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
-from lantern_rt.runtime.kv_cache import KVCache, cache_windows, window_needed
+from lantern_rt.runtime.kv_cache import KVCache, cache_windows, step_windows, window_needed
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
@@ -41,6 +41,10 @@ def test_the_window_rule():
     # prefix 1, 10 tokens committed (the last one pending), a depth-5 tree, the spare slot
     assert window_needed(1, 10, 5) == 17
     assert window_needed(1, 0, 0) == window_needed(1, 1, 0) == 3  # before the first token
+    # a step's graphs: the windows its first step fits in, and the whole cache
+    assert step_windows(WINDOWS, 1, 5) == WINDOWS
+    assert step_windows(WINDOWS, 30, 5) == (48, 64, 65)  # a 30-slot prompt: 32 slots never fit
+    assert step_windows((16, 17), 12, 5) == (17,)
 
 
 def test_fit_moves_the_entries_and_every_window_is_read_in_place():

@@ -85,6 +85,13 @@ def window_needed(cls_token_num: int, tokens: int, max_depth: int) -> int:
     return cls_token_num + max(tokens, 1) + max_depth + 1
 
 
+def step_windows(windows: Sequence[int], cls_token_num: int, max_depth: int) -> tuple[int, ...]:
+    """The ``windows`` a step over a tree of ``max_depth`` can read (a bundle holds its graph for
+    these alone): those that fit its first step (:func:`window_needed`), and the whole cache."""
+    first = window_needed(cls_token_num, 1, max_depth)
+    return tuple(w for w in windows if w >= first or w == windows[-1])
+
+
 class KVCache:
     """Fixed-size K/V storage [n_layer, 2B, heads, window, head_dim] plus a committed length
     per image ([B]).

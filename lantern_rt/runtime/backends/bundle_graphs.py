@@ -28,7 +28,7 @@ from lantern_rt.bundle import (
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.jacobi import is_window
-from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.kv_cache import KVCache, step_windows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
 
@@ -111,7 +111,7 @@ class BundleTarget:
         self._verify = {
             (paths, w): runner(bundle, bundle.graph(batched_name(windowed_name(name, w, capacity), batch)))
             for paths, name in names.items()
-            for w in windows
+            for w in step_windows(windows, self.cls_token_num, max((len(p) for p in paths), default=0))
         }
         ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
         device = self._verify[ROOT_ONLY.paths, capacity].device
