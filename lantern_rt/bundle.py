@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,6 @@ from lantern_rt.models.chameleon_vq import ChameleonVQConfig
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.neighbors import load_neighbors_file
-from lantern_rt.runtime.kv_cache import step_windows
 
 FORMAT = "lantern-rt-bundle"
 # 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
@@ -73,6 +72,21 @@ def windowed_name(name: str, window: int, capacity: int) -> str:
     """The name of target step graph ``name``'s copy reading ``window`` of the cache's
     ``capacity`` slots (the whole cache keeps the name; docs/method.md §12)."""
     return name if window == capacity else f"{name}_w{window}"
+
+
+def window_needed(cls_token_num: int, tokens: int, max_depth: int) -> int:
+    """The slots a step must see (and may write) for an image with ``tokens`` image tokens
+    committed: its condition prefix, those tokens (the last one, pending, is written by the
+    step), the accepted path of a tree of ``max_depth`` and the spare last slot
+    (:meth:`~lantern_rt.runtime.kv_cache.KVCache.write`)."""
+    return cls_token_num + max(tokens, 1) + max_depth + 1
+
+
+def step_windows(windows: Sequence[int], cls_token_num: int, max_depth: int) -> tuple[int, ...]:
+    """The ``windows`` a step over a tree of ``max_depth`` can read (a bundle holds its graph for
+    these alone): those that fit its first step (:func:`window_needed`), and the whole cache."""
+    first = window_needed(cls_token_num, 1, max_depth)
+    return tuple(w for w in windows if w >= first or w == windows[-1])
 
 
 def draft_graph_name(index: int) -> str:

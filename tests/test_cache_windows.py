@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from lantern_rt.bundle import Bundle, BundleError
+from lantern_rt.bundle import Bundle, BundleError, step_windows, window_needed
 from lantern_rt.export.bundle import export_bundle
 from lantern_rt.generate import jacobi_speculation
 from lantern_rt.models.config import ConfigError
@@ -19,7 +19,7 @@ from lantern_rt.runtime.backends.bundle_graphs import BundleTarget
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
-from lantern_rt.runtime.kv_cache import KVCache, cache_windows, step_windows, window_needed
+from lantern_rt.runtime.kv_cache import KVCache, cache_windows
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig

@@ -31,6 +31,7 @@ from lantern_rt.bundle import (
     check_bundle_out,
     draft_graph_name,
     staged_bundle,
+    step_windows,
     verify_graph_name,
     windowed_name,
     write_manifest,
@@ -57,7 +58,7 @@ from lantern_rt.models.target import Transformer
 from lantern_rt.models.text_encoder import load_text_encoder
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import is_window
-from lantern_rt.runtime.kv_cache import cache_windows, step_windows
+from lantern_rt.runtime.kv_cache import cache_windows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
 from lantern_rt.settings import CACHE_WINDOWS, check_batch_sizes, check_cache_windows
 from lantern_rt.shared_weights import share_weights
@@ -193,7 +194,7 @@ def _graphs(
 ) -> list[tuple[GraphModule, GraphModule]]:
     """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call,
     the target's steps once per cache window in ``windows`` a step over its tree can read
-    (:func:`~lantern_rt.runtime.kv_cache.step_windows`; the VQ decoder always runs in fp32:
+    (:func:`~lantern_rt.bundle.step_windows`; the VQ decoder always runs in fp32:
     its softmax and GroupNorms are not fp16-safe, and it runs once per image). AR's step
     verifies the root-only tree and credits no neighbours: its table is one column nothing
     reads."""

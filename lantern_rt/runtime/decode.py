@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lantern_rt.bundle import window_needed
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, draw, relax_inputs, target_probabilities
 from lantern_rt.runtime.backends.base import Draft, DrafterBackend, FilterInputs, TargetBackend
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.drafting import draft, noise_rows
 from lantern_rt.runtime.jacobi import JacobiDrafter
-from lantern_rt.runtime.kv_cache import window_needed
 from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,

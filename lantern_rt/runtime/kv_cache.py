@@ -77,21 +77,6 @@ def cache_windows(capacity: int, count: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {capacity}))
 
 
-def window_needed(cls_token_num: int, tokens: int, max_depth: int) -> int:
-    """The slots a step must see (and may write) for an image with ``tokens`` image tokens
-    committed: its condition prefix, those tokens (the last one, pending, is written by the
-    step), the accepted path of a tree of ``max_depth`` and the spare last slot
-    (:meth:`KVCache.write`)."""
-    return cls_token_num + max(tokens, 1) + max_depth + 1
-
-
-def step_windows(windows: Sequence[int], cls_token_num: int, max_depth: int) -> tuple[int, ...]:
-    """The ``windows`` a step over a tree of ``max_depth`` can read (a bundle holds its graph for
-    these alone): those that fit its first step (:func:`window_needed`), and the whole cache."""
-    first = window_needed(cls_token_num, 1, max_depth)
-    return tuple(w for w in windows if w >= first or w == windows[-1])
-
-
 class KVCache:
     """Fixed-size K/V storage [n_layer, 2B, heads, window, head_dim] plus a committed length
     per image ([B]).
@@ -189,7 +174,7 @@ class KVCache:
         image's length, on the device: all S are copied to slots ``length``.. (clamped to the
         window's last slot), so the ones past ``count`` land in stale slots. The last slot never
         holds a committed entry (capacities have one to spare: a decode commits at most capacity
-        - 1, and a window is chosen with :func:`window_needed`), so clamped copies only overwrite
+        - 1, and a window is chosen with :func:`~lantern_rt.bundle.window_needed`), so clamped copies only overwrite
         stale data; a count of 0 leaves an image as it was."""
         slots = cache_slots(self.length, new_k.shape[3], self.window)
         index = slots[None, :, None, :, None].expand_as(new_k)

@@ -23,12 +23,13 @@ from lantern_rt.bundle import (
     GraphEntry,
     IOSpec,
     batched_name,
+    step_windows,
     windowed_name,
 )
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.jacobi import is_window
-from lantern_rt.runtime.kv_cache import KVCache, step_windows
+from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
 
