@@ -174,9 +174,9 @@ def decode_images(
     on the device, from uniform noise drawn from each image's own generator in the order a
     batch of one draws it, so an image's tokens do not depend on its batch or slot. The host
     then reads one small tensor, the accepted lengths and tokens. Each step reads the smallest
-    cache window that holds the batch's longest image (docs/method.md §12). A finished image's slot takes
-    the next job at once (its prefill runs with the other slots' rows untouched); slots with no
-    job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs`` (a
+    cache window that holds the batch's longest image (docs/method.md §12). A finished image's
+    slot takes the next job at once (its prefill runs with the other slots' rows untouched);
+    slots with no job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs`` (a
     dict the caller keeps across calls, on a CUDA device) each step is replayed from one
     captured CUDA graph.
     """

@@ -83,10 +83,10 @@ class KVCache:
 
     The storage holds ``capacity`` slots per row; calls read it through one of ``windows``
     (window sizes, the whole cache among them): ``k``/``v`` are the first 2B x heads x window x
-    head_dim values of each layer's storage viewed as [2B, heads, window, head_dim], so that
-    a window is one contiguous tensor a graph reads in place. :meth:`fit` moves the entries when
-    the window changes. The lengths are a tensor on the cache's device, so that a whole decode step (its positions,
-    masks and commits) runs there with no host read (docs/method.md §6). Entries past an image's
+    head_dim values of each layer's storage viewed as [2B, heads, window, head_dim], so that a
+    window is one contiguous tensor a graph reads in place. :meth:`fit` moves the entries when
+    the window changes. The lengths are a tensor on the cache's device, so that a whole decode
+    step (its positions, masks and commits) runs there with no host read (docs/method.md §6). Entries past an image's
     length are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
     (graphs take one input per layer). A target cache also keeps ``prefix`` [2B, P], which of
     its first P slots (the condition prefix) each CFG row's later tokens see: all but a
