@@ -42,8 +42,9 @@ FORMAT = "lantern-rt-bundle"
 # drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer;
 # 9: prompt-token prefixes (the Chameleon family); 10: the verify graphs also return the target
 # distribution at every node (probs: what a Jacobi window drafts from), and a tree's verify
-# graph is exported without a drafter too
-BUNDLE_VERSION = 11
+# graph is exported without a drafter too; 11: target step graphs per cache window; 12: guided
+# (2B CFG rows per call) or not (B rows, for a CFG scale of at most 1)
+BUNDLE_VERSION = 12
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
@@ -158,6 +159,7 @@ class Constants:
     max_draft_width: int
     batch_sizes: tuple[int, ...]  # images per call the graphs were exported for
     cache_windows: tuple[int, ...]  # the target cache windows its step graphs read (slots, ascending)
+    guided: bool  # 2B CFG rows per call; False: B rows, CFG scales of at most 1 only (method.md §13)
     neighbors_file: str
     neighbors_k: int
     null_class_id: int | None  # class-conditional models
@@ -371,6 +373,7 @@ _CONSTANTS = {
     "max_draft_width": _INT,
     "batch_sizes": _LIST,
     "cache_windows": _LIST,
+    "guided": _BOOL,
     "neighbors": _DICT,
     "null_condition": _DICT,
 }
@@ -503,6 +506,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         max_draft_width=c["max_draft_width"],
         batch_sizes=tuple(c["batch_sizes"]),
         cache_windows=tuple(c["cache_windows"]),
+        guided=c["guided"],
         neighbors_file=c["neighbors"]["file"],
         neighbors_k=c["neighbors"]["k"],
         null_class_id=null.get("class_id"),

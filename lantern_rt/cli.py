@@ -355,7 +355,9 @@ def generate(
         drafter_path,
     )
     labels = [c for c in class_ids for _ in range(num_images)]
-    pipe = make_pipeline(source, run_settings.backend, mc, device, threads, cuda_graphs, batch_size)
+    pipe = make_pipeline(
+        source, run_settings.backend, mc, device, threads, cuda_graphs, batch_size, sampling.guided
+    )
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))
     stats = result.stats
@@ -542,7 +544,8 @@ def generate_set_cmd(
         lantern_lambda,
     )
     if run_settings.backend != "torch" and not isinstance(source, Bundle):
-        source = Bundle.open(cached_bundle(source, mc, batch_sizes=(batch_size,)))  # before any worker
+        # exported before any worker starts
+        source = Bundle.open(cached_bundle(source, mc, batch_sizes=(batch_size,), guided=sampling.guided))
     if isinstance(source, Bundle):
         bundle_path, digest = str(source.path.resolve()), source.manifest_sha256
     else:
@@ -819,10 +822,16 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
     help="Target step graphs per batch size, each reading a window of the KV cache's first slots "
     "(a step reads the smallest that holds the batch's longest image); 1: the whole cache only.",
 )
+@click.option(
+    "--no-guidance",
+    is_flag=True,
+    help="Graphs of one row per image instead of two (the conditional row alone): half the work, "
+    "for --cfg-scale 1 (or below) only.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
-def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, windows, force, quiet):
+def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, windows, no_guidance, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.bundle import export_bundle
     from lantern_rt.models.model_dir import open_model_dir
@@ -843,10 +852,12 @@ def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, windows, force
         progress=not quiet,
         batch_sizes=sizes,
         windows=windows,
+        guided=not no_guidance,
     )
+    rows = "one row per image, no guidance" if no_guidance else "two CFG rows per image"
     click.echo(
         f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}, batch sizes "
-        f"{','.join(map(str, sizes))}, {windows} cache window(s)) in {time.perf_counter() - t0:.0f}s -> {out}",
+        f"{','.join(map(str, sizes))}, {windows} cache window(s), {rows}) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
     )
 
@@ -885,7 +896,8 @@ def inspect_cmd(bundle, graph):
     files = [b.path / name for name in (*b.files, MANIFEST)]
     size = sum(f.stat().st_size for f in files)
     click.echo(f"size     {size / 2**20:.1f} MiB on disk in {len(files)} files (TensorRT plans not counted)")
-    click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call")
+    rows = "2 CFG rows per image" if c.guided else "1 row per image (no guidance: --cfg-scale 1 only)"
+    click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call, {rows}")
     click.echo(
         f"cache    {c.cache_capacity} slots, read through windows of {', '.join(map(str, c.cache_windows))}"
     )

@@ -199,6 +199,12 @@ class Pipeline:
         """Images decoded per step."""
         return self.target.cache.images
 
+    @property
+    def guided(self) -> bool:
+        """Whether each image runs its two CFG rows (False: one row, CFG scales of at most 1
+        only; docs/method.md §13)."""
+        return self.target.cache.rows == 2 * self.batch_size
+
 
 def torch_pipeline(
     md: ModelDir,
@@ -206,15 +212,17 @@ def torch_pipeline(
     device: str = "cpu",
     cuda_graphs: bool = False,
     batch_size: int = 1,
+    guided: bool = True,
 ) -> Pipeline:
     """The reference pipeline: the torch models of a model directory, ``batch_size`` images per
     decode step, eager or (``cuda_graphs``, on a CUDA device) with every decode step replayed
-    from one captured CUDA graph."""
+    from one captured CUDA graph; ``guided`` False runs one row per image (for CFG scales of at
+    most 1, :attr:`SamplingConfig.guided`)."""
     check_batch_sizes([batch_size])
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
-    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS)
+    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS, guided)
     spec = None
     if method.jacobi:
         window = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
@@ -224,7 +232,7 @@ def torch_pipeline(
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
         spec = speculation(
             TorchDrafter(
-                drafter, target_model.output, capacity, batch_size, md.gpt.cls_token_num - 1, md.gpt
+                drafter, target_model.output, capacity, batch_size, md.gpt.cls_token_num - 1, md.gpt, guided
             ),
             load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
             method,
@@ -276,11 +284,14 @@ def make_pipeline(
     threads: int = 0,
     cuda_graphs: bool = True,
     batch_size: int = 1,
+    guided: bool = True,
 ) -> Pipeline:
     """A pipeline for a model directory (torch) or an opened bundle (onnxruntime, tensorrt; a
-    model directory is exported into the cache first, for ``method``'s tree and
-    ``batch_size``), decoding ``batch_size`` images per step. ``cuda_graphs`` applies to torch
-    on a CUDA device and to tensorrt."""
+    model directory is exported into the cache first, for ``method``'s tree, ``batch_size`` and
+    ``guided``), decoding ``batch_size`` images per step. ``cuda_graphs`` applies to torch on a
+    CUDA device and to tensorrt. ``guided`` False (for CFG scales of at most 1,
+    :attr:`SamplingConfig.guided`) runs one row per image instead of two; a bundle runs the rows
+    it was exported with."""
     check_batch_sizes([batch_size])
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -289,7 +300,8 @@ def make_pipeline(
             raise ConfigError(
                 "the torch backend runs a model directory, not a bundle: use --backend onnxruntime"
             )
-        return torch_pipeline(source, method, device, cuda_graphs and device.startswith("cuda"), batch_size)
+        graphs = cuda_graphs and device.startswith("cuda")
+        return torch_pipeline(source, method, device, graphs, batch_size, guided)
     if backend == "tensorrt":
         from lantern_rt.engines.compat import require_tensorrt
 
@@ -301,7 +313,7 @@ def make_pipeline(
                 "a --drafter override runs on the torch backend (bundles hold the model's own "
                 "drafter): add --backend torch"
             )
-        source = Bundle.open(cached_bundle(source, method, batch_sizes=(batch_size,)))
+        source = Bundle.open(cached_bundle(source, method, batch_sizes=(batch_size,), guided=guided))
     if backend == "onnxruntime":
         return onnxruntime_pipeline(source, method, threads, batch_size)
     from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
@@ -340,9 +352,14 @@ def model_fingerprint(md: ModelDir) -> str:
 
 
 def cached_bundle(
-    md: ModelDir, method: MethodConfig, dtype: str = "fp32", batch_sizes: Sequence[int] = (1,)
+    md: ModelDir,
+    method: MethodConfig,
+    dtype: str = "fp32",
+    batch_sizes: Sequence[int] = (1,),
+    guided: bool = True,
 ) -> Path:
-    """The bundle of ``md`` for ``method``'s tree and ``batch_sizes``, exported on first use into
+    """The bundle of ``md`` for ``method``'s tree, ``batch_sizes`` and ``guided`` (two CFG rows
+    per image, or one: ``export_bundle``), exported on first use into
     the cache. Every method shares it: AR runs on the one-token step graph every bundle holds.
     The export holds a lock (``.NAME-KEY.lock``): concurrent first runs export once, the others
     wait and reuse it; :class:`WriteError` when the cache cannot be written."""
@@ -357,6 +374,7 @@ def cached_bundle(
                 "trees": [tree_to_json(t) for t in trees],
                 "dtype": dtype,
                 "batch_sizes": sizes,
+                "guided": guided,
                 "version": package_version(),
                 "bundle_version": BUNDLE_VERSION,
             },
@@ -388,6 +406,7 @@ def cached_bundle(
                 overwrite=True,
                 progress=True,
                 batch_sizes=sizes,
+                guided=guided,
                 on_start=functools.partial(
                     print, f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr
                 ),
@@ -510,6 +529,12 @@ def generate(
     and the VQ decode with cudaProfilerStart/Stop.
     """
     t_start = time.perf_counter()
+    if sampling.guided and not pipe.guided:
+        raise ConfigError(
+            f"CFG scale {sampling.cfg_scale} needs each image's unconditional row, and this pipeline "
+            "runs one row per image (a bundle exported with --no-guidance): use --cfg-scale 1 or a "
+            "bundle exported without --no-guidance"
+        )
     labels = list(labels)
     md, method, spec = pipe.info, pipe.method, pipe.spec
     n_tokens = md.gpt.block_size

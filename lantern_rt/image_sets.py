@@ -86,7 +86,14 @@ class SetJob:
         else:
             source = open_model_dir(None if self.model is None else Path(self.model))
         return make_pipeline(
-            source, self.backend, self.method, self.device, self.threads, self.cuda_graphs, self.batch_size
+            source,
+            self.backend,
+            self.method,
+            self.device,
+            self.threads,
+            self.cuda_graphs,
+            self.batch_size,
+            self.sampling.guided,
         )
 
 

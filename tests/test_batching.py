@@ -96,10 +96,10 @@ def test_per_image_cache_masks_and_writes():
     """cache_mask and KVCache.write per image, against the one-image functions row by row."""
     length = torch.tensor([3, 0, 5])
     new = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
-    mask = cache_mask(length, 6, new)
+    mask = cache_mask(length, 6, new, 2 * len(length))
     assert mask.shape == (6, 1, 2, 8)
     for b, n in enumerate(length.tolist()):
-        one = cache_mask(torch.tensor([n]), 6, new)[0]
+        one = cache_mask(torch.tensor([n]), 6, new, 2)[0]
         assert torch.equal(mask[b], one) and torch.equal(mask[3 + b], one)  # both CFG rows
     cache = KVCache(1, 3, 1, 6, 1, torch.float32, "cpu")
     cache.length.copy_(length)

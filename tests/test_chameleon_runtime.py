@@ -284,7 +284,7 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
     backend = TorchDrafter(drafter, target.output, drafter_capacity(t, GRID * GRID), 1, t - 1)
     logits, hidden = TorchTarget(target).prefill(rows, prefix)
     backend.prefill(hidden[:, :-1], torch.tensor([True]), rows, prefix)
-    x0 = int(cfg_mix(logits, 3.0).argmax())
+    x0 = int(cfg_mix(logits, 3.0, 1).argmax())
     tree = load_tree("chain-1")
     pending = CatchUp(
         torch.tensor([[x0, 0]]),
@@ -312,7 +312,7 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         mask = ((causal & prefix[:, None, :]) | torch.eye(t, dtype=torch.bool))[:, None]
         out, _, _ = layer(h, cos, sin, mask)
-        want = torch.softmax(target.output(cfg_mix(out[:, -1:], 3.0)).float(), -1)
+        want = torch.softmax(target.output(cfg_mix(out[:, -1:], 3.0, 1)).float(), -1)
     torch.testing.assert_close(q[:, :1], want, atol=1e-5, rtol=0)
 
 

@@ -68,8 +68,12 @@ def runtime_hidden(target, conds: PromptConditions, codes):
     _, prefix_hidden = tt.prefill(rows, prefix)  # [2B, P, D]
     cache = tt.cache
     chain = torch.ones(n, n, dtype=torch.bool).tril()
-    at, mask = tree_step_inputs(torch.arange(n), chain, cache.length, cache.capacity, cache.prefix)
-    _, image_hidden, _, _ = target.step(target.tok_embeddings(cfg_rows(codes)), at, mask, cache.k, cache.v)
+    at, mask = tree_step_inputs(
+        torch.arange(n), chain, cache.length, cache.capacity, cache.rows, cache.prefix
+    )
+    _, image_hidden, _, _ = target.step(
+        target.tok_embeddings(cfg_rows(codes, cache.rows)), at, mask, cache.k, cache.v
+    )
     return torch.cat([prefix_hidden, image_hidden], dim=1), rows, prefix
 
 

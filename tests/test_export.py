@@ -265,7 +265,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 11
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 12
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
@@ -273,7 +273,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert bundle.class_names == ["a", "b", "c", "d", "e"] and bundle.image_size == 8
     assert bundle.sampling_defaults == {"cfg_scale": 2.0}
     constants = bundle.constants
-    assert constants.cache_capacity == 19
+    assert constants.cache_capacity == 19 and constants.guided and manifest["constants"]["guided"] is True
     assert constants.drafter and constants.drafter_capacity == 18 and constants.max_draft_width == 10
     assert bundle.has_drafter
     chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "verify": "target_verify_0"}
@@ -451,7 +451,7 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
     prefixes = ("target_", "draft_", "drafter_", "vq_")
     rows = {tuple(line.split(maxsplit=4)) for line in lines if line.startswith(prefixes)}
     assert ("draft_tree_0", "in", "noise", "float32", "[1, 1, 64]") in rows
-    assert "batches  1 image(s) per call" in lines
+    assert "batches  1 image(s) per call, 2 CFG rows per image" in lines
     assert ("target_ar_step", "out", "hidden", "float16", "[2, 1, 32]") in rows
     graphs = opened["t2i-gqa-fp16"].graphs
     assert len(rows) == sum(len(g.inputs) + len(g.outputs) for g in graphs.values())

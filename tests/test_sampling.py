@@ -94,8 +94,8 @@ def test_sort_width_limits_are_one_line_errors():
 
 def test_cfg_mix_is_uncond_plus_scale_times_the_difference():
     logits = torch.randn(4, 3, 8)  # two images: their conditional rows, then their unconditional rows
-    torch.testing.assert_close(cfg_mix(logits, 4.0), logits[2:] + 4.0 * (logits[:2] - logits[2:]))
-    torch.testing.assert_close(cfg_mix(logits, torch.tensor([4.0])), cfg_mix(logits, 4.0))
+    torch.testing.assert_close(cfg_mix(logits, 4.0, 2), logits[2:] + 4.0 * (logits[:2] - logits[2:]))
+    torch.testing.assert_close(cfg_mix(logits, torch.tensor([4.0]), 2), cfg_mix(logits, 4.0, 2))
 
 
 def test_draws_are_distinct_and_follow_the_law_without_replacement():

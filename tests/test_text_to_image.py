@@ -118,7 +118,7 @@ def test_drafter_sees_the_caption_prefix_as_the_authors_feed_it():
     cond, prefix = torch.stack([features, model.null_condition]), mask[None].expand(2, -1)
     logits, hidden = target.prefill(cond, prefix)
     backend.prefill(hidden[:, :-1], torch.tensor([True]), cond, prefix)
-    x0 = int(cfg_mix(logits, 2.0).argmax())
+    x0 = int(cfg_mix(logits, 2.0, 1).argmax())
     tree = load_tree("chain-1")
     rows = 2  # catch_up_rows(chain-1)
     pending = torch.tensor([[x0, 0]])
@@ -134,7 +134,7 @@ def test_drafter_sees_the_caption_prefix_as_the_authors_feed_it():
     tokens = torch.tensor([[0] * (PREFIX - 1) + [x0]] * 2)
     with torch.no_grad():
         out = drafter(tokens, hidden, torch.arange(PREFIX))[:, -1]
-        want = torch.softmax(cfg_mix(model.output(out).float(), 2.0), -1)
+        want = torch.softmax(cfg_mix(model.output(out).float(), 2.0, 1), -1)
     torch.testing.assert_close(q_root, want, atol=1e-5, rtol=1e-5)
 
 

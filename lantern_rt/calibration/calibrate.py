@@ -182,6 +182,13 @@ def pipelines(
     } | {"ar": ar}
 
 
+def bundle_cfg_scale(bundle: Bundle) -> float:
+    """The CFG scale calibration and its comparison run a bundle at: the model's, at most 1 for
+    a bundle of one row per image (exported without guidance: docs/method.md §13)."""
+    scale = default_cfg_scale(bundle.model_info())
+    return scale if bundle.constants.guided else min(scale, 1.0)
+
+
 def record_inputs(
     bundle: Bundle,
     samples: int,
@@ -191,11 +198,11 @@ def record_inputs(
     progress: bool = False,
     prompts: Sequence[str] = (),
 ) -> Recorder:
-    """Generate ``samples`` images (sampling, the model's CFG scale) with every pipeline of
+    """Generate ``samples`` images (sampling, at :func:`bundle_cfg_scale`) with every pipeline of
     :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder`; every
     graph but the VQ decoder must see calls. A prompt-conditioned bundle takes ``prompts``."""
     recorder = Recorder(ort_runner(threads, [CPU]), seed=seed)
-    sampling = SamplingConfig(cfg_scale=default_cfg_scale(bundle.model_info()))
+    sampling = SamplingConfig(cfg_scale=bundle_cfg_scale(bundle))
     labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
     for i, pipe in enumerate(every):  # the graphs of every batch size see calls
@@ -497,7 +504,7 @@ def validation(
     difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
     onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
     """
-    cfg = default_cfg_scale(fp32.model_info())
+    cfg = bundle_cfg_scale(fp32)
     modes = {"greedy": SamplingConfig(cfg, temperature=0.0), "sampling": SamplingConfig(cfg)}
     bundles = {"fp32": fp32, "int8": int8}
     reference = {d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN)) for d, b in bundles.items()}

@@ -620,13 +620,14 @@ BASELINES = ("torch-batched",)
 
 
 def _bundle_for(
-    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int]
+    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], guided: bool
 ) -> ModelDir | Bundle:
     """What a pipeline of ``backend`` is built from: a bundle, or the model directory for
-    torch; a model directory's bundle is exported (once, cached) with every batch size."""
+    torch; a model directory's bundle is exported (once, cached) with every batch size, with
+    two CFG rows per image or (not ``guided``) one."""
     if backend == "torch" or not isinstance(source, ModelDir):
         return source
-    return Bundle.open(cached_bundle(source, mc, batch_sizes=sizes))
+    return Bundle.open(cached_bundle(source, mc, batch_sizes=sizes, guided=guided))
 
 
 def check_baseline(name: str, source: ModelDir | Bundle) -> None:
@@ -707,10 +708,12 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     for b in backends:
         for mc in configs:
             if (b, mc.tree) not in sources:
-                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes)
+                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, sampling.guided)
     runs = [
         Measurement.of_pipeline(
-            make_pipeline(sources[b, mc.tree], b, mc, "cpu", s.threads, batch_size=size),
+            make_pipeline(
+                sources[b, mc.tree], b, mc, "cpu", s.threads, batch_size=size, guided=sampling.guided
+            ),
             sampling,
             s.seed,
             generate,

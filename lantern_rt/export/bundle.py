@@ -95,12 +95,15 @@ def export_bundle(
     batch_sizes: Sequence[int] = (1,),
     on_start: Callable[[], object] | None = None,
     windows: int = CACHE_WINDOWS,
+    guided: bool = True,
 ) -> Path:
     """Export the target (prefill, the AR step and the verify step of each tree; without a
     drafter, of each chain, for the Jacobi window of its length), the VQ decoder, the neighbour
     table and, when ``model_dir`` has a drafter, the drafting graph of each tree; the step
     graphs once per batch size in ``batch_sizes`` (images per call), the target's steps once per
     cache window (``windows`` of them, :func:`~lantern_rt.runtime.kv_cache.cache_windows`).
+    ``guided`` False exports graphs of one row per image, for CFG scales of at most 1 alone
+    (half the work of the 2B CFG rows; docs/method.md §13).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
@@ -114,7 +117,9 @@ def export_bundle(
     drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
     k = neighbors_k(model_dir)
     spans = cache_windows(cache_capacity(target), windows)
-    graphs = [pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b, spans)]
+    graphs = [
+        pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b, spans, guided)
+    ]
     decode = VQDecode(vq, target.config)
     graphs.append((decode, decode))
     text = _text_encoder(model_dir, target)
@@ -136,7 +141,7 @@ def export_bundle(
             shutil.copyfile(model_dir.chameleon.root / CHAMELEON_TOKENIZER, tmp / CHAMELEON_TOKENIZER)
         save_neighbors(neighbors, tmp / NEIGHBORS)
         manifest = _manifest(
-            model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes, spans
+            model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes, spans, guided
         )
         if text is not None:
             manifest["text_encoder"] = {"max_length": target.config.cls_token_num}
@@ -191,15 +196,19 @@ def _graphs(
     neighbors_k: int,
     batch: int,
     windows: tuple[int, ...],
+    guided: bool,
 ) -> list[tuple[GraphModule, GraphModule]]:
-    """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call,
+    """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call
+    (2B CFG rows, or B when not ``guided``),
     the target's steps once per cache window in ``windows`` a step over its tree can read
     (:func:`~lantern_rt.bundle.step_windows`; the VQ decoder always runs in fp32:
     its softmax and GroupNorms are not fp16-safe, and it runs once per image). AR's step
     verifies the root-only tree and credits no neighbours: its table is one column nothing
     reads."""
     low = _cast(target, dtype)
-    pairs: list[tuple[GraphModule, GraphModule]] = [(TargetPrefill(low, batch), TargetPrefill(target, batch))]
+    pairs: list[tuple[GraphModule, GraphModule]] = [
+        (TargetPrefill(low, batch, guided), TargetPrefill(target, batch, guided))
+    ]
     steps = [(ROOT_ONLY, 1, AR_STEP_GRAPH)]
     steps += [
         (tree, neighbors_k, verify_graph_name(i))
@@ -209,20 +218,20 @@ def _graphs(
     capacity, prefix = cache_capacity(target), target.config.cls_token_num
     for tree, k, name in steps:
         for window in step_windows(windows, prefix, tree.max_depth):
-            step = (tree, k, windowed_name(name, window, capacity), batch, window)
+            step = (tree, k, windowed_name(name, window, capacity), batch, window, guided)
             pairs.append((TargetVerify(low, *step), TargetVerify(target, *step)))
     if drafter is not None:
         c = target.config
         low_drafter, cap = _cast(drafter, dtype), drafter_capacity(c.cls_token_num, c.block_size)
         if c.cls_token_num > 1:
-            prefill = (c.cls_token_num, batch)
+            prefill = (c.cls_token_num, batch, guided)
             pairs.append((DrafterPrefill(low_drafter, *prefill), DrafterPrefill(drafter, *prefill)))
         for i, tree in enumerate(trees):
             drafting = (tree, cap, draft_graph_name(i), batch, c.cls_token_num - 1)
             pairs.append(
                 (
-                    DrafterTree(low_drafter, low.output, *drafting, c),
-                    DrafterTree(drafter, target.output, *drafting, c),
+                    DrafterTree(low_drafter, low.output, *drafting, c, guided),
+                    DrafterTree(drafter, target.output, *drafting, c, guided),
                 )
             )
     return pairs
@@ -329,6 +338,7 @@ def _manifest(
     graphs: dict,
     batch_sizes: list[int],
     windows: tuple[int, ...],
+    guided: bool,
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -344,6 +354,7 @@ def _manifest(
         "max_draft_width": MAX_DRAFT_WIDTH,
         "batch_sizes": batch_sizes,
         "cache_windows": list(windows),
+        "guided": guided,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
         "null_condition": {
             "c2i": {"class_id": c.num_classes},

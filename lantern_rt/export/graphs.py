@@ -3,7 +3,7 @@
 Each wrapper declares its inputs and outputs once, as a :class:`GraphSpec`, and makes random
 valid inputs for the numerical check. Shapes follow the runtime's contract: a fixed batch of B
 images in 2B CFG rows (``sampling.cfg_rows``: the conditional rows, then the unconditional
-ones), per-image lengths and positions, a target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` slots
+ones; B rows when exported without guidance, docs/method.md §13), per-image lengths and positions, a target cache of ``cls_token_num + block_size`` slots, a drafter cache of ``block_size`` slots
 (``drafting.drafter_capacity``), and only the new tokens' K/V as outputs.
 """
 
@@ -35,7 +35,7 @@ from lantern_rt.runtime.drafting import (
     prompt_pairs,
 )
 from lantern_rt.runtime.kv_cache import prefill_mask
-from lantern_rt.runtime.sampling import cfg_rows
+from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 from lantern_rt.runtime.tree import StaticTree
 
 
@@ -90,16 +90,16 @@ def cache_capacity(model: Transformer) -> int:
 KVDims = tuple[int, int, int]  # layers, kv heads, head dim
 
 
-def _kv_spec(name: str, dims: KVDims, batch: int, length: int, dtype: torch.dtype) -> TensorSpec:
+def _kv_spec(name: str, dims: KVDims, rows: int, length: int, dtype: torch.dtype) -> TensorSpec:
     layers, heads, head_dim = dims
-    return TensorSpec(name, (layers, 2 * batch, heads, length, head_dim), dtype)
+    return TensorSpec(name, (layers, rows, heads, length, head_dim), dtype)
 
 
-def _past_specs(dims: KVDims, batch: int, length: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
-    """One ``past_k_{i}`` input per layer, then one ``past_v_{i}``: [2B, Hkv, length, D] each,
+def _past_specs(dims: KVDims, rows: int, length: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
+    """One ``past_k_{i}`` input per layer, then one ``past_v_{i}``: [rows, Hkv, length, D] each,
     so that a graph reads each layer's cache in place (a stacked input would be split, a copy)."""
     layers, heads, head_dim = dims
-    shape = (2 * batch, heads, length, head_dim)
+    shape = (rows, heads, length, head_dim)
     return tuple(TensorSpec(f"past_{kv}_{i}", shape, dtype) for kv in "kv" for i in range(layers))
 
 
@@ -122,14 +122,16 @@ def _random_cache(g: torch.Generator, specs: tuple[TensorSpec, ...]) -> tuple[Te
 class TargetPrefill(nn.Module):
     """The 2B condition rows of B images and which prefix slots are visible -> logits at the
     last prefix slot, the hidden states at every prefix slot (the drafter's prefix pairs and
-    first catch-up need them) and the prefix K/V."""
+    first catch-up need them) and the prefix K/V (``guided`` False: the B conditional rows
+    alone)."""
 
-    def __init__(self, model: Transformer, batch: int = 1):
+    def __init__(self, model: Transformer, batch: int = 1, guided: bool = True):
         super().__init__()
         self.model, self.blocks, self.batch = model, Blocks.of_target(model), batch
         c = model.config
         dtype = model.output.weight.dtype
-        rows, t = 2 * batch, c.cls_token_num
+        self.rows = rows = guided_rows(batch, guided)
+        t = c.cls_token_num
         cond = {
             "c2i": TensorSpec("cond", (rows,), torch.int64),
             "t2i": TensorSpec("cond", (rows, t, c.caption_dim), torch.float32),
@@ -141,8 +143,8 @@ class TargetPrefill(nn.Module):
             (
                 TensorSpec("logits", (rows, c.vocab_size), torch.float32),
                 TensorSpec("hidden", (rows, t, c.dim), dtype),
-                _kv_spec("new_k", _target_kv(model), batch, t, dtype),
-                _kv_spec("new_v", _target_kv(model), batch, t, dtype),
+                _kv_spec("new_k", _target_kv(model), rows, t, dtype),
+                _kv_spec("new_v", _target_kv(model), rows, t, dtype),
             ),
             dtype,
         )
@@ -164,20 +166,20 @@ class TargetPrefill(nn.Module):
         return logits[:, -1], hidden, k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random condition rows plus the null conditions; for captions and prompts, a random
-        number of leading padding slots per row (left padding)."""
-        c, b = self.model.config, self.batch
+        """Random condition rows plus (guided) the null conditions; for captions and prompts, a
+        random number of leading padding slots per row (left padding)."""
+        c, b, rows = self.model.config, self.batch, self.rows
         if c.model_type == "chameleon":
-            ids = torch.randint(c.text_vocab_size, (2 * b, c.cls_token_num), generator=g)
-            return ids, random_prefix(g, 2 * b, c.cls_token_num)
+            ids = torch.randint(c.text_vocab_size, (rows, c.cls_token_num), generator=g)
+            return ids, random_prefix(g, rows, c.cls_token_num)
         if c.model_type == "c2i":
             cond = torch.cat(
                 [torch.randint(c.num_classes, (b,), generator=g), torch.full((b,), c.num_classes)]
             )
-            return cond, torch.ones(2 * b, 1, dtype=torch.bool)
+            return cond[:rows], torch.ones(rows, 1, dtype=torch.bool)
         captions = torch.randn(b, c.cls_token_num, c.caption_dim, generator=g)
         null = self.model.null_condition.float().cpu().expand(b, -1, -1)
-        return torch.cat([captions, null]), random_prefix(g, 2 * b, c.cls_token_num)
+        return torch.cat([captions, null])[:rows], random_prefix(g, rows, c.cls_token_num)
 
 
 def random_prefix(g: torch.Generator, rows: int, slots: int) -> Tensor:
@@ -194,7 +196,7 @@ def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:
     def step(
         tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        embedded = drafter.embed(cfg_pairs(tokens))
+        embedded = drafter.embed(cfg_pairs(tokens, hidden.shape[0]))
         h = drafter.fc(torch.cat([embedded, hidden.to(drafter.fc.weight.dtype)], dim=-1))
         return blocks(h, positions, mask, context)
 
@@ -205,16 +207,17 @@ class DrafterPrefill(nn.Module):
     """The drafter's K/V over a condition prefix of P > 1 slots
     (:func:`~lantern_rt.runtime.drafting.prefix_pairs`): the target's hidden states at its first
     P - 1 slots -> new K/V for the drafter cache; a prompt-token drafter also takes the prompt
-    rows ``cond`` [2B, P] and their visible slots ``prefix`` [2B, P] (the target's inputs)."""
+    rows ``cond`` [2B, P] and their visible slots ``prefix`` [2B, P] (the target's inputs);
+    ``guided`` False: B rows."""
 
-    def __init__(self, drafter: Drafter, cls_token_num: int, batch: int = 1):
+    def __init__(self, drafter: Drafter, cls_token_num: int, batch: int = 1, guided: bool = True):
         super().__init__()
         self.drafter, self.batch = drafter, batch
         self.blocks = Blocks.of_drafter(drafter)
         c = drafter.config
         dtype = drafter.fc.weight.dtype
         kv = (c.num_hidden_layers, c.kv_heads, c.head_dim)
-        count, rows = cls_token_num - 1, 2 * batch
+        count, rows = cls_token_num - 1, guided_rows(batch, guided)
         self.prompt = drafter.takes_prompts
         prompt = (
             (
@@ -227,7 +230,7 @@ class DrafterPrefill(nn.Module):
         self.spec = GraphSpec(
             batched_name(DRAFTER_PREFILL_GRAPH, batch),
             (TensorSpec("hidden", (rows, count, c.hidden_size), dtype), *prompt),
-            (_kv_spec("new_k", kv, batch, count, dtype), _kv_spec("new_v", kv, batch, count, dtype)),
+            (_kv_spec("new_k", kv, rows, count, dtype), _kv_spec("new_v", kv, rows, count, dtype)),
             dtype,
         )
 
@@ -262,7 +265,8 @@ class TargetVerify(nn.Module):
     distribution is mixed and filtered in the graph, its top-k/top-p filter behind an If as in
     drafting. ``neighbors`` is the bundle's whole table; ``k`` says how many columns are
     credited. AR's step is this graph over the root-only tree. The graph reads ``window`` slots
-    of the cache (default: all of them; docs/method.md §12)."""
+    of the cache (default: all of them; docs/method.md §12); ``guided`` False: B rows, no CFG
+    mixing (§13)."""
 
     def __init__(
         self,
@@ -272,9 +276,11 @@ class TargetVerify(nn.Module):
         name: str,
         batch: int = 1,
         window: int | None = None,
+        guided: bool = True,
     ):
         super().__init__()
         self.model, self.blocks, self.tree, self.batch = model, Blocks.of_target(model), tree, batch
+        self.rows = rows = guided_rows(batch, guided)
         self.plan = tree_plan(tree, torch.device("cpu"))
         self.depth, self.tree_mask = tree.depth.clone(), tree.mask.clone()  # built before tracing
         c = model.config
@@ -287,7 +293,7 @@ class TargetVerify(nn.Module):
             (
                 TensorSpec("node_tokens", (b, s), torch.int64),
                 TensorSpec("cache_length", (b,), torch.int64),
-                TensorSpec("prefix", (2 * b, c.cls_token_num), torch.bool),
+                TensorSpec("prefix", (rows, c.cls_token_num), torch.bool),
                 TensorSpec("valid", (b, s), torch.bool),
                 TensorSpec("q", (b, s, v), torch.float32),
                 TensorSpec("noise", (b, s), torch.float32),
@@ -298,16 +304,16 @@ class TargetVerify(nn.Module):
                 TensorSpec("cap_a", (1,), torch.float32),
                 TensorSpec("cap_b", (1,), torch.float32),
                 TensorSpec("greedy", (1,), torch.bool),
-                *_past_specs(kv, b, cap, dtype),
+                *_past_specs(kv, rows, cap, dtype),
             ),
             (
                 TensorSpec("length", (b,), torch.int64),
                 TensorSpec("kept", (b, kept), torch.int64),
                 TensorSpec("tokens", (b, kept), torch.int64),
-                TensorSpec("hidden", (2 * b, kept, c.dim), dtype),
-                _kv_spec("new_k", kv, b, kept, dtype),
-                _kv_spec("new_v", kv, b, kept, dtype),
-                TensorSpec("logits", (2 * b, s, v), torch.float32),
+                TensorSpec("hidden", (rows, kept, c.dim), dtype),
+                _kv_spec("new_k", kv, rows, kept, dtype),
+                _kv_spec("new_v", kv, rows, kept, dtype),
+                TensorSpec("logits", (rows, s, v), torch.float32),
                 TensorSpec("probs", (b, s, v), torch.float32),
             ),
             dtype,
@@ -316,8 +322,8 @@ class TargetVerify(nn.Module):
     def _inputs(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
         """Embedded nodes, positions and mask of the step, and the per-layer past inputs."""
         tokens, length, prefix = inputs[:3]
-        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, self.window, prefix)
-        return self.model.tok_embeddings(cfg_rows(tokens)), positions, mask, inputs[16:]
+        positions, mask = tree_step_inputs(self.depth, self.tree_mask, length, self.window, self.rows, prefix)
+        return self.model.tok_embeddings(cfg_rows(tokens, self.rows)), positions, mask, inputs[16:]
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         h, positions, mask, past = self._inputs(inputs)
@@ -361,7 +367,7 @@ class TargetVerify(nn.Module):
         return (
             tokens,
             length,
-            random_prefix(g, 2 * b, c.cls_token_num),
+            random_prefix(g, self.rows, c.cls_token_num),
             torch.ones(b, s, dtype=torch.bool),
             q,
             torch.zeros(b, s),
@@ -376,7 +382,8 @@ class TargetVerify(nn.Module):
 class DrafterTree(nn.Module):
     """``draft_tree`` for one tree as a graph: the catch-up rows, uniform noise and sampling
     settings over the drafter cache -> node tokens, valid, q and the catch-up rows' K/V. The
-    drafter's layers and the target's LM head ``head`` are baked in."""
+    drafter's layers and the target's LM head ``head`` are baked in; ``guided`` False: B rows
+    (docs/method.md §13)."""
 
     def __init__(
         self,
@@ -388,9 +395,11 @@ class DrafterTree(nn.Module):
         batch: int = 1,
         prefix: int = 0,
         layout: GPTConfig | None = None,
+        guided: bool = True,
     ):
         super().__init__()
         self.drafter, self.head, self.tree, self.batch = drafter, head, tree, batch
+        self.rows = guided_rows(batch, guided)
         self.layout = layout or GPTConfig()  # the target's image layout (forced tokens)
         self.prefix = prefix  # the cache's condition-prefix pairs (their visibility is an input)
         self.plan = draft_plan(tree, torch.device("cpu"))
@@ -403,21 +412,21 @@ class DrafterTree(nn.Module):
             batched_name(name, batch),
             (
                 TensorSpec("tokens", (b, rows), torch.int64),
-                TensorSpec("hidden", (2 * b, rows, c.hidden_size), dtype),
+                TensorSpec("hidden", (self.rows, rows, c.hidden_size), dtype),
                 TensorSpec("count", (b,), torch.int64),
                 TensorSpec("root_position", (b,), torch.int64),
                 TensorSpec("cache_length", (b,), torch.int64),
-                *((TensorSpec("prefix", (2 * b, prefix), torch.bool),) if prefix else ()),
+                *((TensorSpec("prefix", (self.rows, prefix), torch.bool),) if prefix else ()),
                 TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), torch.float32),
                 *SAMPLING_SPECS,
-                *_past_specs(kv, b, capacity, dtype),
+                *_past_specs(kv, self.rows, capacity, dtype),
             ),
             (
                 TensorSpec("node_tokens", (b, n), torch.int64),
                 TensorSpec("valid", (b, n), torch.bool),
                 TensorSpec("q", (b, n, c.vocab_size), torch.float32),
-                _kv_spec("new_k", kv, b, rows, dtype),
-                _kv_spec("new_v", kv, b, rows, dtype),
+                _kv_spec("new_k", kv, self.rows, rows, dtype),
+                _kv_spec("new_v", kv, self.rows, rows, dtype),
             ),
             dtype,
         )
@@ -456,7 +465,7 @@ class DrafterTree(nn.Module):
         for row in noise.flatten(0, 1):
             row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        counts = (m, root, length, *((random_prefix(g, 2 * b, self.prefix),) if self.prefix else ()))
+        counts = (m, root, length, *((random_prefix(g, self.rows, self.prefix),) if self.prefix else ()))
         past = _random_cache(g, self.spec.inputs[first + 5 :])
         return (tokens, hidden, *counts, noise, *sampling, *past)
 

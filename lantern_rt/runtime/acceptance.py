@@ -358,24 +358,29 @@ def accept_tree(
     return Accepted(length, kept_t, out, credit_t)
 
 
-def target_probabilities(logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+def target_probabilities(
+    logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor, Tensor], images: int
+) -> Tensor:
     """The target distribution acceptance compares against: the CFG rows of ``logits``
-    [2B, ..., V] mixed (-> [B, ..., V]), then temperature, top-k and top-p (``sampling`` as
+    [2B, ..., V] of B ``images`` mixed (-> [B, ..., V]; B rows, guidance off, as they are), then temperature, top-k and top-p (``sampling`` as
     :func:`~lantern_rt.runtime.sampling.filter_inputs` gives them), then a softmax."""
     cfg_scale, temperature, top_k, top_p = sampling
     width = min(logits.shape[-1], TOPK_LIMIT)
-    return torch.softmax(filter_logits(cfg_mix(logits, cfg_scale), temperature, top_k, top_p, width), dim=-1)
+    return torch.softmax(
+        filter_logits(cfg_mix(logits, cfg_scale, images), temperature, top_k, top_p, width), dim=-1
+    )
 
 
 def tree_step_inputs(
-    depth: Tensor, tree_mask: Tensor, length: Tensor, capacity: int, prefix: Tensor | None = None
+    depth: Tensor, tree_mask: Tensor, length: Tensor, capacity: int, rows: int, prefix: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Positions [2B, N+1] and mask [2B, 1, N+1, capacity + N+1] of a verify step over a tree
+    """Positions [rows, N+1] and mask [rows, 1, N+1, capacity + N+1] (``rows``: 2B, or B without
+    guidance) of a verify step over a tree
     (its ``depth`` and ``tree_mask``, on the device) after ``length`` [B] committed cache
     entries per image (of ``capacity``): each node at its image's length + its depth, seeing
     every committed entry of its image but the prefix slots ``prefix`` [2B, P] hides, and its
     ancestors (docs/method.md §3, §7, §9)."""
-    return cfg_rows(length[:, None] + depth), cache_mask(length, capacity, tree_mask, prefix)
+    return cfg_rows(length[:, None] + depth, rows), cache_mask(length, capacity, tree_mask, rows, prefix)
 
 
 class Verified(NamedTuple):
@@ -415,7 +420,7 @@ def verify_tree(
     ``bonus_noise`` [B, V], and the kept nodes' hidden states and K/V gathered on the device.
     Every verify graph of a bundle is the target's step followed by this function; the torch
     backend runs it eagerly."""
-    p = target_probabilities(logits, sampling)
+    p = target_probabilities(logits, sampling, tokens.shape[0])
     out = accept_tree(plan, tokens, valid, p, q, relax, noise, bonus_noise)
     return Verified(
         out.length,

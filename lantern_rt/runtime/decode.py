@@ -121,7 +121,8 @@ class DecodeStep:
 
 class Condition(NamedTuple):
     """One image's condition: its two CFG rows (conditional, unconditional: class ids [2],
-    caption features [2, T, C] or prompt token ids [2, T]) and which of the T prefix slots its
+    caption features [2, T, C] or prompt token ids [2, T]; a target without guidance runs the
+    first alone, docs/method.md §13) and which of the T prefix slots its
     tokens see (``prefix`` bool [T], the same for both rows, or [2, T], one per row: a caption's
     or a left-padded prompt's padding is hidden, docs/method.md §9; None: all)."""
 
@@ -267,14 +268,15 @@ def _prefill(
     first token from its generator and make it its pending pair; -> the updated state."""
     some = next(slot for slot in slots if slot is not None)
     conds = [(slot or some).cond for slot in slots]
-    cond = torch.cat([torch.stack([c.rows[0] for c in conds]), torch.stack([c.rows[1] for c in conds])])
-    batch = len(slots)
+    batch, rows = len(slots), target.cache.rows
+    kinds = range(rows // batch)  # the conditional rows, then (guided) the unconditional ones
+    cond = torch.cat([torch.stack([c.rows[i] for c in conds]) for i in kinds])
     flags = [b in fresh for b in range(batch)]
     device = target.cache.length.device
     is_fresh = torch.tensor(flags, device=device)
     everything = torch.ones(2, target.cls_token_num, dtype=torch.bool)
     visible = [everything if c.prefix is None else c.prefix.cpu().expand(2, -1) for c in conds]
-    prefix = torch.cat([torch.stack([v[0] for v in visible]), torch.stack([v[1] for v in visible])])
+    prefix = torch.cat([torch.stack([v[i] for v in visible]) for i in kinds])
     prefix, cond = prefix.to(device), cond.to(device)
     with span("prefill"):
         logits, hidden = target.prefill(cond, prefix, is_fresh)
@@ -287,10 +289,10 @@ def _prefill(
         relax = relax_inputs(
             spec.relax if spec else EXACT, spec.neighbors if spec else None, vocab, sampling.greedy, device
         )
-        rows = tree.max_depth + 1
+        pending = tree.max_depth + 1
         state = _State(
-            torch.zeros(batch, rows, dtype=torch.long, device=device),
-            hidden.new_zeros(2 * batch, rows, hidden.shape[-1]),
+            torch.zeros(batch, pending, dtype=torch.long, device=device),
+            hidden.new_zeros(rows, pending, hidden.shape[-1]),
             torch.ones(batch, dtype=torch.long, device=device),
             filter_inputs(sampling, device),
             relax,
@@ -303,11 +305,11 @@ def _prefill(
             for slot, flag in zip(slots, flags, strict=True)
         ]
     )
-    first = draw(target_probabilities(logits, state.filters), uniform, state.relax.greedy)
-    rows = state.pending.shape[1]
-    state.pending = torch.where(is_fresh[:, None], F.pad(first[:, None], (0, rows - 1)), state.pending)
+    first = draw(target_probabilities(logits, state.filters, batch), uniform, state.relax.greedy)
+    pending = state.pending.shape[1]
+    state.pending = torch.where(is_fresh[:, None], F.pad(first[:, None], (0, pending - 1)), state.pending)
     state.hidden = torch.where(
-        cfg_rows(is_fresh)[:, None, None], F.pad(hidden[:, None], (0, 0, 0, rows - 1)), state.hidden
+        cfg_rows(is_fresh, rows)[:, None, None], F.pad(hidden[:, None], (0, 0, 0, pending - 1)), state.hidden
     )
     state.m = torch.where(is_fresh, 1, state.m)
     for b, token in zip(fresh, first[fresh].tolist(), strict=True):

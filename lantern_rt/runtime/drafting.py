@@ -62,7 +62,8 @@ class Context:
 
 # A drafter step: pairs (tokens [B, S], target hidden [2B, S, D]) at positions [2B, S] under a
 # mask [2B, 1, S, P + S] over the context (P slots in all; None: no context, P = 0) and the new
-# rows -> predicted hidden states [2B, S, D] and new K/V [n_layer, 2B, Hkv, S, D].
+# rows -> predicted hidden states [2B, S, D] and new K/V [n_layer, 2B, Hkv, S, D] (B rows for
+# 2B throughout when guidance is off: docs/method.md §13).
 DraftStep = Callable[[Tensor, Tensor, Tensor, Tensor, "Context | None"], tuple[Tensor, Tensor, Tensor]]
 # The target's LM head (affine) under its image layout: hidden [B, S, D] at positions [B, S] ->
 # fp32 logits [B, S, V] (models.target.layout_logits).
@@ -152,7 +153,7 @@ def prefix_pairs(
     mask = causal.expand(rows, 1, -1, -1)
     if visible is not None:
         mask = (mask & visible[:, None, None, :]) | torch.eye(count, dtype=torch.bool, device=device)
-    tokens = torch.zeros(rows // 2, count, dtype=torch.long, device=device) if embedded is None else embedded
+    tokens = torch.zeros(rows, count, dtype=torch.long, device=device) if embedded is None else embedded
     _, k, v = step(tokens, hidden, positions, mask, None)
     return k, v
 
@@ -167,11 +168,12 @@ def prompt_pairs(
     return (*prefix_pairs(step, hidden, embed(cond[:, 1:]), visible), visible)
 
 
-def cfg_pairs(tokens: Tensor) -> Tensor:
-    """A drafter step's token input for its 2B CFG rows: image tokens [B, S], the same in both
-    rows of an image, repeated (:func:`~lantern_rt.runtime.sampling.cfg_rows`); a prompt's
-    embeddings [2B, S, H], one per row, as they are."""
-    return tokens if tokens.is_floating_point() else cfg_rows(tokens)
+def cfg_pairs(tokens: Tensor, rows: int) -> Tensor:
+    """A drafter step's token input for its ``rows`` rows (2B CFG rows, or B without guidance):
+    image tokens [B, S], the same in both rows of an image, repeated
+    (:func:`~lantern_rt.runtime.sampling.cfg_rows`); a prompt's embeddings [rows, S, H], one per
+    row, as they are."""
+    return tokens if tokens.is_floating_point() else cfg_rows(tokens, rows)
 
 
 def noise_rows(tree: StaticTree) -> int:
@@ -200,12 +202,13 @@ def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tenso
     source = r[None, :] - (width - m[:, None])  # [B, R]: the pending pair each row holds; < 0: padding
     real = source >= 0
     index = source.clamp_min(0)
-    pair_index = cfg_rows(index)[..., None].expand(-1, -1, hidden.shape[-1])
+    n = hidden.shape[0]  # 2B rows, or B without guidance
+    pair_index = cfg_rows(index, n)[..., None].expand(-1, -1, hidden.shape[-1])
     return (
         torch.where(real, tokens.gather(1, index), 0),
-        torch.where(cfg_rows(real)[..., None], hidden.gather(1, pair_index), 0.0),
-        cfg_rows((source + (root_position - m + 1)[:, None]).clamp_min(0)),
-        cache_mask(length, capacity, catch_up_mask(width, m, tokens.device), prefix),
+        torch.where(cfg_rows(real, n)[..., None], hidden.gather(1, pair_index), 0.0),
+        cfg_rows((source + (root_position - m + 1)[:, None]).clamp_min(0), n),
+        cache_mask(length, capacity, catch_up_mask(width, m, tokens.device), n, prefix),
     )
 
 
@@ -244,7 +247,7 @@ def draft_tree(
     def probabilities(level_hidden: Tensor, level_positions: Tensor) -> Tensor:
         # The head is affine and CFG weights sum to one: mixing the hidden states first gives
         # the mixed logits with half the head's work.
-        mixed = cfg_mix(level_hidden, cfg_scale).to(level_hidden.dtype)
+        mixed = cfg_mix(level_hidden, cfg_scale, batch).to(level_hidden.dtype)
         logits = head(mixed, level_positions[:batch])
         width = min(logits.shape[-1], TOPK_LIMIT)
         return torch.softmax(filter_logits(logits, temperature, top_k, top_p, width), dim=-1)

@@ -1,7 +1,8 @@
 """The persistent key/value cache the runtime owns; graphs only return the new tokens' K/V.
 
 A cache holds B images' 2B CFG rows (:func:`~lantern_rt.runtime.sampling.cfg_rows`: the
-conditional rows, then the unconditional ones) and a committed length per image: images of a
+conditional rows, then the unconditional ones), or B rows when guidance is off
+(docs/method.md §13), and a committed length per image: images of a
 batch advance by different accepted lengths (docs/method.md §7). Graphs read a window of its
 first slots that covers the batch's longest image, not the whole cache (docs/method.md §12).
 """
@@ -15,11 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lantern_rt.runtime.sampling import cfg_rows
+from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 
 
-def cache_mask(length: Tensor, capacity: int, new_mask: Tensor, prefix: Tensor | None = None) -> Tensor:
-    """Attention mask [2B, 1, S, capacity + S] for S new tokens per image after ``length`` [B]
+def cache_mask(
+    length: Tensor, capacity: int, new_mask: Tensor, rows: int, prefix: Tensor | None = None
+) -> Tensor:
+    """Attention mask [rows, 1, S, capacity + S] (``rows``: 2B, or B without guidance) for S new tokens per image after ``length`` [B]
     committed entries of a cache of ``capacity`` slots: every committed entry of the row's
     image is visible, stale entries are not, and the new tokens see each other through
     ``new_mask`` [S, S] (the same for every image) or [B, S, S]. ``prefix`` [2B, P] hides the
@@ -29,10 +32,12 @@ def cache_mask(length: Tensor, capacity: int, new_mask: Tensor, prefix: Tensor |
     s = new_mask.shape[-1]
     seen = torch.arange(capacity, device=length.device) < length[:, None]  # [B, capacity]
     new = new_mask.expand(length.shape[0], s, s)
-    rows = cfg_rows(torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2))  # [2B, S, capacity + S]
+    mask = cfg_rows(
+        torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2), rows
+    )  # [2B, S, capacity + S]
     if prefix is not None:
-        rows = rows & F.pad(prefix, (0, capacity + s - prefix.shape[1]), value=True)[:, None, :]
-    return rows[:, None]
+        mask = mask & F.pad(prefix, (0, capacity + s - prefix.shape[1]), value=True)[:, None, :]
+    return mask[:, None]
 
 
 def prefill_mask(prefix: Tensor) -> Tensor:
@@ -45,17 +50,18 @@ def prefill_mask(prefix: Tensor) -> Tensor:
     return ((causal & prefix[:, None, :]) | (r[None, :] == r[:, None]))[:, None]
 
 
-def cache_slots(length: Tensor, count: int, capacity: int) -> Tensor:
-    """The slots [2B, S] that S new entries per image take after ``length`` [B] (clamped to the
+def cache_slots(length: Tensor, count: int, capacity: int, rows: int) -> Tensor:
+    """The slots [rows, S] (2B, or B without guidance) that S new entries per image take after ``length`` [B] (clamped to the
     last slot, which never holds a committed entry: see :meth:`KVCache.write`)."""
     slots = length[:, None] + torch.arange(count, device=length.device)
-    return cfg_rows(slots.clamp_max(capacity - 1))
+    return cfg_rows(slots.clamp_max(capacity - 1), rows)
 
 
 def gather_rows(t: Tensor, index: Tensor, rows_dim: int, dim: int) -> Tensor:
-    """``t`` (its 2B CFG rows along ``rows_dim``) indexed along ``dim`` by per-image ``index``
-    [B, K], the same for an image's two rows: what ``index_select`` is for one image."""
-    rows = cfg_rows(index)  # [2B, K]
+    """``t`` (its 2B CFG rows along ``rows_dim``, or B without guidance) indexed along ``dim``
+    by per-image ``index`` [B, K], the same for an image's two rows: what ``index_select`` is
+    for one image."""
+    rows = cfg_rows(index, t.shape[rows_dim])  # [2B, K]
     shape, sizes = [1] * t.dim(), list(t.shape)
     shape[rows_dim], shape[dim] = rows.shape
     sizes[dim] = rows.shape[1]
@@ -90,7 +96,8 @@ class KVCache:
     length are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
     (graphs take one input per layer). A target cache also keeps ``prefix`` [2B, P], which of
     its first P slots (the condition prefix) each CFG row's later tokens see: all but a
-    caption's or a prompt's padding.
+    caption's or a prompt's padding. ``guided`` False: B rows, one per image (guidance off,
+    docs/method.md §13); ``rows`` is the row count, 2B or B.
     """
 
     def __init__(
@@ -104,17 +111,19 @@ class KVCache:
         device: torch.device | str,
         prefix: int = 0,
         windows: Sequence[int] = (),
+        guided: bool = True,
     ):
-        self._rows = (2 * images, heads)
+        self.rows = guided_rows(images, guided)
+        self._rows = (self.rows, heads)
         self._head_dim = head_dim
-        size = 2 * images * heads * capacity * head_dim
+        size = self.rows * heads * capacity * head_dim
         self._k = torch.zeros(n_layer, size, dtype=dtype, device=device)
         self._v = torch.zeros(n_layer, size, dtype=dtype, device=device)
         self.capacity = capacity
         self.windows = tuple(sorted({w for w in windows if 0 < w < capacity} | {capacity}))
         self._views(capacity)
         self.length = torch.zeros(images, dtype=torch.long, device=device)
-        self.prefix = torch.ones(2 * images, prefix, dtype=torch.bool, device=device) if prefix else None
+        self.prefix = torch.ones(self.rows, prefix, dtype=torch.bool, device=device) if prefix else None
 
     @property
     def images(self) -> int:
@@ -151,7 +160,11 @@ class KVCache:
         ``new_v`` (a prefill's prefix, whose visible slots ``prefix`` [2B, P] marks); the other
         images keep their entries, lengths and prefix."""
         if prefix is not None:
-            keep = prefix if fresh is None else torch.where(cfg_rows(fresh)[:, None], prefix, self.prefix)
+            keep = (
+                prefix
+                if fresh is None
+                else torch.where(cfg_rows(fresh, self.rows)[:, None], prefix, self.prefix)
+            )
             self.prefix.copy_(keep)
         if fresh is None:
             self.length.zero_()
@@ -166,7 +179,7 @@ class KVCache:
 
     def mask(self, new_mask: Tensor) -> Tensor:
         """:func:`cache_mask` over this cache for new tokens seeing each other through ``new_mask``."""
-        return cache_mask(self.length, self.window, new_mask, self.prefix)
+        return cache_mask(self.length, self.window, new_mask, self.rows, self.prefix)
 
     def write(self, new_k: Tensor, new_v: Tensor, count: Tensor | int) -> None:
         """Append the first ``count`` [B] (or one int for all) of the S new entries per image
@@ -176,7 +189,7 @@ class KVCache:
         holds a committed entry (capacities have one to spare: a decode commits at most capacity
         - 1, and a window is chosen with :func:`~lantern_rt.bundle.window_needed`), so clamped copies only overwrite
         stale data; a count of 0 leaves an image as it was."""
-        slots = cache_slots(self.length, new_k.shape[3], self.window)
+        slots = cache_slots(self.length, new_k.shape[3], self.window, self.rows)
         index = slots[None, :, None, :, None].expand_as(new_k)
         self.k.scatter_(3, index, new_k)
         self.v.scatter_(3, index, new_v)

@@ -44,23 +44,38 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def guided(self) -> bool:
+        """Whether the unconditional rows matter: a CFG scale above 1 (at most 1, the
+        conditional rows alone decide, :func:`cfg_mix`; docs/method.md §13)."""
+        return self.cfg_scale > 1
 
-def cfg_mix(logits: Tensor, scale: float | Tensor) -> Tensor:
-    """Mix the CFG rows of a batch: logits [2B, ..., V] (the B images' conditional rows, then
-    their unconditional rows: :func:`cfg_rows`) -> [B, ..., V], u + s * (c - u) (written out:
-    ``torch.lerp`` exports as two formulas and a Where); for a scale of at most 1 the
-    conditional rows alone, as LlamaGen guides only above 1 (docs/method.md §2)."""
+
+def cfg_mix(logits: Tensor, scale: float | Tensor, images: int) -> Tensor:
+    """Mix the CFG rows of a batch of ``images`` B: logits [2B, ..., V] (the B images'
+    conditional rows, then their unconditional rows: :func:`cfg_rows`) -> [B, ..., V], u + s *
+    (c - u) (written out: ``torch.lerp`` exports as two formulas and a Where); for a scale of at
+    most 1 the conditional rows alone, as LlamaGen guides only above 1 (docs/method.md §2). Logits
+    of B rows (one per image: guidance off, §13) are returned as they are."""
+    if logits.shape[0] == images:
+        return logits
     cond, uncond = logits.unflatten(0, (2, -1))
     if isinstance(scale, Tensor):
         return torch.where(scale > 1, uncond + scale * (cond - uncond), cond)
     return uncond + scale * (cond - uncond) if scale > 1 else cond
 
 
-def cfg_rows(per_image: Tensor) -> Tensor:
-    """A per-image tensor [B, ...] as the 2B rows every target and drafter call runs (each
-    image's conditional row, then the same B again for the unconditional rows; LlamaGen's
-    ``torch.cat([cond, uncond])`` layout)."""
-    return torch.cat([per_image, per_image])
+def cfg_rows(per_image: Tensor, rows: int) -> Tensor:
+    """A per-image tensor [B, ...] as the ``rows`` rows a target or drafter call runs: 2B with
+    guidance (each image's conditional row, then the same B again for the unconditional rows;
+    LlamaGen's ``torch.cat([cond, uncond])`` layout), B without (one row per image, for a CFG
+    scale of at most 1: docs/method.md §13)."""
+    return per_image if rows == per_image.shape[0] else torch.cat([per_image, per_image])
+
+
+def guided_rows(images: int, guided: bool) -> int:
+    """The rows a call runs for ``images`` B: 2B with guidance, B without (docs/method.md §13)."""
+    return 2 * images if guided else images
 
 
 # TensorRT's TopK returns at most this many values: fixed-shape graphs filter on that many.

@@ -289,7 +289,7 @@ def eagle_loss(
         pred, target = pred[:, prefix + level - 1 :], h_target[:, level - 1 :]
         vlosses.append(F.smooth_l1_loss(pred, target))
         if cfg_scale is not None:  # the head is affine: mixing hidden states mixes the logits
-            pred, target = (cfg_mix(h, cfg_scale) for h in (pred, target))
+            pred, target = (cfg_mix(h, cfg_scale, h.shape[0] // 2) for h in (pred, target))
         with torch.no_grad():
             p_target = torch.softmax(logits(target, level), dim=-1)
         plosses.append(-(p_target * torch.log_softmax(logits(pred, level), dim=-1)).sum(-1).mean())

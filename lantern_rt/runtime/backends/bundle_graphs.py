@@ -84,15 +84,16 @@ def kv_layers(entry: GraphEntry) -> int:
 
 
 def cache_for(
-    entry: GraphEntry, device: torch.device, prefix: int = 0, windows: tuple[int, ...] = ()
+    entry: GraphEntry, batch: int, device: torch.device, prefix: int = 0, windows: tuple[int, ...] = ()
 ) -> KVCache:
-    """An empty cache shaped like a graph's per-layer ``past_k_{i}`` inputs (2B rows), on
-    ``device``, keeping the visibility of ``prefix`` condition slots (a target's), read
-    through ``windows`` (see :class:`KVCache`)."""
+    """An empty cache for ``batch`` images shaped like a graph's per-layer ``past_k_{i}`` inputs
+    (2B rows, or B without guidance), on ``device``, keeping the visibility of ``prefix``
+    condition slots (a target's), read through ``windows`` (see :class:`KVCache`)."""
     past = entry.input("past_k_0")
     rows, heads, capacity, head_dim = past.shape
     dtype = torch_dtype(past.dtype)
-    return KVCache(kv_layers(entry), rows // 2, heads, capacity, head_dim, dtype, device, prefix, windows)
+    guided = rows == 2 * batch
+    return KVCache(kv_layers(entry), batch, heads, capacity, head_dim, dtype, device, prefix, windows, guided)
 
 
 class BundleTarget:
@@ -116,7 +117,7 @@ class BundleTarget:
         }
         ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
         device = self._verify[ROOT_ONLY.paths, capacity].device
-        self.cache = cache_for(ar, device, self.cls_token_num, windows)
+        self.cache = cache_for(ar, batch, device, self.cls_token_num, windows)
 
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
@@ -176,7 +177,8 @@ class BundleDrafter:
         graphs = {tree.paths: bundle.graph(batched_name(tree.graph, batch)) for tree in trees}
         self._graphs = {paths: runner(bundle, entry) for paths, entry in graphs.items()}
         pairs = bundle.constants.cls_token_num - 1  # the condition prefix's pairs
-        self.cache = cache_for(next(iter(graphs.values())), next(iter(self._graphs.values())).device, pairs)
+        device = next(iter(self._graphs.values())).device
+        self.cache = cache_for(next(iter(graphs.values())), batch, device, pairs)
         entry = bundle.graph(batched_name(DRAFTER_PREFILL_GRAPH, batch)) if pairs else None
         self._prefill = runner(bundle, entry) if entry is not None else None
         self._prompt = entry is not None and len(entry.inputs) > 1  # a prompt-token drafter

@@ -37,11 +37,11 @@ class TorchTarget:
     ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly (a CUDA graph
     captures whole decode steps: ``runtime.decode.decode_image``'s ``step_graphs``). Its cache is
     read through ``windows`` windows (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default:
-    the whole cache alone)."""
+    the whole cache alone); ``guided`` False runs one row per image (docs/method.md §13)."""
 
     name = "torch"
 
-    def __init__(self, model: Transformer, batch: int = 1, windows: int = 1):
+    def __init__(self, model: Transformer, batch: int = 1, windows: int = 1, guided: bool = True):
         cfg = model.config
         capacity = cfg.cls_token_num + cfg.block_size
         self.model = model
@@ -57,6 +57,7 @@ class TorchTarget:
             weight.device,
             prefix=cfg.cls_token_num,
             windows=cache_windows(capacity, windows),
+            guided=guided,
         )
         self._tables: dict[StaticTree, tuple[TreePlan, Tensor, Tensor]] = {}  # plan, depth, mask
 
@@ -91,8 +92,10 @@ class TorchTarget:
             )
         plan, depth, tree_mask = tables
         cache = self.cache
-        positions, mask = tree_step_inputs(depth, tree_mask, cache.length, cache.window, cache.prefix)
-        h = self.model.tok_embeddings(cfg_rows(draft.tokens))
+        positions, mask = tree_step_inputs(
+            depth, tree_mask, cache.length, cache.window, cache.rows, cache.prefix
+        )
+        h = self.model.tok_embeddings(cfg_rows(draft.tokens, cache.rows))
         logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
         return verify_tree(
             plan,
@@ -117,7 +120,7 @@ def drafter_step(drafter: Drafter) -> DraftStep:
     def step(
         tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        pairs = cfg_pairs(tokens)
+        pairs = cfg_pairs(tokens, hidden.shape[0])
         if context is None:
             return drafter.step(pairs, hidden, positions, mask, None, None)
         past_k = torch.stack([torch.cat(blocks, dim=2) for blocks in context.keys])
@@ -137,7 +140,8 @@ class TorchDrafter:
     """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
     run eagerly with the drafter's own ``step``; its cache keeps which of its first ``prefix``
     slots (the condition prefix's pairs) each row sees; ``layout`` is the target's config when
-    its image layout forces tokens (:func:`~lantern_rt.models.target.layout_logits`)."""
+    its image layout forces tokens (:func:`~lantern_rt.models.target.layout_logits`); ``guided``
+    False: one row per image (docs/method.md §13)."""
 
     name = "torch"
 
@@ -149,13 +153,22 @@ class TorchDrafter:
         batch: int = 1,
         prefix: int = 0,
         layout: GPTConfig | None = None,
+        guided: bool = True,
     ):
         c = drafter.config
         self.drafter, self.head = drafter, head
         self.vocab_size = head.out_features
         weight = drafter.fc.weight
         self.cache = KVCache(
-            c.num_hidden_layers, batch, c.kv_heads, capacity, c.head_dim, weight.dtype, weight.device, prefix
+            c.num_hidden_layers,
+            batch,
+            c.kv_heads,
+            capacity,
+            c.head_dim,
+            weight.dtype,
+            weight.device,
+            prefix,
+            guided=guided,
         )
         self._step, self._head = drafter_step(drafter), lm_head(head, layout or GPTConfig())
 
