@@ -83,6 +83,11 @@ def window_needed(cls_token_num: int, tokens: int, max_depth: int) -> int:
     return cls_token_num + max(tokens, 1) + max_depth + 1
 
 
+def paths_depth(paths: Sequence[Sequence[int]]) -> int:
+    """A tree's depth from its paths as a manifest lists them (0: the root alone, AR's step)."""
+    return max((len(path) for path in paths), default=0)
+
+
 def step_windows(windows: Sequence[int], cls_token_num: int, max_depth: int) -> tuple[int, ...]:
     """The ``windows`` a step over a tree of ``max_depth`` can read (a bundle holds its graph for
     these alone): those that fit its first step (:func:`window_needed`), and the whole cache."""
@@ -456,11 +461,10 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
         needed.append(TEXT_ENCODER_GRAPH)
     for tree in manifest["trees"].values():
         needed += [batched_name(tree["graph"], b) for b in sizes if tree["graph"]]
-        depth = max((len(path) for path in tree["paths"]), default=0)
         needed += [
             batched_name(windowed_name(tree["verify"], w, capacity), b)
             for b in sizes
-            for w in step_windows(windows, cls, depth)
+            for w in step_windows(windows, cls, paths_depth(tree["paths"]))
             if tree["verify"]
         ]
     for graph in needed:

@@ -157,3 +157,22 @@ def test_a_model_directory_exports_one_row_graphs_for_cfg_1(model_dir, tmp_path:
     two, one = (cached_bundle(model_dir, METHODS["ar"], guided=g) for g in (True, False))
     assert two != one and calls == [two, one] and guided == [True, False]
     assert cached_bundle(model_dir, METHODS["ar"], guided=False) == one and len(calls) == 2  # reused
+
+
+def test_a_one_row_bundle_calibrates_at_cfg_1(one_row_bundle, tmp_path):
+    """Calibration runs a bundle at the model's CFG scale, at most 1 for a one-row bundle."""
+    out = tmp_path / "int8"
+    args = [
+        "calibrate",
+        str(one_row_bundle.path),
+        "--samples",
+        "1",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        "-q",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert not Bundle.open(out).constants.guided

@@ -23,6 +23,7 @@ from lantern_rt.bundle import (
     GraphEntry,
     IOSpec,
     batched_name,
+    paths_depth,
     step_windows,
     windowed_name,
 )
@@ -113,7 +114,7 @@ class BundleTarget:
         self._verify = {
             (paths, w): runner(bundle, bundle.graph(batched_name(windowed_name(name, w, capacity), batch)))
             for paths, name in names.items()
-            for w in step_windows(windows, self.cls_token_num, max((len(p) for p in paths), default=0))
+            for w in step_windows(windows, self.cls_token_num, paths_depth(paths))
         }
         ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
         device = self._verify[ROOT_ONLY.paths, capacity].device
