@@ -211,6 +211,7 @@ def test_bench_speed_only_files_and_numbers(model_dir, tmp_path):
     assert results["command"].startswith("lantern") and results["date"] and results["calibration"] == []
     assert results["settings"]["classes"] == [0, 4] and results["settings"]["batch_sizes"] == [1, 2]
     assert results["settings"]["images_per_call"] == 6  # every image (four batches would be 8)
+    assert results["settings"]["rows_per_image"] == [2]  # CFG rows at the model's scale
     rows = results["rows"]
     assert [(r["method"], r["backend"], r["batch_size"]) for r in rows] == [
         ("ar", "torch", 1),

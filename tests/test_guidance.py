@@ -5,6 +5,7 @@ with refills; a one-row pipeline refuses a CFG scale above 1."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,11 @@ def test_a_one_row_bundle_calibrates_at_cfg_1(one_row_bundle, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert not Bundle.open(out).constants.guided
+
+
+def test_bench_runs_one_row_at_cfg_1(model_dir, tmp_path):
+    out = tmp_path / "bench"
+    args = f"bench --model {model_dir.root} --backend torch --config ar --cfg-scale 1 --classes 0 -n 1"
+    result = CliRunner().invoke(main, [*args.split(), "--warmup", "1", "--no-quality", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "results.json").read_text())["settings"]["rows_per_image"] == [1]

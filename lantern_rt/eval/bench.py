@@ -755,6 +755,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "images_per_call": chunk_size(sizes, len(labels)),
             "baseline": s.baseline,
             "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},
+            # 2: CFG rows; 1: one row per image (guidance off, docs/method.md §13)
+            "rows_per_image": sorted({2 if r.pipe.guided else 1 for r in runs if r.pipe is not None}),
             "features": s.features,
             "reference": None if s.reference is None else str(s.reference),
         },
