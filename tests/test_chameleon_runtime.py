@@ -470,3 +470,22 @@ def test_a_vocabulary_above_the_sort_width_samples_alike_on_torch_and_onnxruntim
             )
         )
         assert ours.tokens.tolist() == theirs.tokens.tolist(), method
+
+
+@pytest.mark.parametrize("method", ["ar", "lantern++"])
+def test_one_row_per_image_gives_the_two_row_tokens(md, method):
+    """Guidance off (docs/method.md §13): the prompt's conditional rows alone, B instead of 2B
+    (left-padded prompts of different lengths, a batch of 2), give the tokens of the CFG rows."""
+    from lantern_rt.generate import generate, torch_pipeline
+
+    for sampling in (SamplingConfig(1.0, temperature=0), SamplingConfig(1.0, temperature=1.0)):
+        two, one = (
+            generate(
+                torch_pipeline(md, MethodConfig(method), batch_size=2, guided=g),
+                PROMPTS,
+                sampling,
+                progress=False,
+            )
+            for g in (True, False)
+        )
+        assert torch.equal(two.tokens, one.tokens) and two.stats.accepted == one.stats.accepted

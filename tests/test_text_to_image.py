@@ -486,3 +486,17 @@ def test_a_text_encoder_of_another_width_is_refused(tmp_path, monkeypatch):
             and "makes 32-wide features; the target reads caption_dim 12" in result.output
         )
     assert not list((tmp_path / "cache" / "bundles").glob("tiny-*"))
+
+
+def test_one_row_per_image_gives_the_two_row_tokens(prompt_model):
+    """Guidance off (docs/method.md §13): the captions' rows alone, B instead of 2B (captions of
+    different lengths, a batch of 2), give the tokens of the CFG rows."""
+    from lantern_rt.generate import generate, torch_pipeline
+
+    md, prompts = open_model_dir(prompt_model), ["a red cat", "a dog"]
+    for sampling in (SamplingConfig(1.0, temperature=0), SamplingConfig(1.0, temperature=1.0)):
+        two, one = (
+            generate(torch_pipeline(md, batch_size=2, guided=g), prompts, sampling, progress=False)
+            for g in (True, False)
+        )
+        assert torch.equal(two.tokens, one.tokens)
