@@ -362,7 +362,8 @@ def target_probabilities(
     logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor, Tensor], images: int
 ) -> Tensor:
     """The target distribution acceptance compares against: the CFG rows of ``logits``
-    [2B, ..., V] of B ``images`` mixed (-> [B, ..., V]; B rows, guidance off, as they are), then temperature, top-k and top-p (``sampling`` as
+    [2B, ..., V] of B ``images`` mixed (-> [B, ..., V]; B rows, guidance off, as they are),
+    then temperature, top-k and top-p (``sampling`` as
     :func:`~lantern_rt.runtime.sampling.filter_inputs` gives them), then a softmax."""
     cfg_scale, temperature, top_k, top_p = sampling
     width = min(logits.shape[-1], TOPK_LIMIT)

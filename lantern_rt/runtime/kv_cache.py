@@ -22,19 +22,18 @@ from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 def cache_mask(
     length: Tensor, capacity: int, new_mask: Tensor, rows: int, prefix: Tensor | None = None
 ) -> Tensor:
-    """Attention mask [rows, 1, S, capacity + S] (``rows``: 2B, or B without guidance) for S new tokens per image after ``length`` [B]
-    committed entries of a cache of ``capacity`` slots: every committed entry of the row's
-    image is visible, stale entries are not, and the new tokens see each other through
-    ``new_mask`` [S, S] (the same for every image) or [B, S, S]. ``prefix`` [2B, P] hides the
-    condition slots it marks False in each CFG row (a caption's or a prompt's padding,
-    docs/method.md §9). Built on the device (inside a graph, from its length input), with no
-    host read."""
+    """Attention mask [rows, 1, S, capacity + S] (``rows``: 2B, or B without guidance) for S
+    new tokens per image after ``length`` [B] committed entries of a cache of ``capacity``
+    slots: every committed entry of the row's image is visible, stale entries are not, and the
+    new tokens see each other through ``new_mask`` [S, S] (the same for every image) or [B, S,
+    S]. ``prefix`` [rows, P] hides the condition slots it marks False in each row (a caption's
+    or a prompt's padding, docs/method.md §9). Built on the device (inside a graph, from its
+    length input), with no host read."""
     s = new_mask.shape[-1]
     seen = torch.arange(capacity, device=length.device) < length[:, None]  # [B, capacity]
     new = new_mask.expand(length.shape[0], s, s)
-    mask = cfg_rows(
-        torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2), rows
-    )  # [2B, S, capacity + S]
+    per_image = torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2)  # [B, S, capacity + S]
+    mask = cfg_rows(per_image, rows)
     if prefix is not None:
         mask = mask & F.pad(prefix, (0, capacity + s - prefix.shape[1]), value=True)[:, None, :]
     return mask[:, None]
@@ -51,8 +50,9 @@ def prefill_mask(prefix: Tensor) -> Tensor:
 
 
 def cache_slots(length: Tensor, count: int, capacity: int, rows: int) -> Tensor:
-    """The slots [rows, S] (2B, or B without guidance) that S new entries per image take after ``length`` [B] (clamped to the
-    last slot, which never holds a committed entry: see :meth:`KVCache.write`)."""
+    """The slots [rows, S] (2B, or B without guidance) that S new entries per image take after
+    ``length`` [B] (clamped to the last slot, which never holds a committed entry: see
+    :meth:`KVCache.write`)."""
     slots = length[:, None] + torch.arange(count, device=length.device)
     return cfg_rows(slots.clamp_max(capacity - 1), rows)
 
