@@ -84,7 +84,7 @@ def decode_chunk(
     per row per step into a static KV cache of cls_token_num + block_size."""
     cfg = model.config
     b, t, n = len(labels), cfg.cls_token_num, cfg.block_size
-    guided = sampling.cfg_scale > 1.0
+    guided = sampling.guided
     device, capacity = labels.device, cfg.cls_token_num + cfg.block_size
     shape = (cfg.n_layer, 2 * b if guided else b, cfg.kv_heads, capacity, cfg.head_dim)
     cache_k = torch.zeros(shape, dtype=model.output.weight.dtype, device=device)
