@@ -23,14 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
 from lantern_rt.fileio import held, remove_stale, replace_folder, sha256
-from lantern_rt.models.chameleon_vq import ChameleonVQConfig
-from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
-from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.models.config import ConfigError, GPTConfig, config_from_dict
 from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
@@ -43,8 +40,9 @@ FORMAT = "lantern-rt-bundle"
 # 9: prompt-token prefixes (the Chameleon family); 10: the verify graphs also return the target
 # distribution at every node (probs: what a Jacobi window drafts from), and a tree's verify
 # graph is exported without a drafter too; 11: target step graphs per cache window; 12: guided
-# (2B CFG rows per call) or not (B rows, for a CFG scale of at most 1)
-BUNDLE_VERSION = 12
+# (2B CFG rows per call) or not (B rows, for a CFG scale of at most 1); 13: the model's family
+# by name, and its own null_condition object
+BUNDLE_VERSION = 13
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
@@ -167,9 +165,7 @@ class Constants:
     guided: bool  # 2B CFG rows per call; False: B rows, CFG scales of at most 1 only (method.md §13)
     neighbors_file: str
     neighbors_k: int
-    null_class_id: int | None  # class-conditional models
-    null_caption_file: str | None  # text-conditional models
-    null_prompt_layout: str | None  # Chameleon-family models: the unconditional row is a prompt
+    null_condition: dict[str, Any]  # what a run's unconditional row is, as the model's family writes it
 
 
 class Bundle:
@@ -203,22 +199,19 @@ class Bundle:
             for name, tree in manifest["trees"].items()
         }
         self.gpt: GPTConfig = config_from_dict(GPTConfig, manifest["gpt"])
-        self.vq: VQConfig | ChameleonVQConfig = (
-            ChameleonVQConfig.from_hf(manifest["vq"])
-            if self.gpt.model_type == "chameleon"
-            else config_from_dict(VQConfig, manifest["vq"])
-        )
-        self.prompt_layout: str | None = self.constants.null_prompt_layout
+        self.vq_section: dict[str, Any] = dict(manifest["vq"])  # its family reads it (families.loading)
+        self.family: str = manifest["family"]  # the model family that wrote it (lantern_rt.families)
         text = manifest.get("text_encoder")
         self.text_max_length: int | None = text["max_length"] if text else None
         self.manifest_sha256 = sha256(path / MANIFEST)
         self._neighbors: Tensor | None = None
 
     @classmethod
-    def open(cls, path: str | Path) -> Bundle:
+    def open(cls, path: str | Path, check: Callable[[Bundle], Any] | None = None) -> Bundle:
         """Open the bundle at ``path`` after checking its manifest's schema and version, every
-        file's sha256, every graph's declared I/O against its ONNX file and the manifest's own
-        digest; :class:`BundleError` says what is wrong."""
+        file's sha256, every graph's declared I/O against its ONNX file, then ``check(bundle)``
+        (what a reader above this layer reads: ``families.loading.open_bundle``), and last the
+        manifest's own digest; :class:`BundleError` says what is wrong."""
         path = Path(path).resolve()
         raw = _read_manifest(path)
         edited = isinstance(raw, dict) and raw.get(DIGEST) != manifest_digest(raw)
@@ -226,8 +219,10 @@ class Bundle:
         _check_files(path, manifest)
         try:
             bundle = cls(path, manifest)
-        except ConfigError as err:  # gpt/vq fields the configs refuse
+        except ConfigError as err:  # gpt fields the config refuses
             raise BundleError(f"{path}: {err}") from None
+        if check is not None:
+            check(bundle)
         if edited:  # last: an edit the checks above catch is named by them
             raise BundleError(f"{path}: {MANIFEST} was edited (its {DIGEST} does not match): re-export")
         return bundle
@@ -281,25 +276,6 @@ class Bundle:
                 f"bundle {self.path} stores {table.shape[1]} neighbours per code, fewer than k={k}"
             )
         return table[:, :k]
-
-    def null_caption(self) -> np.ndarray:
-        """The unconditional caption features of a text-conditional bundle."""
-        if self.constants.null_caption_file is None:
-            raise BundleError(f"{self.path} is a class-conditional bundle: it has no null caption")
-        return np.load(self.path / self.constants.null_caption_file)
-
-    def model_info(self) -> ModelDir:
-        """Names, classes, geometry and sampling defaults, in the shape a model directory has
-        them (no weight files)."""
-        return ModelDir(
-            root=self.path,
-            raw={"name": self.model_name, "sampling_defaults": self.sampling_defaults},
-            gpt=self.gpt,
-            vq=self.vq,
-            files={},
-            image_size=self.image_size,
-            class_names=list(self.class_names),
-        )
 
 
 def _read_manifest(path: Path) -> Any:
@@ -355,6 +331,7 @@ _TOP = {
     "opset": _INT,
     "dtype": _STR,
     "model_name": _STR,
+    "family": _STR,
     "gpt": _DICT,
     "vq": _DICT,
     "class_names": _LIST,
@@ -406,13 +383,8 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
     check(manifest["constants"], _CONSTANTS, "constants.")
     c = manifest["constants"]
     check(c["neighbors"], {"file": _STR, "k": _INT}, "constants.neighbors.")
-    null = c["null_condition"]
-    if not (
-        isinstance(null.get("class_id"), int)
-        or isinstance(null.get("file"), str)
-        or isinstance(null.get("prompt_layout"), str)
-    ):
-        raise BundleError(f"{where}: constants.null_condition needs a class_id, a file or a prompt_layout")
+    if not c["null_condition"]:
+        raise BundleError(f"{where}: constants.null_condition is empty (its family says what a null row is)")
     for name, digest in manifest["files"].items():
         if not isinstance(digest, str) or "/" in name or name.startswith("."):
             raise BundleError(f"{where}: files.{name} is not a plain file name with a sha256")
@@ -496,7 +468,6 @@ def _io_spec(spec: dict[str, Any]) -> IOSpec:
 
 
 def _constants(c: dict[str, Any]) -> Constants:
-    null = c["null_condition"]
     return Constants(
         model_type=c["model_type"],
         cls_token_num=c["cls_token_num"],
@@ -513,9 +484,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         guided=c["guided"],
         neighbors_file=c["neighbors"]["file"],
         neighbors_k=c["neighbors"]["k"],
-        null_class_id=null.get("class_id"),
-        null_caption_file=null.get("file"),
-        null_prompt_layout=null.get("prompt_layout"),
+        null_condition=dict(c["null_condition"]),
     )
 
 

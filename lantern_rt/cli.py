@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from lantern_rt.errors import OneLineErrors, UserError, first_line, reports_errors
+from lantern_rt.errors import OneLineErrors, UserError, reports_errors, warn
 from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import (
     BACKENDS,
@@ -504,6 +504,7 @@ def generate_set_cmd(
     """Generate a labelled image set as shards, locally or on Ray; image for image what
     'lantern generate' gives with the same classes, -n, seed and settings."""
     from lantern_rt.bundle import Bundle
+    from lantern_rt.families.loading import open_bundle
     from lantern_rt.generate import cached_bundle, model_fingerprint
     from lantern_rt.image_sets import SetJob, generate_set, import_ray
 
@@ -545,7 +546,7 @@ def generate_set_cmd(
     )
     if run_settings.backend != "torch" and not isinstance(source, Bundle):
         # exported before any worker starts
-        source = Bundle.open(cached_bundle(source, mc, batch_sizes=(batch_size,), guided=sampling.guided))
+        source = open_bundle(cached_bundle(source, mc, batch_sizes=(batch_size,), guided=sampling.guided))
     if isinstance(source, Bundle):
         bundle_path, digest = str(source.path.resolve()), source.manifest_sha256
     else:
@@ -630,10 +631,11 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     import numpy as np
     import torch
 
+    from lantern_rt.families.loading import load_target, open_model_dir
     from lantern_rt.fileio import write_together
     from lantern_rt.models.checkpoint import save_safetensors
     from lantern_rt.models.drafter import Drafter, DrafterConfig
-    from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
+    from lantern_rt.training.codes_files import drafter_training_data
     from lantern_rt.training.drafter import DrafterTraining, train_drafter
 
     if threads:
@@ -643,14 +645,10 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
         if value is not None and not math.isfinite(value):
             raise UserError(f"{option} must be a finite number, got {value}")
     md = open_model_dir(model_path)
-    if md.gpt.model_type == "t2i":
-        raise UserError(
-            "train-drafter trains on class labels; for a text-to-image model use the authors' released "
-            "drafters (README: Text-to-image)"
-        )
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    data = _drafter_data(md, codes, load_vq)  # the prompts tokenized too: every input checked
+    # every input checked (the prompts tokenized too) before --out is created
+    train_codes, conditions = drafter_training_data(md, codes, warn)
     target = load_target(md)
     config = DrafterConfig.for_target(md.gpt)
     drafter = Drafter(config, md.gpt)
@@ -660,8 +658,7 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
     except OSError as exc:
         raise UserError(f"cannot create --out {out}: {exc.strerror or exc}") from None
     t0 = time.perf_counter()
-    conditions = data["conditions"] if "conditions" in data else data["labels"]
-    losses = train_drafter(target, drafter, data["codes"], conditions, cfg, out / "train_state.pt")
+    losses = train_drafter(target, drafter, train_codes, conditions, cfg, out / "train_state.pt")
     body = json.dumps(dataclasses.asdict(config), indent=2) + "\n"
     write_together(  # the weights and their config, both or neither
         {
@@ -674,117 +671,6 @@ def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale,
         f"drafter trained for {steps} steps in {time.perf_counter() - t0:.0f}s (final loss {tail:.4f}) -> {out}",
         err=True,
     )
-
-
-def _codes_file(path: Path, md: ModelDir | None = None) -> dict:
-    """One --codes file's codes [N, tokens], integers, and labels [N], integers, or for a
-    Chameleon-family ``md`` prompts [N], strings (a numpy unicode array); with ``md``,
-    codes of its codebook and labels of its classes (the token count is :func:`_drafter_data`'s
-    to check)."""
-    import zipfile
-
-    import numpy as np
-
-    key = "prompts" if md is not None and md.gpt.model_type == "chameleon" else "labels"
-    if not path.is_file():
-        raise UserError(f"codes file not found: {path}")
-    try:
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError("it is one array, not an .npz archive")
-        with data:
-            codes, labels = data["codes"], data[key]
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
-        why = "it holds Python objects" if "allow_pickle" in str(exc) else first_line(exc)
-        raise UserError(f"cannot read {path}: expected an .npz with 'codes' and '{key}' ({why})") from None
-    if codes.dtype.kind not in "iu" or codes.ndim != 2:
-        raise UserError(
-            f"{path}: 'codes' must be integers [N, tokens], got {codes.dtype} {list(codes.shape)}"
-        )
-    if key == "labels" and (labels.dtype.kind not in "iu" or labels.ndim != 1):
-        raise UserError(f"{path}: 'labels' must be integers [N], got {labels.dtype} {list(labels.shape)}")
-    if key == "prompts" and (labels.dtype.kind != "U" or labels.ndim != 1):
-        raise UserError(f"{path}: 'prompts' must be strings [N], got {labels.dtype} {list(labels.shape)}")
-    if len(codes) == 0 or labels.shape != codes.shape[:1]:
-        raise UserError(
-            f"{path}: 'codes' [N, tokens] and '{key}' [N] hold {len(codes)} and {len(labels)} images"
-        )
-    if md is not None:
-        limits = [("codes", codes, md.gpt.vocab_size)]
-        if key == "labels":
-            limits.append(("labels", labels, md.gpt.num_classes))
-        for name, array, limit in limits:
-            if array.min() < 0 or array.max() >= limit:
-                raise UserError(
-                    f"{path}: '{name}' holds {array.min()}..{array.max()}, outside 0..{limit - 1} of this model"
-                )
-    return {"codes": codes, key: labels}
-
-
-def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
-    """Codes and labels to train on: the user's .npz files concatenated (checked against ``md``
-    when given), or Fashion-MNIST through the model's tokenizer. For a Chameleon-family ``md``
-    the files hold prompts instead of labels; they are returned with their token rows as the
-    runtime builds them ("conditions", a ``PromptConditions``)."""
-    import numpy as np
-
-    chameleon = md is not None and md.gpt.model_type == "chameleon"
-    key = "prompts" if chameleon else "labels"
-    if codes:
-        parts = [_codes_file(path, md) for path in codes]
-        lengths = {part["codes"].shape[1] for part in parts}
-        if len(lengths) > 1:
-            raise UserError(f"the --codes files hold images of different token counts: {sorted(lengths)}")
-        if md is not None and lengths != {md.gpt.block_size}:
-            raise UserError(
-                f"{codes[0]}: 'codes' holds images of {lengths.pop()} tokens; this model's are {md.gpt.block_size}"
-            )
-        data = {k: np.concatenate([part[k] for part in parts]) for k in ("codes", key)}
-        if not chameleon:
-            return data
-        import torch
-
-        from lantern_rt.captions import TextEncoderError
-        from lantern_rt.chameleon_prompts import load_chameleon_tokenizer, prompt_layout
-        from lantern_rt.training.drafter import PromptConditions, prompt_conditions
-
-        # the prompts' token rows as the runtime builds them, checked now: before --out exists
-        tokenizer = load_chameleon_tokenizer(md.chameleon.root)
-        layout, slots = prompt_layout(md.prompt_layout, md.image_size), md.gpt.cls_token_num
-        cut: list[int] = []
-        rows = []
-        for path, part in zip(codes, parts, strict=True):
-            try:
-                rows.append(prompt_conditions(tokenizer, part["prompts"].tolist(), slots, layout, cut.append))
-            except TextEncoderError as exc:
-                raise UserError(f"{path}: {first_line(exc)}"[:300]) from None
-        if cut:
-            click.echo(
-                f"warning: {len(cut)} of the --codes prompts are over the {slots} prompt tokens: "
-                "their ends are cut",
-                err=True,
-            )
-        data["conditions"] = PromptConditions(
-            torch.cat([r.ids for r in rows]), torch.cat([r.mask for r in rows])
-        )
-        return data
-    if chameleon:
-        raise UserError(
-            f"{md.name} is a Chameleon-family model: pass --codes FILE.npz with 'codes' and 'prompts' "
-            "(e.g. from 'lantern generate --prompts FILE --save-tokens FILE.npz')"
-        )
-    from lantern_rt.training.data import DatasetMissing
-    from lantern_rt.training.demo import encode_dataset
-
-    if md.image_size != 32 or md.vq.in_channels != 1:
-        raise UserError(
-            "this model is not a 32x32 greyscale model: pass --codes with your own training codes"
-        )
-    try:
-        coded, labels = encode_dataset(load_vq(md), "train")
-    except DatasetMissing as exc:
-        raise UserError(str(exc)) from None
-    return {"codes": coded, "labels": labels}
 
 
 @main.command("export")
@@ -834,7 +720,7 @@ def _drafter_data(md, codes: tuple[Path, ...], load_vq) -> dict:
 def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, windows, no_guidance, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.bundle import export_bundle
-    from lantern_rt.models.model_dir import open_model_dir
+    from lantern_rt.families.loading import open_model_dir
     from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
     from lantern_rt.runtime.tree import load_tree
 
@@ -881,9 +767,11 @@ def _batch_sizes(text: str) -> list[int]:
 @reports_errors
 def inspect_cmd(bundle, graph):
     """Print a bundle's manifest as a readable table (after verifying its hashes)."""
-    from lantern_rt.bundle import FORMAT, MANIFEST, Bundle
+    from lantern_rt.bundle import FORMAT, MANIFEST
+    from lantern_rt.families.loading import open_bundle
+    from lantern_rt.families.registry import family_named
 
-    b = Bundle.open(bundle)
+    b = open_bundle(bundle)
     entry = b.graph(graph) if graph is not None else None  # before printing: an unknown name fails
     c = b.constants
     click.echo(f"bundle   {bundle}  (format {FORMAT} v{b.format_version})")
@@ -901,12 +789,8 @@ def inspect_cmd(bundle, graph):
     click.echo(
         f"cache    {c.cache_capacity} slots, read through windows of {', '.join(map(str, c.cache_windows))}"
     )
-    if b.text_max_length is not None:
-        click.echo(f"text     prompts of {b.text_max_length} tokens, encoded by the text_encoder graph")
-    if b.prompt_layout is not None:
-        click.echo(
-            f"prompts  {b.prompt_layout} layout, {c.cls_token_num} slots per row, tokenized by tokenizer.json"
-        )
+    for line in family_named(b.family).describe_bundle(b):
+        click.echo(line)
     for name, tree in b.trees.items():
         drafted = f", drafted by {tree.graph}" if tree.graph else ""
         drafted += f", verified by {tree.verify}" if tree.verify else ""

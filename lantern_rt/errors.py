@@ -1,4 +1,5 @@
-"""One-line errors for the command line: what counts as bad input, and how it is reported.
+"""One-line errors and warnings for the command line: what counts as bad input, and how it is
+reported.
 
 Every error the package raises for bad input derives from :class:`LanternError`; the command
 line turns it into ``error: ...`` on stderr and exit code 2. This module imports no other module
@@ -21,6 +22,11 @@ class LanternError(Exception):
 
 class UserError(LanternError):
     """Bad input given on the command line."""
+
+
+def warn(message: str) -> None:
+    """Tell the user something that does not stop the run: ``warning: ...`` on stderr."""
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def first_line(exc: BaseException) -> str:

@@ -12,28 +12,28 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, TEXT_ENCODER_GRAPH, Bundle
-from lantern_rt.captions import left_pad, load_tokenizer, tokenize
-from lantern_rt.chameleon_prompts import PromptLayout, load_chameleon_tokenizer, prompt_layout, prompt_rows
-from lantern_rt.fileio import WriteError, held
-from lantern_rt.images import to_uint8
-from lantern_rt.models.config import ConfigError, GPTConfig
-from lantern_rt.models.model_dir import (
-    ModelDir,
+from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, Bundle
+from lantern_rt.errors import warn
+from lantern_rt.families.loading import (
+    bundle_info,
     load_drafter,
     load_neighbors,
     load_target,
     load_vq,
+    open_bundle,
     open_model_dir,
 )
-from lantern_rt.models.target import Transformer, grid_codes
-from lantern_rt.models.text_encoder import encode, load_text_encoder
+from lantern_rt.families.registry import family_named
+from lantern_rt.fileio import WriteError, held
+from lantern_rt.images import to_uint8
+from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.models.target import grid_codes
 from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
 from lantern_rt.runtime.backends.bundle_graphs import (
@@ -96,59 +96,6 @@ def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(state)
 
 
-def condition_rows(model: Transformer, cond: int | torch.Tensor) -> torch.Tensor:
-    """The two CFG rows (conditional, unconditional) for a class id or caption features [T, C]."""
-    device = model.output.weight.device
-    if model.config.model_type == "c2i":
-        return torch.tensor([int(cond), model.config.num_classes], device=device)
-    caption = torch.as_tensor(cond, device=device, dtype=model.cls_embedding.uncond_embedding.dtype)
-    return torch.stack([caption, model.null_condition])
-
-
-# prompt token ids [1, L] and attention mask [1, L] -> caption features [1, L, C] (fp32)
-TextEncode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def prompt_condition(
-    prompt: str, tokenizer, encode: TextEncode, null: torch.Tensor, warn: Callable[[str], None] | None = None
-) -> Condition:
-    """A prompt's condition as LlamaGen's ``sample_t2i.py`` builds it (docs/method.md §9): the
-    cleaned prompt tokenised, right-padded to the T prefix slots of the null caption ``null``
-    [T, C], encoded, then rotated so that its valid features come last with the padding zeroed;
-    the padding is hidden from every later token, in both CFG rows. A prompt over T tokens
-    keeps its first T - 1 and the end-of-sequence token (``warn`` is told)."""
-    slots = null.shape[0]
-    ids, mask, truncated = tokenize(tokenizer, [prompt], slots)
-    if truncated[0] and warn is not None:
-        warn(
-            f"prompt {prompt[:40]!r}... is over {slots} tokens: its first {slots - 1} and the end token are kept"
-        )
-    features = encode(ids.to(null.device), mask.to(null.device)).float()
-    features, prefix = left_pad(features, mask.to(null.device))
-    return Condition(torch.stack([features[0].to(null.dtype), null]), prefix[0])
-
-
-def chameleon_condition(
-    prompt: str,
-    tokenizer: Any,
-    slots: int,
-    layout: PromptLayout,
-    device: torch.device | str,
-    warn: Callable[[str], None] | None = None,
-) -> Condition:
-    """A Chameleon-family prompt's condition: its conditional and unconditional token rows,
-    each left padded to the ``slots`` prefix slots, the padding hidden per row (docs/method.md
-    §10). A prompt too long for the slots loses its last words (``warn`` is told)."""
-    rows = prompt_rows(tokenizer, prompt, slots, layout)
-    if rows.truncated and warn is not None:
-        warn(f"prompt {prompt[:40]!r}... is over the {slots} prompt tokens: its end is cut")
-    return Condition(rows.ids.to(device), rows.mask.to(device))
-
-
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
-
-
 def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:
     """What a run makes, validated against the model's kind: class ids (``classes``: ids or
     names; every class when empty) for a class-conditional model, ``prompts`` for a
@@ -169,15 +116,6 @@ def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequen
         str(i) for i in range(info.gpt.num_classes)
     ]
     return [info.class_id(s) for s in specs]
-
-
-def check_text_encoder(md: ModelDir) -> None:
-    """:class:`ConfigError` for a text-conditional model directory that names no T5 folder."""
-    if md.gpt.model_type == "t2i" and "t5" not in md.files:
-        raise ConfigError(
-            f"{md.root / 'config.json'} is a text-to-image model without a text encoder: name its "
-            'flan-t5-xl folder in "files", e.g. "t5": "flan-t5-xl"'
-        )
 
 
 @dataclass
@@ -244,31 +182,12 @@ def torch_pipeline(
     def decode_codes(codes: torch.Tensor) -> torch.Tensor:
         return vq.decode_code(grid_codes(codes.to(device), md.gpt), grid)
 
-    if md.chameleon is not None:
-        tokenizer = load_chameleon_tokenizer(md.chameleon.root)
-        layout = prompt_layout(md.prompt_layout, md.image_size)
-
-        def condition(prompt: int | str) -> Condition:
-            return chameleon_condition(str(prompt), tokenizer, md.gpt.cls_token_num, layout, device, _warn)
-    elif md.gpt.model_type == "t2i":
-        check_text_encoder(md)
-        encoder = load_text_encoder(md.path("t5"), device, md.gpt.caption_dim)
-        tokenizer = load_tokenizer(md.path("t5"))
-        null = target_model.null_condition
-
-        def condition(prompt: int | str) -> Condition:
-            return prompt_condition(str(prompt), tokenizer, lambda i, m: encode(encoder, i, m), null, _warn)
-    else:
-
-        def condition(label: int | str) -> Condition:
-            return Condition(condition_rows(target_model, int(label)))
-
     return Pipeline(
         info=md,
         backend="torch",
         target=target,
         spec=spec,
-        condition=condition,
+        condition=family_named(md.family).torch_conditioner(md, target_model, device, warn),
         decode_codes=decode_codes,
         method=method,
         device=device,
@@ -307,13 +226,15 @@ def make_pipeline(
 
         require_tensorrt()  # before any export: without TensorRT there is nothing to build for
     if isinstance(source, ModelDir):
-        check_text_encoder(source)  # before the export it would otherwise finish first
+        family_named(source.family).check_runnable(
+            source
+        )  # before the export it would otherwise finish first
         if method.drafter is not None:
             raise ConfigError(
                 "a --drafter override runs on the torch backend (bundles hold the model's own "
                 "drafter): add --backend torch"
             )
-        source = Bundle.open(cached_bundle(source, method, batch_sizes=(batch_size,), guided=guided))
+        source = open_bundle(cached_bundle(source, method, batch_sizes=(batch_size,), guided=guided))
     if backend == "onnxruntime":
         return onnxruntime_pipeline(source, method, threads, batch_size)
     from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
@@ -330,8 +251,8 @@ def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, Mode
         return md, md
     if model is not None:
         raise ConfigError("--bundle runs an exported bundle: drop --model")
-    opened = Bundle.open(bundle)
-    return opened.model_info(), opened
+    opened = open_bundle(bundle)
+    return bundle_info(opened), opened
 
 
 def cache_root() -> Path:
@@ -419,7 +340,7 @@ def bundle_pipeline(
 ) -> Pipeline:
     """A bundle run by an engine's graph runners, ``batch_size`` images per step (graphs the
     bundle was exported for: :class:`BundleTarget` refuses others); no torch model is built."""
-    info = bundle.model_info()
+    info = bundle_info(bundle)
     target = BundleTarget(bundle, runner, backend, batch_size)
     spec = None
     if method.jacobi:
@@ -443,21 +364,7 @@ def bundle_pipeline(
         drafter = BundleDrafter(bundle, runner, backend, batch_size)
         spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
-    if info.gpt.model_type == "chameleon":
-        tokenizer = load_chameleon_tokenizer(bundle.path)
-        layout = prompt_layout(bundle.prompt_layout, info.image_size)
-        slots, device = info.gpt.cls_token_num, target.cache.k.device
-
-        def condition(prompt: int | str) -> Condition:
-            return chameleon_condition(str(prompt), tokenizer, slots, layout, device, _warn)
-    elif info.gpt.model_type == "t2i":
-        condition = _bundle_prompts(bundle, runner, target.cache.k.device)
-    else:
-        null_id = bundle.constants.null_class_id
-
-        def condition(label: int | str) -> Condition:
-            return Condition(torch.tensor([int(label), null_id]))
-
+    condition = family_named(info.family).bundle_conditioner(bundle, runner, target.cache.k.device, warn)
     return Pipeline(
         info=info,
         backend=backend,
@@ -468,30 +375,6 @@ def bundle_pipeline(
         method=method,
         device=str(target.cache.k.device),
     )
-
-
-def _bundle_prompts(
-    bundle: Bundle, runner: RunnerFactory, device: torch.device
-) -> Callable[[int | str], Condition]:
-    """Prompt -> condition on a bundle's text encoder graph and tokenizer (loaded on first use:
-    a bundle exported without a text encoder still decodes conditions built elsewhere)."""
-
-    @functools.cache
-    def text_side() -> tuple[Any, TextEncode, torch.Tensor]:
-        """(tokenizer, encode, null caption), once."""
-        if bundle.text_max_length is None:
-            raise ConfigError(
-                f"bundle {bundle.path} has no text encoder: export it from a model directory whose "
-                "config.json names a T5 folder (files.t5)"
-            )
-        encoder = runner(bundle, bundle.graph(TEXT_ENCODER_GRAPH))
-        null = torch.from_numpy(bundle.null_caption()).to(device)
-        return load_tokenizer(bundle.path), lambda i, m: encoder(i, m)[0], null
-
-    def condition(prompt: int | str) -> Condition:
-        return prompt_condition(str(prompt), *text_side(), _warn)
-
-    return condition
 
 
 def onnxruntime_pipeline(

@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto
 
 if TYPE_CHECKING:
-    from lantern_rt.export.graphs import GraphSpec
+    from lantern_rt.graph_spec import GraphSpec
 
 MIN_OPSET, MAX_OPSET = 17, 20  # TensorRT 10.3 parses opsets up to 20
 SCATTER_OPS = {"Scatter", "ScatterElements", "ScatterND"}

@@ -77,12 +77,11 @@ class SetJob:
 
     def pipeline(self):
         """Build this job's pipeline (loads the model or opens the bundle)."""
-        from lantern_rt.bundle import Bundle
+        from lantern_rt.families.loading import open_bundle, open_model_dir
         from lantern_rt.generate import make_pipeline
-        from lantern_rt.models.model_dir import open_model_dir
 
         if self.bundle is not None:
-            source = Bundle.open(self.bundle)
+            source = open_bundle(self.bundle)
         else:
             source = open_model_dir(None if self.model is None else Path(self.model))
         return make_pipeline(

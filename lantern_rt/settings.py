@@ -73,11 +73,6 @@ def check_cache_windows(count: int) -> int:
     return count
 
 
-# LlamaGen's own sampling scripts: class-conditional 4.0, text-conditional 7.5; LANTERN's Anole
-# and Lumina-mGPT scripts: 3.0.
-CFG_SCALES = {"c2i": 4.0, "t2i": 7.5, "chameleon": 3.0}
-
-
 @dataclass(frozen=True)
 class MethodConfig:
     """A decoding method and its parameters (ignored by ``ar``)."""
@@ -135,9 +130,11 @@ class RunDefaults:
 
 
 def default_cfg_scale(info: ModelDir) -> float:
-    """The model's ``sampling_defaults.cfg_scale``, else LlamaGen's default for its kind."""
+    """The model's ``sampling_defaults.cfg_scale``, else its family's default for its kind."""
+    from lantern_rt.families.registry import family_named
+
     scale = info.raw.get("sampling_defaults", {}).get("cfg_scale")
-    return float(scale) if scale is not None else CFG_SCALES[info.gpt.model_type]
+    return float(scale) if scale is not None else family_named(info.family).default_cfg_scale(info.gpt)
 
 
 def default_backend(device: str, bundle: bool, drafter_override: bool) -> str:
@@ -195,9 +192,10 @@ def run_defaults(
     a Jacobi method's: the chain of its ``window``, :data:`DEFAULT_WINDOW` positions unless
     given), and the CFG scale from the model (:func:`default_cfg_scale`)."""
     from lantern_rt.bundle import Bundle
+    from lantern_rt.families.loading import bundle_info
 
     is_bundle = isinstance(source, Bundle)
-    info = source.model_info() if is_bundle else source
+    info = bundle_info(source) if is_bundle else source
     has_drafter = source.has_drafter if is_bundle else "drafter" in source.files or drafter_override
     backend = backend or default_backend(device, is_bundle, drafter_override)
     if backend not in BACKENDS:

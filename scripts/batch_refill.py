@@ -13,8 +13,8 @@ import time
 import torch
 
 from lantern_rt.bundle import Bundle
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import cached_bundle, generate, onnxruntime_pipeline
-from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
 

@@ -12,7 +12,7 @@ lantern() { "$PY" -m lantern_rt.cli "$@"; }
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
 "$PY" -m lantern_rt.eval.gpu_check --out "$OUT"
 if "$PY" -c "import tensorrt" 2>/dev/null; then
-  bundle=$("$PY" -c "from lantern_rt.generate import cached_bundle; from lantern_rt.settings import MethodConfig; from lantern_rt.models.model_dir import open_model_dir; print(cached_bundle(open_model_dir(None), MethodConfig('lantern++', tree='naive_extend_57')))")
+  bundle=$("$PY" -c "from lantern_rt.generate import cached_bundle; from lantern_rt.settings import MethodConfig; from lantern_rt.families.loading import open_model_dir; print(cached_bundle(open_model_dir(None), MethodConfig('lantern++', tree='naive_extend_57')))")
   lantern build-engines "$bundle"
   lantern generate --bundle "$bundle" --backend tensorrt --tree naive_extend_57 -n 4 -o "$OUT/tensorrt.png" \
     --stats-json "$OUT/tensorrt.json"

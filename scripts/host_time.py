@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate, make_pipeline
-from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.runtime.backends import onnxruntime_backend
 from lantern_rt.runtime.sampling import SamplingConfig
 

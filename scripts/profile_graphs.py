@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     bundle = Bundle.open(args.bundle)
     folder = Path(tempfile.mkdtemp(prefix="lantern-profile-"))
-    labels = [c for c in range(len(bundle.model_info().class_names)) for _ in range(args.n)]
+    labels = [c for c in range(len(bundle.class_names)) for _ in range(args.n)]
     calls: dict[str, list[float]] = collections.defaultdict(list)
     profiled: list[tuple[str, OrtGraph]] = []
 

@@ -12,8 +12,9 @@ import torch
 
 from lantern_rt.eval.classifier import load_classifier
 from lantern_rt.eval.metrics import extract_features, frechet_distance
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate, make_pipeline
-from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
+from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
 

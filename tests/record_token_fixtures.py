@@ -23,8 +23,9 @@ from token_fixture_cases import CASES, FIXTURE, LABELS, SEED, TREE, method_confi
 
 from lantern_rt.bundle import Bundle
 from lantern_rt.export.bundle import export_bundle  # noqa: E402
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline  # noqa: E402
-from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir  # noqa: E402
+from lantern_rt.models.model_dir import DEMO_DIR  # noqa: E402
 from lantern_rt.runtime.tree import load_tree  # noqa: E402
 
 

@@ -15,7 +15,7 @@ from token_fixture_cases import LABELS as FIXTURE_LABELS
 from token_fixture_cases import sampling as fixture_sampling
 
 from lantern_rt.eval.baseline import BaselineRun, top_k_top_p, torch_batched_ar
-from lantern_rt.models.model_dir import load_target, open_model_dir
+from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.sampling import SamplingConfig
 

@@ -14,7 +14,7 @@ from onnx import external_data_helper
 from lantern_rt.bundle import WEIGHTS, Bundle, BundleError
 from lantern_rt.cli import main
 from lantern_rt.export.bundle import export_bundle
-from lantern_rt.models.model_dir import open_model_dir
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, bundle_trees
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner

@@ -105,7 +105,7 @@ def test_the_int8_bundle_is_complete(fp32, calibrated):
     assert raw["calibration"]["source_manifest_sha256"] == want.manifest_sha256
     assert set(got.files) == set(want.files)
     assert raw["graphs"]["vq_decode"]["precision"] == "fp32"
-    codes = torch.randint(want.vq.codebook_size, want.graph("vq_decode").inputs[0].shape)
+    codes = torch.randint(want.gpt.vocab_size, want.graph("vq_decode").inputs[0].shape)
     decoded = [  # the fp32 graph kept as it was (its weights in the int8 bundle's shared file)
         ort.InferenceSession(str(b.file(b.graph("vq_decode")))).run(None, {"codes": codes.numpy()})[0]
         for b in (want, got)

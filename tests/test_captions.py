@@ -27,7 +27,7 @@ from lantern_rt.captions import (
 )
 from lantern_rt.errors import LanternError
 from lantern_rt.export.bundle import export_graph
-from lantern_rt.export.text_encoder import TOKENIZER_FILES, TextEncoderGraph, copy_tokenizer
+from lantern_rt.families.llamagen.text_encoder_graph import TOKENIZER_FILES, TextEncoderGraph, copy_tokenizer
 from lantern_rt.models.text_encoder import encode, load_text_encoder
 
 ftfy = pytest.importorskip("ftfy")  # the t2i extra

@@ -11,10 +11,11 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.cli import main
+from lantern_rt.families.chameleon.family import details
+from lantern_rt.families.loading import bundle_info, load_drafter, load_target, open_model_dir
 from lantern_rt.models.chameleon import ChameleonConfig, ChameleonDecoderLayer, ChameleonTarget
 from lantern_rt.models.chameleon_runtime import interleave_rope_rows, runtime_target
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import load_drafter, load_target, open_model_dir
 from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
@@ -64,7 +65,7 @@ def _hf_image_logits(hf, ids, mask, image):
 def test_runtime_target_equals_transformers_with_left_padded_rows(hf, md):
     """Two rows of different prompt lengths (left padded, masked per row), then image tokens."""
     model = load_target(md)
-    image = torch.tensor(md.chameleon.config.image_token_ids)
+    image = torch.tensor(details(md).folder.config.image_token_ids)
     g = torch.Generator().manual_seed(0)
     t, n = PROMPT_TOKENS, 6
     prompt = torch.randint(8800, 8813, (2, t), generator=g)
@@ -161,7 +162,7 @@ def test_greedy_ar_equals_a_transformers_loop(hf, md, generated, cfg):
 
     out = generated("ar", cfg, batch=2)
     pipe = torch_pipeline(md)
-    image = md.chameleon.config.image_token_ids
+    image = details(md).folder.config.image_token_ids
     for i, prompt in enumerate(PROMPTS):
         cond = pipe.condition(prompt)
         assert not bool(cond.prefix[0].eq(cond.prefix[1]).all())  # the rows really differ
@@ -196,7 +197,9 @@ def test_bundle_carries_the_prompt_side(bundle):
     manifest = json.loads((bundle.path / "manifest.json").read_text())
     assert manifest["constants"]["null_condition"] == {"prompt_layout": "anole"}
     assert (bundle.path / "tokenizer.json").is_file() and "tokenizer.json" in manifest["files"]
-    assert bundle.gpt.model_type == "chameleon" and bundle.vq.codebook_size == bundle.gpt.vocab_size
+    assert (
+        bundle.gpt.model_type == "chameleon" and bundle_info(bundle).vq.codebook_size == bundle.gpt.vocab_size
+    )
 
 
 @pytest.mark.parametrize("method", ["ar", "exact", "lantern++"])
@@ -344,7 +347,7 @@ def test_lumina_greedy_ar_equals_a_transformers_loop_with_forced_row_ends(lumina
     cond = pipe.condition(PROMPTS[0])
     assert cond.rows[0, -3:].tolist() == [8197, 8805, 8805] == cond.rows[1, -3:].tolist()  # boi, h, w
     out = generate(pipe, PROMPTS[:1], SamplingConfig(3.0, temperature=0), progress=False)
-    image = md.chameleon.config.image_token_ids
+    image = details(md).folder.config.image_token_ids
     want = hf_greedy_cfg(hf, cond.rows, cond.prefix, md.gpt.block_size, 3.0, image, (8803, g))
     assert out.tokens[0].tolist() == want.tolist()
     assert out.images.shape == (1, 32, 32, 3)
@@ -400,7 +403,7 @@ def test_int8_calibration_runs_on_prompts(bundle, tmp_path):
         bundle, tmp_path / "int8", 2, MethodConfig("lantern++"), validate=2, prompts=PROMPTS
     )
     int8 = Bundle.open(tmp_path / "int8")
-    assert int8.dtype == "int8" and int8.prompt_layout == "anole"
+    assert int8.dtype == "int8" and int8.constants.null_condition == {"prompt_layout": "anole"}
     greedy = [r for r in report["validation"]["accuracy"] if r["run"] == "ar greedy"][0]
     assert 0.0 <= greedy["token_agreement"] <= 1.0
 

@@ -215,17 +215,17 @@ def test_bundle_from_another_format_version(tmp_path):
 def test_train_drafter_reads_several_codes_files(tiny_model_dir, tmp_path):
     """Repeated --codes files are trained on together; files of other token counts, or a
     missing file, are refused with a one-line error and no drafter written."""
-    from lantern_rt.cli import _drafter_data
+    from lantern_rt.training.codes_files import join_codes_files
 
     rng = np.random.default_rng(0)
     a, b, short = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "short.npz"
     np.savez(a, codes=rng.integers(0, 64, (3, 16)), labels=np.array([0, 1, 2]))
     np.savez(b, codes=rng.integers(0, 64, (2, 16)), labels=np.array([3, 4]))
     np.savez(short, codes=rng.integers(0, 64, (2, 9)), labels=np.array([3, 4]))
-    data = _drafter_data(None, (a, b), None)
+    codes, values = join_codes_files((a, b))
     with np.load(a) as da, np.load(b) as db:
-        assert np.array_equal(data["codes"], np.concatenate([da["codes"], db["codes"]]))
-    assert data["labels"].tolist() == [0, 1, 2, 3, 4]
+        assert np.array_equal(codes, np.concatenate([da["codes"], db["codes"]]))
+    assert [(path, v.tolist()) for path, v in values] == [(a, [0, 1, 2]), (b, [3, 4])]
 
     def train(out: str, *files: Path):
         args = ["train-drafter", "--model", str(tiny_model_dir), "--out", str(tmp_path / out), "--steps", "2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lantern_rt.models.model_dir import load_neighbors, load_target, load_vq, open_model_dir
+from lantern_rt.families.loading import load_neighbors, load_target, load_vq, open_model_dir
 from lantern_rt.models.neighbors import latent_neighbors
 from lantern_rt.training.data import FASHION_MNIST_DIR, load_fashion_mnist, to_model_range
 

@@ -9,9 +9,9 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.cli import main
+from lantern_rt.families.loading import load_drafter, open_model_dir
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import load_drafter, open_model_dir
 from lantern_rt.models.neighbors import latent_neighbors
 from tests.conftest import randomize, tiny_gpt, tiny_vq, write_model_dir
 

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from lantern_rt.cli import main
+from lantern_rt.families.chameleon.family import details
+from lantern_rt.families.loading import load_drafter, load_target, open_model_dir
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import load_drafter, load_target, open_model_dir
 from lantern_rt.runtime.acceptance import tree_step_inputs
 from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget, drafter_step
@@ -51,9 +52,9 @@ def md(model_dir):
 
 
 def conditions(md, prompts) -> PromptConditions:
-    tokenizer = load_chameleon_tokenizer(md.chameleon.root)
+    tokenizer = load_chameleon_tokenizer(details(md).folder.root)
     return prompt_conditions(
-        tokenizer, prompts, md.gpt.cls_token_num, prompt_layout(md.prompt_layout, md.image_size)
+        tokenizer, prompts, md.gpt.cls_token_num, prompt_layout(details(md).layout, md.image_size)
     )
 
 

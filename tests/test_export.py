@@ -30,11 +30,19 @@ from lantern_rt.bundle import (
 from lantern_rt.export import bundle as bundle_module
 from lantern_rt.export.bundle import ExportError, compare_with_torch, export_bundle, tolerance
 from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetVerify, VQDecode
+from lantern_rt.families.llamagen.conditions import null_caption
+from lantern_rt.families.loading import (
+    bundle_info,
+    load_drafter,
+    load_target,
+    load_vq,
+    open_bundle,
+    open_model_dir,
+)
 from lantern_rt.fileio import sha256
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import load_drafter, load_target, load_vq, open_model_dir
 from lantern_rt.models.neighbors import latent_neighbors
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
@@ -265,11 +273,12 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 12
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 13
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
-    assert bundle.gpt.n_kv_head == 2 and bundle.vq.codebook_size == 64
+    assert bundle.gpt.n_kv_head == 2 and bundle_info(bundle).vq.codebook_size == 64
+    assert bundle.family == manifest["family"] == "llamagen" and bundle_info(bundle).family == "llamagen"
     assert bundle.class_names == ["a", "b", "c", "d", "e"] and bundle.image_size == 8
     assert bundle.sampling_defaults == {"cfg_scale": 2.0}
     constants = bundle.constants
@@ -282,18 +291,16 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert bundle.trees == {"chain-1": TreeEntry("chain-1", paths, "draft_tree_0", "target_verify_0")}
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(bundle.files) == on_disk
-    assert constants.null_caption_file == "null_caption.npy" and constants.null_class_id is None
-    null = np.load(path / constants.null_caption_file)
+    assert constants.null_condition == {"file": "null_caption.npy"}
+    null = np.load(path / "null_caption.npy")
     target = load_target(open_model_dir(path.parent / "t2i-gqa-fp16-model"))
     np.testing.assert_array_equal(null, target.null_condition.numpy())
-    np.testing.assert_array_equal(bundle.null_caption(), null)
+    np.testing.assert_array_equal(null_caption(bundle), null)
     manifest["constants"]["vocab_size"] = 0  # a copy: the bundle keeps its own
     assert bundle.manifest()["constants"]["vocab_size"] == bundle.constants.vocab_size == 64
     c2i = opened["c2i-fp32"]
     assert c2i.manifest()["constants"]["null_condition"] == {"class_id": 5}
-    assert c2i.constants.null_class_id == 5 and c2i.constants.null_caption_file is None
-    with pytest.raises(BundleError, match="is a class-conditional bundle: it has no null caption"):
-        c2i.null_caption()
+    assert c2i.constants.null_condition == {"class_id": 5}
     assert not c2i.constants.drafter and not c2i.has_drafter and c2i.trees["mc_sim_7b_63"].graph is None
     graphs = c2i.manifest()["graphs"]
     assert all(err < 1e-4 for g in graphs.values() for err in g["max_abs_err"].values())
@@ -412,6 +419,7 @@ SCHEMA_ERRORS = {
         [1, 1.5],
         r"VQConfig\.encoder_ch_mult must be list\[int\], got \[1, 1\.5\]",
     ),
+    "family-unknown": (("family",), "gemma", r"family must be one of 'llamagen', 'chameleon', got 'gemma'"),
 }
 
 
@@ -420,7 +428,7 @@ def test_manifest_schema_is_checked(bundles, tmp_path, keys, value, message):
     path = tampered(bundles, tmp_path)
     edit_manifest(path, _set(keys, value))
     with pytest.raises(BundleError, match=rf"^{re.escape(str(path.resolve()))}: {message}"):
-        Bundle.open(path)
+        open_bundle(path)
 
 
 def test_graph_file_that_is_not_onnx_is_refused(bundles, tmp_path):

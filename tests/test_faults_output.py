@@ -24,9 +24,9 @@ from click.testing import CliRunner
 
 from lantern_rt.bundle import DIGEST, FORMAT, MANIFEST, Bundle, BundleError, manifest_digest, staged_bundle
 from lantern_rt.cli import main
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.fileio import WriteError, write_together
 from lantern_rt.generate import cached_bundle
-from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.settings import MethodConfig
 from tests.test_export import shared_bundle
 

@@ -106,8 +106,8 @@ def test_local_set_matches_generate(tiny_dir, reference, tmp_path):
 
 def test_demo_speculative_set_matches_generate(tmp_path):
     """The demo's lantern++ (drafter, tree, relaxed acceptance): shards equal ``generate()``."""
+    from lantern_rt.families.loading import open_model_dir
     from lantern_rt.generate import generate, make_pipeline, model_fingerprint
-    from lantern_rt.models.model_dir import open_model_dir
 
     md = open_model_dir(None)
     method = MethodConfig("lantern++", "chain-5")
@@ -130,8 +130,8 @@ def test_ray_two_actors_match_generate(ray_cluster, tiny_dir, reference, tmp_pat
 
 
 def test_ray_killed_actor_is_retried(ray_cluster, tiny_dir, reference, tmp_path):
+    from lantern_rt.families.loading import open_model_dir
     from lantern_rt.generate import model_fingerprint
-    from lantern_rt.models.model_dir import open_model_dir
 
     marker, out = tmp_path / "killed", tmp_path / "set"
     job = SetJob(str(tiny_dir), None, "torch", MethodConfig("ar"), SamplingConfig(cfg_scale=2.0), seed=0)

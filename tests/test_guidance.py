@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
 from lantern_rt.export.bundle import export_bundle
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import cached_bundle, generate, onnxruntime_pipeline, torch_pipeline
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import ModelDir, open_model_dir
+from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig

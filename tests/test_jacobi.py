@@ -23,9 +23,9 @@ from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
 from lantern_rt.eval.bench import method_config
 from lantern_rt.export.bundle import export_bundle
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate, make_pipeline
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.runtime import jacobi
 from lantern_rt.runtime.acceptance import Relaxation, tree_plan, verify_tree
 from lantern_rt.runtime.decode import Condition, Speculation, decode_images

@@ -491,12 +491,17 @@ RULES = [
     Rule(
         "runtime-is-lean",
         lambda m: _under(m, f"{PKG}.runtime"),
-        _forbidding("export", "training", "eval", "calibration", "cli", "generate"),
+        _forbidding("export", "training", "eval", "calibration", "cli", "generate", "families"),
     ),
     Rule(
         "models-are-a-leaf",
         lambda m: _under(m, f"{PKG}.models"),
-        _forbidding("runtime", "export", "engines", "eval", "calibration", "generate", "cli"),
+        _forbidding("runtime", "export", "engines", "eval", "calibration", "generate", "cli", "families"),
+    ),
+    Rule(  # a family's graphs declare their I/O with graph_spec; only its export-time code is lazy
+        "families-sit-below-export-and-the-commands",
+        lambda m: _under(m, f"{PKG}.families"),
+        _forbidding("export", "engines", "eval", "calibration", "generate", "cli", "settings", "image_sets"),
     ),
     Rule("errors-imports-nothing", lambda m: m == f"{PKG}.errors", _anything),
     Rule(  # but the errors module, which imports nothing itself: a failed write is one line
@@ -508,7 +513,9 @@ RULES = [
     Rule(
         "bundle-is-lean",
         lambda m: m == f"{PKG}.bundle",
-        _forbidding("runtime", "export", "engines", "calibration", "eval", "training", "generate", "cli"),
+        _forbidding(
+            "runtime", "export", "engines", "calibration", "eval", "training", "generate", "cli", "families"
+        ),
         required=f"{PKG}.bundle",
     ),
     Rule(

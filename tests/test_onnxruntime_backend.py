@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lantern_rt.bundle import Bundle, BundleError
-from lantern_rt.models.model_dir import load_target, load_vq, open_model_dir
+from lantern_rt.families.loading import load_target, load_vq, open_model_dir
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, BundleVQDecoder
 from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchTarget

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from lantern_rt.bundle import MANIFEST, Bundle, BundleError, write_manifest
 from lantern_rt.engines.conditionals import has_conditionals, without_conditionals
+from lantern_rt.families.loading import load_drafter, load_target, open_model_dir
 from lantern_rt.graph_rules import check_graph
-from lantern_rt.models.model_dir import ModelDir, load_drafter, load_target, open_model_dir
+from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.bundle_graphs import (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import GPTConfig, gpt_config
-from lantern_rt.models.model_dir import load_target, open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, verify_step, write_model_dir

@@ -13,10 +13,10 @@ import torch
 
 from lantern_rt.bundle import Bundle
 from lantern_rt.export.bundle import export_bundle
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import onnxruntime_pipeline
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import open_model_dir
 from lantern_rt.models.target import rope_table_2d
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.base import CatchUp
@@ -270,7 +270,7 @@ def test_generate_with_prompts(prompt_model, tmp_path, monkeypatch, backend):
     assert image.size[1] == 2 * image.size[0] // 2  # two rows of two images (square tiles)
     saved = np.load(tmp_path / "t.npz")
     model = open_model_dir(prompt_model)
-    from lantern_rt.models.model_dir import load_target
+    from lantern_rt.families.loading import load_target
 
     target = load_target(model)
     for i, prompt in enumerate(prompts):
@@ -286,7 +286,7 @@ def test_an_empty_prompt_is_conditioned_on_the_end_token_as_llamagen_does(prompt
     caption; greedy tokens equal its loop on that condition."""
     import numpy as np
 
-    from lantern_rt.models.model_dir import load_target
+    from lantern_rt.families.loading import load_target
 
     args = ["generate", "--model", str(prompt_model), "--backend", "torch", "--greedy", "-n", "1", "-q"]
     args += ["--prompt", prompt, "--method", "ar", "--cfg-scale", "4", "-o", str(tmp_path / "e.png")]
@@ -394,7 +394,7 @@ def test_the_authors_t2i_layout_runs_prompts(prompt_model, tmp_path):
 
     import numpy as np
 
-    from lantern_rt.models.model_dir import load_target
+    from lantern_rt.families.loading import load_target
     from tests.test_hf_layout import hf_config, to_hf
 
     root = tmp_path / "authors"

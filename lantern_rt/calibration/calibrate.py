@@ -38,6 +38,7 @@ from lantern_rt.bundle import (
 )
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
+from lantern_rt.families.loading import bundle_info, open_bundle
 from lantern_rt.generate import Pipeline, bundle_pipeline, generate, jacobi_speculation, speculation
 from lantern_rt.graph_rules import check_graph, node_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import (
@@ -185,7 +186,7 @@ def pipelines(
 def bundle_cfg_scale(bundle: Bundle) -> float:
     """The CFG scale calibration and its comparison run a bundle at: the model's, at most 1 for
     a bundle of one row per image (exported without guidance: docs/method.md §13)."""
-    scale = default_cfg_scale(bundle.model_info())
+    scale = default_cfg_scale(bundle_info(bundle))
     return scale if bundle.constants.guided else min(scale, 1.0)
 
 
@@ -387,7 +388,7 @@ def calibrate_bundle(
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp)
         write_manifest(tmp, _int8_manifest(bundle, graphs, recorder, method, samples, seed))
-    int8 = Bundle.open(out)
+    int8 = open_bundle(out)
     return {
         "fp32": str(bundle.path),
         "int8": str(int8.path),

@@ -66,8 +66,8 @@ def calibrate_cmd(
 ):
     """Quantize BUNDLE's target and drafter graphs to int8 (Q/DQ), calibrated on the inputs they
     see while generating, and compare the result with BUNDLE on onnxruntime."""
-    from lantern_rt.bundle import Bundle
     from lantern_rt.calibration.calibrate import calibrate_bundle, markdown_table
+    from lantern_rt.families.loading import open_bundle
     from lantern_rt.settings import MethodConfig
 
     t0 = time.perf_counter()
@@ -75,7 +75,7 @@ def calibrate_cmd(
         raise UserError(f"cannot write {report_json}: its folder does not exist")
     config = None if method is None else MethodConfig(method)
     prompts = read_prompts((), prompts_file) if prompts_file is not None else []
-    opened = Bundle.open(bundle)
+    opened = open_bundle(bundle)
     report = calibrate_bundle(
         opened, out, samples, config, seed, validate, threads, force, not quiet, prompts
     )

@@ -36,12 +36,12 @@ from lantern_rt.errors import reports_errors
 @reports_errors
 def build_engines_cmd(bundle: Path, precision: str | None, workspace_mb: int, timing_cache: Path | None):
     """Build one TensorRT plan per graph of BUNDLE for this GPU, into BUNDLE/engines/."""
-    from lantern_rt.bundle import Bundle
     from lantern_rt.engines.plans import build_engines
+    from lantern_rt.families.loading import open_bundle
 
     t0 = time.perf_counter()
     folder = build_engines(
-        Bundle.open(bundle),
+        open_bundle(bundle),
         precision=precision,
         workspace_mb=workspace_mb,
         timing_cache=timing_cache,

@@ -39,6 +39,7 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
+from lantern_rt.families.loading import load_target, load_vq, open_bundle
 from lantern_rt.generate import (
     Generation,
     Pipeline,
@@ -51,7 +52,7 @@ from lantern_rt.generate import (
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import ModelDir, load_target, load_vq
+from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -627,7 +628,7 @@ def _bundle_for(
     two CFG rows per image or (not ``guided``) one."""
     if backend == "torch" or not isinstance(source, ModelDir):
         return source
-    return Bundle.open(cached_bundle(source, mc, batch_sizes=sizes, guided=guided))
+    return open_bundle(cached_bundle(source, mc, batch_sizes=sizes, guided=guided))
 
 
 def check_baseline(name: str, source: ModelDir | Bundle) -> None:

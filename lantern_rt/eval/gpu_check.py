@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate, make_pipeline
 from lantern_rt.models.config import gpt_config
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import DEMO_DIR, open_model_dir
+from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
 from lantern_rt.runtime.backends.base import Draft

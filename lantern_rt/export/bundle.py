@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import shutil
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,7 +24,6 @@ from tqdm import tqdm
 from lantern_rt.bundle import (
     AR_STEP_GRAPH,
     NEIGHBORS,
-    NULL_CAPTION,
     VQ_DECODE_GRAPH,
     WEIGHTS,
     check_bundle_out,
@@ -36,26 +34,25 @@ from lantern_rt.bundle import (
     windowed_name,
     write_manifest,
 )
-from lantern_rt.chameleon_prompts import TOKENIZER_FILE as CHAMELEON_TOKENIZER
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.export.graphs import (
     DrafterPrefill,
     DrafterTree,
     GraphModule,
-    GraphSpec,
     TargetPrefill,
     TargetVerify,
     VQDecode,
     cache_capacity,
 )
-from lantern_rt.export.text_encoder import TextEncoderGraph, copy_tokenizer
+from lantern_rt.families.loading import load_drafter, load_neighbors, load_target, load_vq
+from lantern_rt.families.registry import family_named
 from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph
+from lantern_rt.graph_spec import GraphSpec
 from lantern_rt.models.config import to_dict
 from lantern_rt.models.drafter import Drafter
-from lantern_rt.models.model_dir import ModelDir, load_drafter, load_neighbors, load_target, load_vq
+from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
-from lantern_rt.models.text_encoder import load_text_encoder
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import cache_windows
@@ -122,9 +119,8 @@ def export_bundle(
     ]
     decode = VQDecode(vq, target.config)
     graphs.append((decode, decode))
-    text = _text_encoder(model_dir, target)
-    if text is not None:
-        graphs.append((text, text))
+    family = family_named(model_dir.family)
+    graphs += [(extra, extra) for extra in family.extra_graphs(model_dir, target)]
     neighbors = load_neighbors(model_dir, k, vq)[:, :k]
     if on_start is not None:
         on_start()
@@ -133,30 +129,15 @@ def export_bundle(
         for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
             entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
         share_weights([tmp / entry["file"] for entry in entries.values()], tmp / WEIGHTS)
-        if target.config.model_type == "t2i":
-            np.save(tmp / NULL_CAPTION, target.null_condition.float().numpy())
-        if text is not None:
-            copy_tokenizer(model_dir.path("t5"), tmp)
-        if model_dir.chameleon is not None:  # the prompts' tokenizer, as the model folder has it
-            shutil.copyfile(model_dir.chameleon.root / CHAMELEON_TOKENIZER, tmp / CHAMELEON_TOKENIZER)
+        extras = family.write_bundle_files(model_dir, target, tmp)
         save_neighbors(neighbors, tmp / NEIGHBORS)
         manifest = _manifest(
             model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes, spans, guided
         )
-        if text is not None:
-            manifest["text_encoder"] = {"max_length": target.config.cls_token_num}
+        manifest["constants"]["null_condition"] = extras.pop("null_condition")
+        manifest.update(extras)
         write_manifest(tmp, manifest)
     return out
-
-
-def _text_encoder(md: ModelDir, target: Transformer) -> TextEncoderGraph | None:
-    """The graph of a text-conditional model's T5 encoder (files.t5), always fp32; None for a
-    class-conditional model or one without a text encoder (its bundle then decodes caption
-    features given through the Python API only)."""
-    if target.config.model_type != "t2i" or "t5" not in md.files:
-        return None
-    encoder = load_text_encoder(md.path("t5"), caption_dim=target.config.caption_dim)
-    return TextEncoderGraph(encoder, target.config.cls_token_num)
 
 
 def neighbors_k(md: ModelDir) -> int:
@@ -356,11 +337,6 @@ def _manifest(
         "cache_windows": list(windows),
         "guided": guided,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
-        "null_condition": {
-            "c2i": {"class_id": c.num_classes},
-            "t2i": {"file": NULL_CAPTION},
-            "chameleon": {"prompt_layout": md.prompt_layout},
-        }[c.model_type],
     }
     return {
         "versions": {
@@ -371,6 +347,7 @@ def _manifest(
         "opset": opset,
         "dtype": dtype,
         "model_name": md.name,
+        "family": md.family,
         "gpt": to_dict(md.gpt),
         "vq": to_dict(md.vq),
         "class_names": md.class_names,

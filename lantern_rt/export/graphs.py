@@ -9,13 +9,12 @@ ones; B rows when exported without guidance, docs/method.md §13), per-image len
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
 from lantern_rt.export.graph_forward import Blocks, rms_norm
+from lantern_rt.graph_spec import GraphSpec, TensorSpec
 from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer, grid_codes
@@ -38,36 +37,6 @@ from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 from lantern_rt.runtime.tree import StaticTree
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One graph input or output with its fixed shape."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    """A graph's name, inputs and outputs (in order) and the dtype it computes in."""
-
-    name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    compute_dtype: torch.dtype
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "compute_dtype": dtype_name(self.compute_dtype),
-            "inputs": [t.to_dict() for t in self.inputs],
-            "outputs": [t.to_dict() for t in self.outputs],
-        }
-
-
 # The sampling settings every drafting and verify graph takes (sampling.filter_inputs).
 SAMPLING_SPECS = (
     TensorSpec("cfg_scale", (1,), torch.float32),
@@ -75,11 +44,6 @@ SAMPLING_SPECS = (
     TensorSpec("top_k", (1,), torch.int64),
     TensorSpec("top_p", (1,), torch.float32),
 )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float16`` -> ``"float16"`` (numpy's names, which the manifest uses)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def cache_capacity(model: Transformer) -> int:

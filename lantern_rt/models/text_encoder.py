@@ -3,7 +3,7 @@
 A Hugging Face folder (``config.json``, ``model.safetensors`` or ``pytorch_model.bin``, possibly
 sharded with an index, and the tokenizer files) loaded as ``transformers.T5EncoderModel`` in fp32
 (T5 overflows in fp16) with eager attention: T5's original code path, and the one that exports to
-ONNX (:mod:`lantern_rt.export.text_encoder`). transformers is imported only when a model is loaded
+ONNX (:mod:`lantern_rt.families.llamagen.text_encoder_graph`). transformers is imported only when a model is loaded
 (``pip install 'lantern-rt[t2i]'``).
 """
 

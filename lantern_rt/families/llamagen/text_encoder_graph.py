@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lantern_rt.bundle import TEXT_ENCODER_GRAPH
 from lantern_rt.captions import TextEncoderError
-from lantern_rt.export.graphs import GraphSpec, TensorSpec
+from lantern_rt.graph_spec import GraphSpec, TensorSpec
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -1,0 +1,130 @@
+"""The interface of a model family: everything lantern-rt knows about one family of models is
+a :class:`Family`, and the rest of the package asks it (docs/architecture.md).
+
+A family reads its model directories and checkpoints, builds each image's condition (class
+ids, captions, prompt rows), writes its files into a bundle and turns training files into
+conditions. The decoding loop, the graphs and the backends see only the target
+(:class:`~lantern_rt.models.target.Transformer`), its :class:`~lantern_rt.models.config.GPTConfig`
+and :class:`~lantern_rt.runtime.decode.Condition` rows, whatever the family.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.drafter import DrafterConfig
+from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.decode import Condition
+
+if TYPE_CHECKING:
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.runtime.backends.bundle_graphs import RunnerFactory
+
+# what a run makes (a class id, or a prompt) -> that image's condition
+Conditioner = Callable[[int | str], Condition]
+# a warning for the user (printed on stderr by the command line)
+Warn = Callable[[str], None]
+
+
+class Family(ABC):
+    """One model family: its name in ``config.json`` (``"family"``), the ``model_type`` values
+    of its targets (a bundle's manifest names its family by one) and what only it knows."""
+
+    name: ClassVar[str]
+
+    # -- model directories and checkpoints --------------------------------------------------
+
+    @abstractmethod
+    def open_dir(self, root: Path, file: Path, raw: dict[str, Any]) -> ModelDir:
+        """The model directory ``root`` from its parsed ``config.json`` (``file``, ``raw``;
+        its format version already checked): every field checked, :class:`ConfigError` naming
+        the file and the field; nothing loaded."""
+
+    @abstractmethod
+    def load_target(self, md: ModelDir, device: str | torch.device, dtype: torch.dtype) -> Transformer:
+        """The target with its weights, in eval mode, in the runtime's layout."""
+
+    @abstractmethod
+    def load_vq(self, md: ModelDir, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+        """The VQ tokenizer with its weights, in eval mode (``quantize.codebook()`` and
+        ``decode_code(codes, grid)``)."""
+
+    def drafter_state(
+        self, md: ModelDir, config: DrafterConfig, state: dict[str, Tensor]
+    ) -> tuple[DrafterConfig, dict[str, Tensor], Tensor | None]:
+        """A drafter checkpoint in this family's layout -> (config, state, prompt table) in the
+        runtime's: the table is the embedding of a drafter that reads prompt tokens (None: the
+        drafter embeds its condition itself). The default takes the checkpoint as it is."""
+        return config, state, None
+
+    @abstractmethod
+    def vq_config(self, raw: dict[str, Any]) -> Any:
+        """The tokenizer's config from a bundle manifest's ``vq`` section."""
+
+    @abstractmethod
+    def default_cfg_scale(self, gpt: GPTConfig) -> float:
+        """The guidance scale a model of this kind samples at unless its directory says."""
+
+    # -- conditioning -----------------------------------------------------------------------
+
+    @abstractmethod
+    def torch_conditioner(self, md: ModelDir, target: Transformer, device: str, warn: Warn) -> Conditioner:
+        """Class id or prompt -> condition, for the torch target ``target`` of ``md``."""
+
+    @abstractmethod
+    def bundle_conditioner(
+        self, bundle: Bundle, runner: RunnerFactory, device: torch.device, warn: Warn
+    ) -> Conditioner:
+        """Class id or prompt -> condition, from what the bundle holds (its graphs run by
+        ``runner``)."""
+
+    def check_runnable(self, md: ModelDir) -> None:
+        """:class:`ConfigError` when ``md`` lacks what generating needs (before any export);
+        nothing by default."""
+        return None
+
+    # -- bundles ------------------------------------------------------------------------------
+
+    def extra_graphs(self, md: ModelDir, target: Transformer) -> list[nn.Module]:
+        """Graphs the bundle holds beside the target's, drafter's and VQ decoder's (export
+        modules with a ``spec``); none by default."""
+        return []
+
+    @abstractmethod
+    def write_bundle_files(self, md: ModelDir, target: Transformer, folder: Path) -> dict[str, Any]:
+        """Write this family's files into the bundle being staged in ``folder``; return the
+        manifest's additions: ``null_condition`` (what a run's unconditional row is, a
+        non-empty object the family reads back) and any family section."""
+
+    def describe_bundle(self, bundle: Bundle) -> list[str]:
+        """Lines ``lantern inspect`` prints about what this family's bundle holds for its
+        conditions (none by default)."""
+        return []
+
+    # -- training -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def codes_key(self, gpt: GPTConfig) -> str:
+        """What a codes file (.npz) holds for each image beside its ``codes``: ``labels`` (class
+        ids) or ``prompts`` (strings); :class:`ConfigError` when this kind of model trains no
+        drafter here (the message says what to use instead)."""
+
+    def training_conditions(self, md: ModelDir, files: list[tuple[Path, np.ndarray]], warn: Warn) -> Any:
+        """Each codes file's path and ``codes_key`` array [N_i] (its shape and range checked) ->
+        the conditions a drafter of ``md`` trains on, in file order (class ids: the arrays
+        joined); ``warn`` is told what the user should know."""
+        return np.concatenate([values for _, values in files])
+
+    def default_training_data(self, md: ModelDir) -> tuple[np.ndarray, np.ndarray]:
+        """(codes [N, tokens], class ids [N]) to train ``md``'s drafter on when the user gives
+        no codes files; :class:`ConfigError` saying what to pass when there are none."""
+        raise ConfigError(f"{md.name} has no built-in training data: pass --codes FILE.npz")

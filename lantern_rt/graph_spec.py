@@ -1,0 +1,44 @@
+"""What a graph declares: its name, its inputs and outputs in call order with their fixed
+shapes and dtypes, and the dtype it computes in. Every module that becomes a bundle graph has a
+``spec`` (:class:`GraphSpec`); the exporter writes it into the manifest, and the runners call
+graphs by these names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output with its fixed shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """A graph's name, inputs and outputs (in order) and the dtype it computes in."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    compute_dtype: torch.dtype
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "compute_dtype": dtype_name(self.compute_dtype),
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+        }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"`` (numpy's names, which the manifest uses)."""
+    return str(dtype).removeprefix("torch.")
