@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import click
 
@@ -22,6 +23,21 @@ class LanternError(Exception):
 
 class UserError(LanternError):
     """Bad input given on the command line."""
+
+
+class TextEncoderError(LanternError, ValueError):
+    """A missing text-side dependency, a bad tokenizer or encoder folder, or bad prompts."""
+
+
+def require(module: str, hint: str) -> Any:
+    """Import ``module`` (ftfy, bs4, transformers, tokenizers), or raise :class:`TextEncoderError`
+    with the install ``hint``."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise TextEncoderError(f"prompts need {module.split('.')[0]}: {hint}") from err
 
 
 def warn(message: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lantern_rt.models.chameleon_vq import ChameleonVQ, ChameleonVQConfig
+from lantern_rt.families.chameleon.vq import ChameleonVQ, ChameleonVQConfig
 
 N_IMAGE = 32  # image tokens at ids 4..35 (codes 0..31), as Anole's are at 4..8195
 VOCAB = 8870  # room for <racm3:break> 8197, <reserved08706> 8710 and Lumina's 8803..8828

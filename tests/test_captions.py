@@ -15,9 +15,10 @@ import pytest
 import torch
 from t5_fixtures import TINY_T5, tiny_t5
 
-from lantern_rt.captions import (
+from lantern_rt.errors import LanternError, TextEncoderError
+from lantern_rt.export.bundle import export_graph
+from lantern_rt.families.llamagen.captions import (
     INSTALL_HINT,
-    TextEncoderError,
     basic_clean,
     clean_caption,
     left_pad,
@@ -25,10 +26,8 @@ from lantern_rt.captions import (
     preprocess,
     tokenize,
 )
-from lantern_rt.errors import LanternError
-from lantern_rt.export.bundle import export_graph
+from lantern_rt.families.llamagen.text_encoder import encode, load_text_encoder
 from lantern_rt.families.llamagen.text_encoder_graph import TOKENIZER_FILES, TextEncoderGraph, copy_tokenizer
-from lantern_rt.models.text_encoder import encode, load_text_encoder
 
 ftfy = pytest.importorskip("ftfy")  # the t2i extra
 bs4 = pytest.importorskip("bs4")

@@ -1,11 +1,11 @@
-"""The Chameleon target (lantern_rt.models.chameleon) against HF transformers' Chameleon."""
+"""The Chameleon target (lantern_rt.families.chameleon.model) against HF transformers' Chameleon."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lantern_rt.models.chameleon import ChameleonConfig, ChameleonTarget
+from lantern_rt.families.chameleon.model import ChameleonConfig, ChameleonTarget
 from lantern_rt.models.config import ConfigError
 from tests.chameleon_fixtures import TINY_DECODER, code_name
 

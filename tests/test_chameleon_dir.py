@@ -1,4 +1,4 @@
-"""Opening HF Chameleon folders (lantern_rt.models.chameleon_dir) written by transformers' save_pretrained."""
+"""Opening HF Chameleon folders (lantern_rt.families.chameleon.folder) written by transformers' save_pretrained."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lantern_rt.errors import LanternError
-from lantern_rt.models.chameleon_dir import (
+from lantern_rt.families.chameleon.folder import (
     WEIGHT_FILES,
     load_chameleon_target,
     load_chameleon_vq,

@@ -1,4 +1,4 @@
-"""Chameleon-family prompts (lantern_rt.chameleon_prompts) and the HF greedy CFG reference."""
+"""Chameleon-family prompts (lantern_rt.families.chameleon.prompts) and the HF greedy CFG reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lantern_rt.captions import TextEncoderError
-from lantern_rt.chameleon_prompts import (
+from lantern_rt.errors import TextEncoderError
+from lantern_rt.families.chameleon.prompts import (
     ANOLE,
     LUMINA,
     PromptLayout,

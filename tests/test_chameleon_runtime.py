@@ -11,10 +11,10 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.cli import main
+from lantern_rt.families.chameleon.convert import interleave_rope_rows, runtime_target
 from lantern_rt.families.chameleon.family import details
+from lantern_rt.families.chameleon.model import ChameleonConfig, ChameleonDecoderLayer, ChameleonTarget
 from lantern_rt.families.loading import bundle_info, load_drafter, load_target, open_model_dir
-from lantern_rt.models.chameleon import ChameleonConfig, ChameleonDecoderLayer, ChameleonTarget
-from lantern_rt.models.chameleon_runtime import interleave_rope_rows, runtime_target
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -117,7 +117,7 @@ def test_interleaving_is_what_makes_the_conversion_right(hf, md):
 def test_authors_drafter_converts_to_the_runtime_drafter(hf, md):
     """The converted drafter's forward equals the authors' layer computed independently: fc over
     (embedding of the image token's vocabulary id, target hidden), one Chameleon decoder layer
-    with rotate-half RoPE (lantern_rt.models.chameleon, equal to transformers')."""
+    with rotate-half RoPE (lantern_rt.families.chameleon.model, equal to transformers')."""
     drafter = load_drafter(md)
     state = authors_drafter_state(hf)
     cc = ChameleonConfig.from_hf(hf.config.to_dict() | {"num_hidden_layers": 1})

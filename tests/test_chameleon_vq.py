@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.errors import LanternError
-from lantern_rt.models.chameleon_vq import ChameleonVQ, ChameleonVQConfig
+from lantern_rt.families.chameleon.vq import ChameleonVQ, ChameleonVQConfig
 from lantern_rt.models.config import ConfigError
 
 TINY = dict(

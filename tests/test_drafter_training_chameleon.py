@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from lantern_rt.cli import main
 from lantern_rt.families.chameleon.family import details
+from lantern_rt.families.chameleon.training_rows import PromptConditions, prompt_conditions
 from lantern_rt.families.loading import load_drafter, load_target, open_model_dir
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.runtime.acceptance import tree_step_inputs
@@ -24,18 +25,16 @@ from lantern_rt.runtime.sampling import SamplingConfig, cfg_rows
 from lantern_rt.settings import MethodConfig
 from lantern_rt.training.drafter import (
     DrafterTraining,
-    PromptConditions,
     batch_predictions,
     drafter_batch,
     eagle_loss,
-    prompt_conditions,
     train_drafter,
 )
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from lantern_rt.chameleon_prompts import load_chameleon_tokenizer, prompt_layout  # noqa: E402
+from lantern_rt.families.chameleon.prompts import load_chameleon_tokenizer, prompt_layout  # noqa: E402
 from tests.chameleon_fixtures import WORDS, hf_model, write_model_dir  # noqa: E402
 
 PROMPTS = ["a red cat", "blue dog runs fast under green sky"]  # 4 and 0 padding slots of 10

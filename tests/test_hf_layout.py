@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import tiny_gpt
 
-from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict, save_safetensors
-from lantern_rt.models.config import ConfigError, GPTConfig, gpt_config
-from lantern_rt.models.hf_layout import (
+from lantern_rt.families.llamagen.hf_layout import (
     from_hf_state,
     gpt_config_from_hf,
     is_hf_layout,
     read_target_state,
     resolve_gpt_section,
 )
+from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict, save_safetensors
+from lantern_rt.models.config import ConfigError, GPTConfig, gpt_config
 from lantern_rt.models.target import Transformer
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "lantern_llamagen_t2i_keys.json").read_text())

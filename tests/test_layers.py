@@ -508,7 +508,9 @@ RULES = [
         "fileio-imports-only-errors", lambda m: m == f"{PKG}.fileio", lambda t: t != f"{PKG}.errors"
     ),
     Rule(  # prompts are cleaned and tokenised the same way for torch and bundles, below both
-        "captions-import-only-errors", lambda m: m == f"{PKG}.captions", lambda t: t != f"{PKG}.errors"
+        "captions-import-only-errors",
+        lambda m: m == f"{PKG}.families.llamagen.captions",
+        lambda t: t != f"{PKG}.errors",
     ),
     Rule(
         "bundle-is-lean",

@@ -219,7 +219,7 @@ def reference_condition(md, prompt: str):
     right-padded (max_length, truncation), encode, rotate the valid features last, zero the rest."""
     from transformers import AutoTokenizer, T5EncoderModel
 
-    from lantern_rt.captions import preprocess
+    from lantern_rt.families.llamagen.captions import preprocess
 
     tokenizer = AutoTokenizer.from_pretrained(md / "t5")
     t = tokenizer(

@@ -31,7 +31,7 @@ class GPTConfig:
 
     ``model_type`` names the condition: ``c2i`` a class id, ``t2i`` T5 caption features,
     ``chameleon`` a prompt of ``text_vocab_size``-word token ids (the Chameleon family, converted
-    by :mod:`lantern_rt.models.chameleon_runtime`: 1D RoPE over every position, per-head q/k
+    by :mod:`lantern_rt.families.chameleon.convert`: 1D RoPE over every position, per-head q/k
     LayerNorm with ``qk_norm``, an explicit ``ffn_hidden_size``, image codes as the vocabulary).
     With ``row_end`` (Lumina-mGPT) every row of the grid ends with a forced end-of-row token, the
     vocabulary's last entry: ``block_size`` is grid x (grid + 1) (:func:`~lantern_rt.models.target.layout_logits`).

@@ -9,7 +9,7 @@ the authors' checkpoints (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, .
 
 Positions follow the target: the pair holding token x_j uses the target's RoPE row of x_j (2D
 for LlamaGen, 1D for the Chameleon family, whose drafters are converted on load by
-:mod:`lantern_rt.models.chameleon_runtime`).
+:mod:`lantern_rt.families.chameleon.convert`).
 """
 
 from __future__ import annotations

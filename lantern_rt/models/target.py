@@ -5,7 +5,7 @@ load strictly. The forward pass is written as a pure step function for the runti
 (embeddings, rope rows, mask, past K/V) -> (logits, hidden, new K/V); caches live outside.
 The Chameleon family runs as this model too (``model_type="chameleon"``: a prompt-token
 prefix, 1D RoPE, per-head q/k norms), converted from its Hugging Face layout by
-:mod:`lantern_rt.models.chameleon_runtime` (docs/method.md §10).
+:mod:`lantern_rt.families.chameleon.convert` (docs/method.md §10).
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class Transformer(nn.Module):
     @property
     def null_condition(self) -> Tensor:
         """The unconditional condition for one row: the null class id or the null caption (a
-        Chameleon model's unconditional row is a prompt: :mod:`lantern_rt.chameleon_prompts`)."""
+        Chameleon model's unconditional row is a prompt: :mod:`lantern_rt.families.chameleon.prompts`)."""
         if self.config.model_type == "chameleon":
             raise ConfigError(
                 "a Chameleon-family model's unconditional row is a prompt, not a null condition"

@@ -13,24 +13,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lantern_rt.chameleon_prompts import TOKENIZER_FILE, load_chameleon_tokenizer, prompt_layout, prompt_rows
-from lantern_rt.errors import first_line
+from lantern_rt.errors import TextEncoderError, first_line
 from lantern_rt.families.base import Conditioner, Family, Warn
-from lantern_rt.models.chameleon import ROW_END_TOKEN
-from lantern_rt.models.chameleon_dir import (
-    ChameleonDir,
-    load_chameleon_target,
-    load_chameleon_vq,
-    open_chameleon_dir,
-)
-from lantern_rt.models.chameleon_runtime import (
+from lantern_rt.families.chameleon.convert import (
     PROMPT_TABLE,
     image_vocabulary,
     runtime_config,
     runtime_drafter,
     runtime_target,
 )
-from lantern_rt.models.chameleon_vq import ChameleonVQ, ChameleonVQConfig
+from lantern_rt.families.chameleon.folder import (
+    ChameleonDir,
+    load_chameleon_target,
+    load_chameleon_vq,
+    open_chameleon_dir,
+)
+from lantern_rt.families.chameleon.model import ROW_END_TOKEN
+from lantern_rt.families.chameleon.prompts import (
+    TOKENIZER_FILE,
+    load_chameleon_tokenizer,
+    prompt_layout,
+    prompt_rows,
+)
+from lantern_rt.families.chameleon.training_rows import PromptConditions, prompt_conditions
+from lantern_rt.families.chameleon.vq import ChameleonVQ, ChameleonVQConfig
 from lantern_rt.models.checkpoint import CheckpointError, read_state_dict
 from lantern_rt.models.config import ConfigError, GPTConfig
 from lantern_rt.models.drafter import DrafterConfig
@@ -49,7 +55,7 @@ EMBEDDING_KEY = "model.embed_tokens.weight"  # a Chameleon checkpoint's input em
 @dataclass(frozen=True)
 class ChameleonDetails:
     """What a Chameleon model directory adds (``ModelDir.details``): its Hugging Face folder and
-    its prompt layout's name (``chameleon_prompts``)."""
+    its prompt layout's name (``prompts.prompt_layout``)."""
 
     folder: ChameleonDir
     layout: str
@@ -137,7 +143,7 @@ class ChameleonFamily(Family):
         return ModelDir(root, raw, gpt, d.vq, files, image_size, [], self.name, ChameleonDetails(d, layout))
 
     def load_target(self, md: ModelDir, device: str | torch.device, dtype: torch.dtype) -> Transformer:
-        """The HF checkpoint converted to the runtime's layout (``chameleon_runtime``)."""
+        """The HF checkpoint converted to the runtime's layout (``convert.runtime_target``)."""
         target = load_chameleon_target(details(md).folder, device, dtype)
         return runtime_target(target, md.gpt.cls_token_num, md.gpt.block_size, _row_end_id(md))
 
@@ -200,9 +206,6 @@ class ChameleonFamily(Family):
     def training_conditions(self, md: ModelDir, files: list[tuple[Path, np.ndarray]], warn: Warn) -> Any:
         """The prompts' token rows as the runtime builds them (``PromptConditions``), checked
         now: a prompt that gives no rows is a :class:`ConfigError` naming the file and index."""
-        from lantern_rt.captions import TextEncoderError
-        from lantern_rt.training.drafter import PromptConditions, prompt_conditions
-
         tokenizer = load_chameleon_tokenizer(details(md).folder.root)
         layout, slots = prompt_layout(details(md).layout, md.image_size), md.gpt.cls_token_num
         cut: list[int] = []

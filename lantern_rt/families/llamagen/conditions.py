@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lantern_rt.captions import left_pad, load_tokenizer, tokenize
 from lantern_rt.families.base import Conditioner, Warn
+from lantern_rt.families.llamagen.captions import left_pad, load_tokenizer, tokenize
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.decode import Condition

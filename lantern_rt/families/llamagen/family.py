@@ -19,9 +19,9 @@ from lantern_rt.families.llamagen.conditions import (
     condition_rows,
     prompt_condition,
 )
+from lantern_rt.families.llamagen.hf_layout import read_target_state, resolve_gpt_section
 from lantern_rt.models.checkpoint import load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
-from lantern_rt.models.hf_layout import read_target_state, resolve_gpt_section
 from lantern_rt.models.model_dir import (
     ModelDir,
     check_sampling_defaults,
@@ -99,8 +99,8 @@ class LlamaGenFamily(Family):
                 return Condition(condition_rows(target, int(label)))
 
             return condition
-        from lantern_rt.captions import load_tokenizer
-        from lantern_rt.models.text_encoder import encode, load_text_encoder
+        from lantern_rt.families.llamagen.captions import load_tokenizer
+        from lantern_rt.families.llamagen.text_encoder import encode, load_text_encoder
 
         self.check_runnable(md)
         encoder = load_text_encoder(md.path("t5"), device, md.gpt.caption_dim)
@@ -130,8 +130,8 @@ class LlamaGenFamily(Family):
         features given through the Python API only)."""
         if md.gpt.model_type != "t2i" or "t5" not in md.files:
             return []
+        from lantern_rt.families.llamagen.text_encoder import load_text_encoder
         from lantern_rt.families.llamagen.text_encoder_graph import TextEncoderGraph
-        from lantern_rt.models.text_encoder import load_text_encoder
 
         encoder = load_text_encoder(md.path("t5"), caption_dim=target.config.caption_dim)
         return [TextEncoderGraph(encoder, target.config.cls_token_num)]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lantern_rt.bundle import TEXT_ENCODER_GRAPH
-from lantern_rt.captions import TextEncoderError
+from lantern_rt.errors import TextEncoderError
 from lantern_rt.graph_spec import GraphSpec, TensorSpec
 
 TOKENIZER_FILES = (

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern_rt.models.chameleon import ChameleonConfig, ChameleonTarget, rope_frequencies
-from lantern_rt.models.chameleon_vq import CHECKPOINT_PREFIX, ChameleonVQ, ChameleonVQConfig
+from lantern_rt.families.chameleon.model import ChameleonConfig, ChameleonTarget, rope_frequencies
+from lantern_rt.families.chameleon.vq import CHECKPOINT_PREFIX, ChameleonVQ, ChameleonVQConfig
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, read_json
 
@@ -149,7 +149,7 @@ def load_chameleon_vq(
 
 def _expand_qk_norms(model: ChameleonTarget, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Lumina-mGPT's per-shard q/k norm rows [model_parallel_size, D] repeated to one row per head
-    [H, D] (what :class:`~lantern_rt.models.chameleon.QKNorm` does on load), so that the strict
+    [H, D] (what :class:`~lantern_rt.families.chameleon.model.QKNorm` does on load), so that the strict
     shape check sees the per-head layout."""
     own = model.state_dict()
     out = dict(state)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lantern_rt.models.chameleon import ChameleonConfig, ChameleonTarget
+from lantern_rt.families.chameleon.model import ChameleonConfig, ChameleonTarget
 from lantern_rt.models.config import ConfigError, GPTConfig, gpt_config
 from lantern_rt.models.drafter import DrafterConfig
 from lantern_rt.models.target import Transformer, rope_table

@@ -29,8 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lantern_rt.captions import TextEncoderError, require
-from lantern_rt.errors import first_line
+from lantern_rt.errors import TextEncoderError, first_line, require
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lantern_rt.captions import TextEncoderError, require
-from lantern_rt.errors import first_line
+from lantern_rt.errors import TextEncoderError, first_line, require
+from lantern_rt.families.llamagen.captions import INSTALL_HINT
 
 
 def load_text_encoder(
@@ -27,7 +27,7 @@ def load_text_encoder(
     (missing tensors included: transformers would leave them random) and for features of
     another width than the target's ``caption_dim`` (when given)."""
     folder = Path(folder)
-    transformers = require("transformers")
+    transformers = require("transformers", INSTALL_HINT)
     if not folder.is_dir():
         raise TextEncoderError(f"{folder}: no such text encoder folder")
     if not (folder / "config.json").is_file():

@@ -19,24 +19,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lantern_rt.errors import LanternError, first_line
+from lantern_rt.errors import TextEncoderError, first_line, require
 
 INSTALL_HINT = "pip install 'lantern-rt[t2i]'"
-
-
-class TextEncoderError(LanternError, ValueError):
-    """A missing text-side dependency, a bad tokenizer or encoder folder, or bad prompts."""
-
-
-def require(module: str, hint: str = INSTALL_HINT) -> Any:
-    """Import ``module`` (ftfy, bs4, transformers, tokenizers), or raise :class:`TextEncoderError`
-    with the install ``hint``."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise TextEncoderError(f"prompts need {module.split('.')[0]}: {hint}") from err
 
 
 # LlamaGen's (PixArt's) regexes, verbatim and in their order.
@@ -112,14 +97,14 @@ def _subs(text: str, rules) -> str:
 
 def basic_clean(text: str) -> str:
     """ftfy's fix, two rounds of HTML unescaping, strip (``T5Embedder.basic_clean``)."""
-    text = require("ftfy").fix_text(text)
+    text = require("ftfy", INSTALL_HINT).fix_text(text)
     return html.unescape(html.unescape(text)).strip()
 
 
 def clean_caption(text: str) -> str:
     """LlamaGen's ``T5Embedder.clean_caption``: lower case; URLs, HTML, @names, CJK, ids, file
     names and stray punctuation removed; dashes and quotes unified."""
-    soup = require("bs4").BeautifulSoup
+    soup = require("bs4", INSTALL_HINT).BeautifulSoup
     caption = ul.unquote_plus(str(text)).strip().lower()
     caption = _subs(caption, _BEFORE_HTML)
     caption = soup(caption, features="html.parser").text
@@ -138,7 +123,7 @@ def preprocess(text: str) -> str:
 def load_tokenizer(folder: Path) -> Any:
     """The T5 tokenizer in ``folder`` (``AutoTokenizer.from_pretrained``)."""
     folder = Path(folder)
-    auto = require("transformers").AutoTokenizer
+    auto = require("transformers", INSTALL_HINT).AutoTokenizer
     if not folder.is_dir():
         raise TextEncoderError(f"{folder}: no such tokenizer folder")
     try:
