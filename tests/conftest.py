@@ -89,6 +89,81 @@ def tiny_model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny", tiny_gpt(), tiny_vq())
 
 
+# --- built once per session --------------------------------------------------------------------
+# Tests only read these (a test that writes copies first); each checks at the end of the session
+# that no test changed it.
+
+
+def pattern_codes(n: int, vocab: int, length: int, classes: int, seed: int = 0):
+    """Sequences x_{t+1} = x_t + (class + 1) mod V with a random start: easy to predict."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    codes = (start + (labels[:, None] + 1) * torch.arange(length)) % vocab
+    return codes, labels
+
+
+def _state(*modules: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules]
+
+
+def assert_unchanged(before: list[dict[str, torch.Tensor]], *modules: torch.nn.Module) -> None:
+    for state, module in zip(before, modules, strict=True):
+        now = _state(module)[0]
+        changed = sorted(state.keys() ^ now.keys()) + [
+            k for k in state.keys() & now.keys() if not torch.equal(state[k], now[k])
+        ]
+        assert not changed, f"a test changed the session's {type(module).__name__}: {changed}"
+        assert not module.training, f"a test left the session's {type(module).__name__} in training mode"
+
+
+def _digest(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def assert_folder_unchanged(before: dict[str, bytes], folder: Path) -> None:
+    after = _digest(folder)
+    changed = sorted(
+        set(before) ^ set(after) | {k for k in before.keys() & after.keys() if before[k] != after[k]}
+    )
+    assert not changed, f"a test changed the session's folder {folder}: {changed}"
+
+
+@pytest.fixture(scope="session")
+def trained_pair():
+    """A target trained on a learnable pattern and a drafter trained against it (test_speculative,
+    test_batching, test_calibrate and test_ort_speculative)."""
+    from lantern_rt.models.drafter import Drafter, DrafterConfig
+    from lantern_rt.training.drafter import DrafterTraining, train_drafter
+
+    torch.manual_seed(0)
+    target = tiny_gpt(11)
+    cfg = target.config
+    codes, labels = pattern_codes(256, cfg.vocab_size, cfg.block_size, cfg.num_classes)
+    opt = torch.optim.AdamW(target.parameters(), lr=3e-3)
+    target.train()
+    for step in range(150):
+        sel = torch.arange(step * 32, step * 32 + 32) % len(codes)
+        logits = target(codes[sel, :-1], labels[sel], train=True)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), codes[sel].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    target.eval()
+    drafter = Drafter(DrafterConfig.for_target(cfg), cfg)
+    train_drafter(
+        target,
+        drafter,
+        codes.numpy(),
+        labels.numpy(),
+        DrafterTraining(steps=150, batch=32, lr=3e-3),
+        progress=False,
+    )
+    before = _state(target, drafter)
+    yield target, drafter
+    assert_unchanged(before, target, drafter)
+
+
 def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: bool = True):
     """One greedy, exact verify call of ``tokens`` [N+1] over ``tree`` (default: the root-only
     tree, an AR step) after the committed cache, then (``commit``) the accepted path committed;
@@ -118,3 +193,49 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
     if commit:
         target.cache.write(out.new_k, out.new_v, out.length + 1)
     return out
+
+
+PROMPT_SLOTS = 12  # caption slots of the prompt models (a short prompt is padded, a long one cut)
+
+
+@pytest.fixture(scope="session")
+def prompt_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A t2i model directory whose config.json names a tiny T5 folder (files.t5)
+    (test_text_to_image and test_jacobi)."""
+    from tests.t5_fixtures import TINY_T5, tiny_t5
+
+    root = tmp_path_factory.mktemp("prompts")
+    model = tiny_gpt(8, model_type="t2i", cls_token_num=PROMPT_SLOTS, caption_dim=TINY_T5["d_model"])
+    md = write_model_dir(root / "model", model, tiny_vq())
+    tiny_t5(md / "t5")
+    config = json.loads((md / "config.json").read_text())
+    config["files"]["t5"] = "t5"
+    config["class_names"] = []
+    (md / "config.json").write_text(json.dumps(config))
+    before = _digest(md)
+    yield md
+    assert_folder_unchanged(before, md)
+
+
+def _chameleon_dir(tmp_path_factory: pytest.TempPathFactory, layout: str):
+    pytest.importorskip("transformers")
+    from tests.chameleon_fixtures import LUMINA_VQ, hf_model
+    from tests.chameleon_fixtures import write_model_dir as write_chameleon
+
+    model = hf_model(vq_config=LUMINA_VQ) if layout == "lumina" else hf_model()
+    root = write_chameleon(tmp_path_factory.mktemp(layout), model, layout=layout)
+    before = _digest(root)
+    yield root
+    assert_folder_unchanged(before, root)
+
+
+@pytest.fixture(scope="session")
+def anole_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Anole-layout model directory without a drafter (tests/chameleon_fixtures.py)."""
+    yield from _chameleon_dir(tmp_path_factory, "anole")
+
+
+@pytest.fixture(scope="session")
+def lumina_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Lumina-mGPT-layout model directory (rows ending in row-end tokens), no drafter."""
+    yield from _chameleon_dir(tmp_path_factory, "lumina")

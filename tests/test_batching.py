@@ -25,7 +25,7 @@ from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq, write_model_dir
 from tests.test_export import add_drafter
-from tests.test_speculative import GREEDY, models  # noqa: F401  (models: the trained pair)
+from tests.test_speculative import GREEDY
 
 SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
 RELAX = Relaxation("lantern++", k=5, lam=5.0)
@@ -53,10 +53,10 @@ def torch_spec(target, drafter, batch: int) -> Speculation:
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("method", ["ar", "lantern++"])
-def test_torch_tokens_do_not_depend_on_the_batch(models, method, sampling):  # noqa: F811
+def test_torch_tokens_do_not_depend_on_the_batch(trained_pair, method, sampling):
     """Per image, the same tokens and accepted lengths at B = 1, 3 and 8 (7 jobs: refills, a
     partial last batch, and a batch larger than the job count)."""
-    target, drafter = models
+    target, drafter = trained_pair
     runs = []
     for batch in (1, 3, 8):
         spec = torch_spec(target, drafter, batch) if method != "ar" else None
@@ -69,9 +69,9 @@ def test_torch_tokens_do_not_depend_on_the_batch(models, method, sampling):  # n
         assert max(a for run in accepted.values() for a in run) >= 3  # multi-token steps
 
 
-def test_an_image_does_not_depend_on_its_slot_or_neighbours(models):  # noqa: F811
+def test_an_image_does_not_depend_on_its_slot_or_neighbours(trained_pair):
     """The same job, its seed fixed, among other images in another order: the same tokens."""
-    target, drafter = models
+    target, drafter = trained_pair
     null = target.config.num_classes
     first = [(torch.tensor([c, null]), torch.Generator().manual_seed(100 + c)) for c in (1, 2, 3)]
     second = [(torch.tensor([c, null]), torch.Generator().manual_seed(100 + c)) for c in (3, 1, 2)]
@@ -83,9 +83,9 @@ def test_an_image_does_not_depend_on_its_slot_or_neighbours(models):  # noqa: F8
     assert all(torch.equal(results[0][c], results[1][c]) for c in (1, 2, 3))
 
 
-def test_inactive_slots_commit_nothing(models):  # noqa: F811
+def test_inactive_slots_commit_nothing(trained_pair):
     """Two jobs on four slots: the empty slots never advance their caches."""
-    target, drafter = models
+    target, drafter = trained_pair
     backend, spec = TorchTarget(target, 4), torch_spec(target, drafter, 4)
     list(decode_images(backend, jobs(target, [1, 2]), target.config.block_size, GREEDY, spec))
     assert backend.cache.length[2:].tolist() == [0, 0] and spec.drafter.cache.length[2:].tolist() == [0, 0]
@@ -111,8 +111,8 @@ def test_per_image_cache_masks_and_writes():
 
 
 @pytest.fixture(scope="module")
-def batched_bundle(models, tmp_path_factory) -> Bundle:  # noqa: F811
-    target, drafter = models
+def batched_bundle(trained_pair, tmp_path_factory) -> Bundle:
+    target, drafter = trained_pair
     root = tmp_path_factory.mktemp("batched")
     model = write_model_dir(root / "model", target, tiny_vq())
     add_drafter(model, drafter)
@@ -156,9 +156,9 @@ def test_the_manifest_records_the_batch_sizes_and_one_weights_file(batched_bundl
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, models, sampling):  # noqa: F811
+def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trained_pair, sampling):
     """LANTERN++ on onnxruntime at B = 3 gives each image the tokens it gets at B = 1, and torch's."""
-    bundle, (target, _) = batched_bundle, models
+    bundle, (target, _) = batched_bundle, trained_pair
     tree = bundle_trees(bundle)["chain-5"]
     runs = []
     for batch in (1, 3):
@@ -169,7 +169,7 @@ def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, mode
         )
         runs.append(decode_all(ort_target, target, LABELS, sampling, spec)[0])
     spec = Speculation(
-        TorchDrafter(models[1], target.output, bundle.constants.drafter_capacity, 3),
+        TorchDrafter(trained_pair[1], target.output, bundle.constants.drafter_capacity, 3),
         tree,
         RELAX,
         bundle.neighbors(),
@@ -206,13 +206,13 @@ def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tm
     assert (int8.path / WEIGHTS).is_file() and not any(p.suffix == ".data" for p in int8.path.iterdir())
 
 
-def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(models, tmp_path, monkeypatch):  # noqa: F811
+def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair, tmp_path, monkeypatch):
     """`--batch-size 2` on a model directory exports what B = 2 needs (generate, bench and
     generate-set on an empty cache), and `lantern export --batch-size 2` without 1 gives a
     bundle that runs; every image keeps the tokens torch gives it at B = 1."""
     import numpy as np
 
-    target, drafter = models
+    target, drafter = trained_pair
     model = write_model_dir(tmp_path / "model", target, tiny_vq())
     add_drafter(model, drafter)
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))

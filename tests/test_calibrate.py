@@ -20,7 +20,6 @@ from lantern_rt.graph_rules import check_graph
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle
-from tests.test_speculative import models  # noqa: F401  (the trained pair)
 
 SAMPLES = 3  # images per pipeline (ar, lantern++ chain-3)
 # Measured on this pair (seed 0, 5 images of 16 tokens, reference Q/DQ numerics): greedy token
@@ -34,8 +33,8 @@ MIN_STEP_TOP1_AGREEMENT = 0.9
 
 
 @pytest.fixture(scope="module")
-def fp32(models, tmp_path_factory) -> Path:  # noqa: F811
-    target, drafter = models
+def fp32(trained_pair, tmp_path_factory) -> Path:
+    target, drafter = trained_pair
     path = tmp_path_factory.mktemp("calibrate") / "fp32"
     return make_bundle(path, target, tiny_vq(), drafter, ["chain-3"], "fp32")
 

@@ -13,8 +13,7 @@ from lantern_rt.training.drafter import (
     train_drafter,
     unrolled_predictions,
 )
-from tests.conftest import tiny_gpt
-from tests.test_speculative import pattern_codes
+from tests.conftest import pattern_codes, tiny_gpt
 
 
 def paired_batch(target, codes: torch.Tensor, labels: torch.Tensor):

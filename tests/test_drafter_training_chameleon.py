@@ -35,14 +35,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from lantern_rt.families.chameleon.prompts import load_chameleon_tokenizer, prompt_layout  # noqa: E402
-from tests.chameleon_fixtures import WORDS, hf_model, write_model_dir  # noqa: E402
+from tests.chameleon_fixtures import WORDS  # noqa: E402
 
 PROMPTS = ["a red cat", "blue dog runs fast under green sky"]  # 4 and 0 padding slots of 10
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("anole"), hf_model())
+def model_dir(anole_dir):
+    return anole_dir
 
 
 @pytest.fixture(scope="module")
@@ -291,15 +291,13 @@ def test_bad_codes_files_are_one_line_errors(model_dir, samples, tmp_path):
     assert r.exit_code == 2 and "'codes' and 'prompts'" in r.stderr and not (tmp_path / "none").exists()
 
 
-def test_lumina_training_scores_the_distributions_the_runtime_drafts_from(tmp_path):
+def test_lumina_training_scores_the_distributions_the_runtime_drafts_from(lumina_dir):
     """With Lumina-mGPT's row ends, the classification loss compares the head's distributions
     under the layout rule, as drafts are drawn from them: certain at every row end (zero loss
     there), the row end impossible elsewhere; the raw head would score other distributions."""
     from lantern_rt.models.target import layout_logits
-    from tests.chameleon_fixtures import LUMINA_VQ
-    from tests.chameleon_fixtures import write_model_dir as write
 
-    md = open_model_dir(write(tmp_path, hf_model(vq_config=LUMINA_VQ), layout="lumina"))
+    md = open_model_dir(lumina_dir)
     target = load_target(md)
     g, n, start = md.gpt.grid_size, md.gpt.block_size, md.gpt.cls_token_num
     codes = torch.randint(md.gpt.vocab_size - 1, (2, n), generator=torch.Generator().manual_seed(3))

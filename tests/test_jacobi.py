@@ -37,7 +37,6 @@ from lantern_rt.settings import MethodConfig
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 from tests.test_baseline import chi_square, chi_square_critical
 from tests.test_speculative import GREEDY
-from tests.test_text_to_image import prompt_model  # noqa: F401  (a t2i model directory with T5)
 
 CPU = torch.device("cpu")
 
@@ -305,33 +304,21 @@ def cli_tokens(model, tmp_path, name: str, *args: str) -> tuple[np.ndarray, dict
     return np.load(tokens), json.loads(stats.read_text())
 
 
-def _chameleon_model(tmp_path, layout: str):
-    """A tiny Anole, or a Lumina-mGPT whose grid rows end in forced row-end tokens (the window's
-    spatial drafts then read the row above through a row end of its own)."""
-    from tests.chameleon_fixtures import LUMINA_VQ, hf_model
-    from tests.chameleon_fixtures import write_model_dir as write_chameleon
-
-    model = hf_model(vq_config=LUMINA_VQ) if layout == "lumina" else hf_model()
-    return write_chameleon(tmp_path / layout, model, layout=layout)
-
-
 @pytest.mark.parametrize("family", ["c2i", "t2i", "anole", "lumina"])
 def test_a_model_without_a_drafter_generates_with_sjd(
     family,
-    tiny_model_dir,
-    prompt_model,  # noqa: F811
+    request,
     tmp_path,
     monkeypatch,
 ):
     """On onnxruntime (the model exported on first use, with the window's verify graph) and on
-    torch: greedy sjd gives AR's tokens; the stats name the method and its window."""
+    torch: greedy sjd gives AR's tokens; the stats name the method and its window. The models: the
+    tiny c2i model, the t2i one with T5, a tiny Anole, and a Lumina-mGPT whose grid rows end in
+    forced row-end tokens (the window's spatial drafts then read the row above through a row end
+    of its own)."""
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
-    model = {
-        "c2i": lambda: tiny_model_dir,
-        "t2i": lambda: prompt_model,
-        "anole": lambda: _chameleon_model(tmp_path, "anole"),
-        "lumina": lambda: _chameleon_model(tmp_path, "lumina"),
-    }[family]()
+    fixture = {"c2i": "tiny_model_dir", "t2i": "prompt_model", "anole": "anole_dir", "lumina": "lumina_dir"}
+    model = request.getfixturevalue(fixture[family])
     assert "drafter" not in json.loads((model / "config.json").read_text())["files"]
     what = ["--class", "1"] if family == "c2i" else ["--prompt", "a red cat"]
     ar, _ = cli_tokens(model, tmp_path, "ar", *what, "--backend", "torch")

@@ -32,7 +32,7 @@ from lantern_rt.runtime.sampling import SamplingConfig, draw_noise, filter_input
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq
 from tests.test_export import graph_names, make_bundle
-from tests.test_speculative import GREEDY, models  # noqa: F401  (models: the trained pair)
+from tests.test_speculative import GREEDY
 
 TREES = ["naive_extend_57", "chain-5"]
 SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
@@ -42,8 +42,8 @@ RELAX = Relaxation("lantern++", k=5, lam=5.0)
 
 
 @pytest.fixture(scope="module")
-def bundle(models, tmp_path_factory) -> Bundle:  # noqa: F811
-    target, drafter = models
+def bundle(trained_pair, tmp_path_factory) -> Bundle:
+    target, drafter = trained_pair
     path = tmp_path_factory.mktemp("speculative") / "bundle"
     return Bundle.open(make_bundle(path, target, tiny_vq(), drafter, TREES, "fp32"))
 

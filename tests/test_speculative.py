@@ -5,55 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
-from lantern_rt.training.drafter import DrafterTraining, train_drafter
-from tests.conftest import tiny_gpt, verify_step
+from tests.conftest import verify_step
 
 GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
 TREES = ["naive_extend_57", "mc_sim_7b_63", "chain-3"]
-
-
-def pattern_codes(n: int, vocab: int, length: int, classes: int, seed: int = 0):
-    """Sequences x_{t+1} = x_t + (class + 1) mod V with a random start: easy to predict."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, classes, (n,), generator=g)
-    start = torch.randint(0, vocab, (n, 1), generator=g)
-    codes = (start + (labels[:, None] + 1) * torch.arange(length)) % vocab
-    return codes, labels
-
-
-@pytest.fixture(scope="module")
-def models():
-    """A target trained on a learnable pattern and a drafter trained against it."""
-    torch.manual_seed(0)
-    target = tiny_gpt(11)
-    cfg = target.config
-    codes, labels = pattern_codes(256, cfg.vocab_size, cfg.block_size, cfg.num_classes)
-    opt = torch.optim.AdamW(target.parameters(), lr=3e-3)
-    target.train()
-    for step in range(150):
-        sel = torch.arange(step * 32, step * 32 + 32) % len(codes)
-        logits = target(codes[sel, :-1], labels[sel], train=True)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), codes[sel].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    target.eval()
-    drafter = Drafter(DrafterConfig.for_target(cfg), cfg)
-    train_drafter(
-        target,
-        drafter,
-        codes.numpy(),
-        labels.numpy(),
-        DrafterTraining(steps=150, batch=32, lr=3e-3),
-        progress=False,
-    )
-    return target, drafter
 
 
 def spec_for(target, drafter, tree: str, relax: Relaxation) -> Speculation:
@@ -77,8 +37,8 @@ EXACT_EQUIVALENTS = [
 
 
 @pytest.mark.parametrize("tree", TREES)
-def test_greedy_speculative_equals_greedy_ar(models, tree):
-    target, drafter = models
+def test_greedy_speculative_equals_greedy_ar(trained_pair, tree):
+    target, drafter = trained_pair
     neighbors = torch.stack([torch.roll(torch.arange(64), -i) for i in range(1, 6)], dim=1)
     accepted = []
     for label in (0, 3):
@@ -94,8 +54,8 @@ def test_greedy_speculative_equals_greedy_ar(models, tree):
     assert sum(accepted) / len(accepted) > 1.3 and max(accepted) >= 3, accepted
 
 
-def test_compacted_cache_equals_ar_cache(models):
-    target, drafter = models
+def test_compacted_cache_equals_ar_cache(trained_pair):
+    target, drafter = trained_pair
     backend, out = decode(target, 2, spec_for(target, drafter, "naive_extend_57", Relaxation("exact")))
     assert max(out.accepted) > 2
     reference = TorchTarget(target)
@@ -112,9 +72,9 @@ def test_compacted_cache_equals_ar_cache(models):
     )
 
 
-def test_drafter_cache_equals_teacher_forced_drafter(models):
+def test_drafter_cache_equals_teacher_forced_drafter(trained_pair):
     """The drafter's committed cache holds exactly the pairs (x_j, f_{j-1}) of the image."""
-    target, drafter = models
+    target, drafter = trained_pair
     spec = spec_for(target, drafter, "mc_sim_7b_63", Relaxation("exact"))
     _, out = decode(target, 1, spec)
     cache = spec.drafter.cache
@@ -131,8 +91,8 @@ def test_drafter_cache_equals_teacher_forced_drafter(models):
     torch.testing.assert_close(cache.k[:, :, :, :n], k, atol=1e-4, rtol=1e-4)
 
 
-def test_relaxed_decoding_accepts_more(models):
-    target, drafter = models
+def test_relaxed_decoding_accepts_more(trained_pair):
+    target, drafter = trained_pair
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     neighbors = torch.stack([torch.roll(torch.arange(64), -i) for i in range(1, 11)], dim=1)
     mean = {}

@@ -25,7 +25,7 @@ from lantern_rt.runtime.decode import Condition, Speculation, decode_image, deco
 from lantern_rt.runtime.drafting import drafter_capacity, noise_rows
 from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, filter_inputs
 from lantern_rt.runtime.tree import load_tree
-from tests.conftest import randomize, tiny_gpt, tiny_vq, write_model_dir
+from tests.conftest import PROMPT_SLOTS, randomize, tiny_gpt, tiny_vq, write_model_dir
 from tests.llamagen_reference import reference_logits
 
 PREFIX, CAPTION_DIM = 6, 12
@@ -194,24 +194,6 @@ def test_onnxruntime_tokens_equal_torch(t2i_bundle, method):
 
 
 # -- prompts end to end: a tiny T5 folder beside a t2i model ------------------------------------
-
-PROMPT_SLOTS = 12  # caption slots of the prompt models (a short prompt is padded, a long one cut)
-
-
-@pytest.fixture(scope="module")
-def prompt_model(tmp_path_factory):
-    """A t2i model directory whose config.json names a tiny T5 folder (files.t5)."""
-    from tests.t5_fixtures import TINY_T5, tiny_t5
-
-    root = tmp_path_factory.mktemp("prompts")
-    model = tiny_gpt(8, model_type="t2i", cls_token_num=PROMPT_SLOTS, caption_dim=TINY_T5["d_model"])
-    md = write_model_dir(root / "model", model, tiny_vq())
-    tiny_t5(md / "t5")
-    config = json.loads((md / "config.json").read_text())
-    config["files"]["t5"] = "t5"
-    config["class_names"] = []
-    (md / "config.json").write_text(json.dumps(config))
-    return md
 
 
 def reference_condition(md, prompt: str):
