@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from lantern_rt.errors import OneLineErrors, UserError, reports_errors, warn
+from lantern_rt.fileio import check_writable
 from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import (
     BACKENDS,
@@ -27,16 +26,14 @@ from lantern_rt.settings import (
     MAX_IMAGES_PER_CLASS,
     MAX_SEED,
     METHODS,
+    run_request,
 )
 
 SEED = click.IntRange(min=0, max=MAX_SEED)
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
 
 if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
-    from lantern_rt.bundle import Bundle
-    from lantern_rt.models.model_dir import ModelDir
-    from lantern_rt.runtime.sampling import SamplingConfig
-    from lantern_rt.settings import MethodConfig, RunDefaults
+    pass
 
 
 def _source(model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None):
@@ -50,44 +47,6 @@ def _source(model_path: Path | None, bundle: Path | None, backend: str | None, d
     return open_source(model_path, bundle)
 
 
-def _writable_output(path: Path | None, what: str) -> None:
-    """:class:`UserError` unless ``path`` can take a new regular file (written atomically at the
-    end): its folder exists and takes files, and it is not a folder, a link or a device."""
-    if path is None:
-        return
-    parent = path.absolute().parent
-    if not parent.is_dir():
-        raise UserError(f"cannot write {what} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"cannot write {what} {path}: permission denied")
-    if path.is_dir():
-        raise UserError(f"cannot write {what} {path}: it is a folder")
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        raise UserError(
-            f"cannot write {what} {path}: it is a link or a device, not a file; choose another path"
-        )
-    try:  # a file system that refuses new files (/proc, a read-only mount) says so now
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
-    except OSError as exc:
-        raise UserError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
-    os.close(fd)
-    os.unlink(probe)
-
-
-def _save_tokens(path: Path, result) -> None:
-    """A generation's tokens as .npy, or as .npz with their class ids (train-drafter's --codes),
-    by ``path``'s suffix."""
-    import numpy as np
-
-    codes = result.tokens.numpy()
-    if path.suffix == ".npz" and any(isinstance(x, str) for x in result.labels):
-        np.savez(path, codes=codes, prompts=np.asarray(result.labels, dtype=str))
-    elif path.suffix == ".npz":
-        np.savez(path, codes=codes, labels=np.asarray(result.labels, dtype=np.int64))
-    else:
-        np.save(path, codes)
-
-
 model_option = click.option(
     "--model",
     "model_path",
@@ -99,7 +58,7 @@ model_option = click.option(
 
 def run_options(command: Callable) -> Callable:
     """The options ``generate`` and ``generate-set`` share: what to make and how (classes and
-    counts, sampling, method, backend, device, batch size), resolved by :func:`_run_request`."""
+    counts, sampling, method, backend, device, batch size), resolved by ``settings.run_request``."""
     for option in reversed(_RUN_OPTIONS):
         command = option(command)
     return command
@@ -320,6 +279,7 @@ def generate(
     from lantern_rt.generate import generate as run
     from lantern_rt.generate import make_pipeline
     from lantern_rt.images import grid, write_png
+    from lantern_rt.training import codes_files
 
     if threads:
         import torch
@@ -331,32 +291,33 @@ def generate(
     if len({p.absolute() for p in files}) < len(files):
         raise UserError("-o, --save-tokens and --stats-json must name different files")
     for path, what in ((output, "image"), (save_tokens, "tokens"), (stats_out, "stats")):
-        _writable_output(path, what)
+        check_writable(path, what)
     if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
-    class_ids, sampling, mc, run_settings = _run_request(
+    request = run_request(
         md,
         source,
-        classes,
-        read_prompts(prompt_texts, prompts_file),
-        cfg_scale,
-        temperature,
-        top_k,
-        top_p,
-        greedy,
-        method,
-        tree,
-        window,
-        backend,
-        device,
-        lantern_k,
-        lantern_delta,
-        lantern_lambda,
-        drafter_path,
+        classes=classes,
+        prompts=read_prompts(prompt_texts, prompts_file),
+        cfg_scale=cfg_scale,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        greedy=greedy,
+        method=method,
+        tree=tree,
+        window=window,
+        backend=backend,
+        device=device,
+        k=lantern_k,
+        delta=lantern_delta,
+        lam=lantern_lambda,
+        drafter=None if drafter_path is None else str(drafter_path),
     )
+    class_ids, sampling, mc = request.conditions, request.sampling, request.method
     labels = [c for c in class_ids for _ in range(num_images)]
     pipe = make_pipeline(
-        source, run_settings.backend, mc, device, threads, cuda_graphs, batch_size, sampling.guided
+        source, request.settings.backend, mc, device, threads, cuda_graphs, batch_size, sampling.guided
     )
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))
@@ -366,7 +327,9 @@ def generate(
     body = json.dumps(stats.to_json(), indent=2) + "\n"
     writes = {output: lambda tmp: write_png(image, tmp)}  # all or none of them (write_together)
     if save_tokens is not None:
-        writes[save_tokens] = lambda tmp: _save_tokens(tmp, result)
+        writes[save_tokens] = lambda tmp: codes_files.write_codes_file(
+            tmp, result.tokens.numpy(), result.labels
+        )
     if stats_out is not None:
         writes[stats_out] = lambda tmp: tmp.write_text(body)
     write_together(writes)
@@ -378,59 +341,6 @@ def generate(
         f"{per_image:.3f}s/image decode, mean accepted length {stats.mean_accepted_length:.2f} -> {output}",
         err=True,
     )
-
-
-def _run_request(
-    md: ModelDir,
-    source: ModelDir | Bundle,
-    classes: tuple[str, ...],
-    prompts: list[str],
-    cfg_scale: float | None,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    greedy: bool,
-    method: str | None,
-    tree: str | None,
-    window: int | None,
-    backend: str | None,
-    device: str,
-    lantern_k: int,
-    lantern_delta: float,
-    lantern_lambda: float,
-    drafter_path: Path | None = None,
-) -> tuple[list[int | str], SamplingConfig, MethodConfig, RunDefaults]:
-    """What :func:`run_options` ask for, validated before any work: (class ids, or the prompts
-    of a text-to-image model; sampling, method config, the run's settings from
-    ``settings.run_defaults``)."""
-    from lantern_rt.generate import requested_conditions
-    from lantern_rt.runtime.sampling import SamplingConfig
-    from lantern_rt.settings import MethodConfig, check_device, run_defaults
-
-    check_device(device)
-    run_settings = run_defaults(
-        source,
-        backend=backend,
-        method=method,
-        tree=tree,
-        cfg_scale=cfg_scale,
-        device=device,
-        drafter_override=drafter_path is not None,
-        window=window,
-    )
-    class_ids = requested_conditions(md, classes, prompts)
-    sampling = SamplingConfig(
-        cfg_scale=run_settings.cfg_scale,
-        temperature=0.0 if greedy else temperature,
-        top_k=top_k,
-        top_p=top_p,
-    )
-    drafter = None if drafter_path is None else str(drafter_path)
-    mc = MethodConfig(
-        run_settings.method, run_settings.tree, lantern_k, lantern_delta, lantern_lambda, drafter
-    )
-    mc.relaxation()  # validates k, delta and lambda before any work
-    return class_ids, sampling, mc, run_settings
 
 
 @main.command("generate-set")
@@ -503,10 +413,7 @@ def generate_set_cmd(
 ):
     """Generate a labelled image set as shards, locally or on Ray; image for image what
     'lantern generate' gives with the same classes, -n, seed and settings."""
-    from lantern_rt.bundle import Bundle
-    from lantern_rt.families.loading import open_bundle
-    from lantern_rt.generate import cached_bundle, model_fingerprint
-    from lantern_rt.image_sets import SetJob, generate_set, import_ray
+    from lantern_rt.image_sets import generate_set, import_ray, set_job
 
     if ray_address is not None:
         import_ray()  # before any work: the install hint, not a traceback
@@ -519,52 +426,34 @@ def generate_set_cmd(
             fid_npz.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create folder {fid_npz.parent} for --fid-npz: {exc.strerror}") from None
-        _writable_output(fid_npz, "FID images")
+        check_writable(fid_npz, "FID images")
     md, source = _source(model_path, bundle, backend, None)
     if md.gpt.takes_prompts:
         raise UserError(
             "generate-set makes class-conditional image sets; for prompts use 'lantern generate --prompts'"
         )
-    class_ids, sampling, mc, run_settings = _run_request(
+    request = run_request(
         md,
         source,
-        classes,
-        [],
-        cfg_scale,
-        temperature,
-        top_k,
-        top_p,
-        greedy,
-        method,
-        tree,
-        window,
-        backend,
-        device,
-        lantern_k,
-        lantern_delta,
-        lantern_lambda,
-    )
-    if run_settings.backend != "torch" and not isinstance(source, Bundle):
-        # exported before any worker starts
-        source = open_bundle(cached_bundle(source, mc, batch_sizes=(batch_size,), guided=sampling.guided))
-    if isinstance(source, Bundle):
-        bundle_path, digest = str(source.path.resolve()), source.manifest_sha256
-    else:
-        bundle_path, digest = None, model_fingerprint(source)
-    job = SetJob(
-        model=None if model_path is None else str(model_path.resolve()),
-        bundle=bundle_path,
-        backend=run_settings.backend,
-        method=mc,
-        sampling=sampling,
-        seed=seed,
+        classes=classes,
+        prompts=(),
+        cfg_scale=cfg_scale,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        greedy=greedy,
+        method=method,
+        tree=tree,
+        window=window,
+        backend=backend,
         device=device,
-        threads=threads,
-        cuda_graphs=cuda_graphs,
-        batch_size=batch_size,
+        k=lantern_k,
+        delta=lantern_delta,
+        lam=lantern_lambda,
     )
+    job, digest = set_job(model_path, source, request, seed, device, threads, cuda_graphs, batch_size)
     summary = generate_set(
-        out, job, digest, class_ids, num_images, unit_size, ray_address, actors, fid_npz, not quiet
+        out, job, digest, request.conditions, num_images, unit_size, ray_address, actors, fid_npz, not quiet
     )
     rate = summary["images_per_second"]
     click.echo(

@@ -29,6 +29,30 @@ class WriteError(LanternError, OSError):
         self.reason = reason
 
 
+def check_writable(path: Path | None, what: str) -> None:
+    """:class:`WriteError` unless ``path`` can take a new regular file (written atomically at the
+    end): its folder exists and takes files, and it is not a folder, a link or a device."""
+    if path is None:
+        return
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise WriteError(f"cannot write {what} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise WriteError(f"cannot write {what} {path}: permission denied")
+    if path.is_dir():
+        raise WriteError(f"cannot write {what} {path}: it is a folder")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise WriteError(
+            f"cannot write {what} {path}: it is a link or a device, not a file; choose another path"
+        )
+    try:  # a file system that refuses new files (/proc, a read-only mount) says so now
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise WriteError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp_path)`` then rename over ``path``: no partial file on failure; an OS
     error (no space left, a file system that refuses the file) is a :class:`WriteError`."""

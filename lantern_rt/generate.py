@@ -96,28 +96,6 @@ def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(state)
 
 
-def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:
-    """What a run makes, validated against the model's kind: class ids (``classes``: ids or
-    names; every class when empty) for a class-conditional model, ``prompts`` for a
-    text-conditional one (at least one; an empty prompt is conditioned as the model's own code
-    conditions it: LlamaGen on ``</s>`` alone, not on the null caption); :class:`ConfigError`
-    otherwise."""
-    if info.gpt.takes_prompts:
-        if classes:
-            raise ConfigError(
-                f"{info.name} is a text-to-image model: give --prompt or --prompts, not --class"
-            )
-        if not prompts:
-            raise ConfigError(f"{info.name} is a text-to-image model: give --prompt TEXT or --prompts FILE")
-        return list(prompts)
-    if prompts:
-        raise ConfigError(f"{info.name} is a class-conditional model: give --class, not --prompt/--prompts")
-    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
-        str(i) for i in range(info.gpt.num_classes)
-    ]
-    return [info.class_id(s) for s in specs]
-
-
 @dataclass
 class Pipeline:
     """Everything that turns class labels (or prompts) into images on one backend."""

@@ -19,14 +19,18 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lantern_rt.errors import UserError
 from lantern_rt.fileio import atomic_write
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig, runs_on_gpu
+from lantern_rt.settings import MethodConfig, RunRequest, runs_on_gpu
+
+if TYPE_CHECKING:
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.models.model_dir import ModelDir
 
 SETTINGS = "settings.json"
 SUMMARY = "summary.json"
@@ -94,6 +98,48 @@ class SetJob:
             self.batch_size,
             self.sampling.guided,
         )
+
+
+def set_job(
+    model: Path | None,
+    source: ModelDir | Bundle,
+    request: RunRequest,
+    seed: int,
+    device: str = "cpu",
+    threads: int = 0,
+    cuda_graphs: bool = True,
+    batch_size: int = 1,
+) -> tuple[SetJob, str]:
+    """The job of a set ``request``ed over ``source`` (the model directory ``model``, or an
+    opened bundle), and the digest of what it runs. A model directory on a backend other than
+    torch is exported (into the cache) now, before any worker starts, and the workers open that
+    bundle."""
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.families.loading import open_bundle
+    from lantern_rt.generate import cached_bundle, model_fingerprint
+
+    if request.settings.backend != "torch" and not isinstance(source, Bundle):
+        sizes = (batch_size,)
+        source = open_bundle(
+            cached_bundle(source, request.method, batch_sizes=sizes, guided=request.sampling.guided)
+        )
+    if isinstance(source, Bundle):
+        bundle, digest = str(source.path.resolve()), source.manifest_sha256
+    else:
+        bundle, digest = None, model_fingerprint(source)
+    job = SetJob(
+        model=None if model is None else str(model.resolve()),
+        bundle=bundle,
+        backend=request.settings.backend,
+        method=request.method,
+        sampling=request.sampling,
+        seed=seed,
+        device=device,
+        threads=threads,
+        cuda_graphs=cuda_graphs,
+        batch_size=batch_size,
+    )
+    return job, digest
 
 
 def fingerprint(job: SetJob, digest: str, class_ids: list[int], num_images: int, unit_size: int) -> dict:

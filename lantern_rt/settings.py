@@ -8,6 +8,7 @@ tree and CFG scale a run gets for what it left unset. ``lantern generate``, ``la
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # torch-free at import: the command line reads the lists abov
     from lantern_rt.bundle import Bundle
     from lantern_rt.models.model_dir import ModelDir
     from lantern_rt.runtime.acceptance import Relaxation
+    from lantern_rt.runtime.sampling import SamplingConfig
 
 METHODS = ("ar", "exact", "lantern", "lantern++", "sjd", "sjd++")
 # Drafter-free methods: a Jacobi window of --window positions (docs/method.md §11), exact or
@@ -213,3 +215,82 @@ def run_defaults(
         tree = exported[0] if exported else GPU_DEFAULT_TREE if on_gpu else CPU_DEFAULT_TREE
     scale = default_cfg_scale(info) if cfg_scale is None else float(cfg_scale)
     return RunDefaults(backend, method, tree, scale)
+
+
+def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:
+    """What a run makes, validated against the model's kind: class ids (``classes``: ids or
+    names; every class when empty) for a class-conditional model, ``prompts`` for a
+    text-conditional one (at least one; an empty prompt is conditioned as the model's own code
+    conditions it: LlamaGen on ``</s>`` alone, not on the null caption); :class:`ConfigError`
+    otherwise."""
+    if info.gpt.takes_prompts:
+        if classes:
+            raise ConfigError(
+                f"{info.name} is a text-to-image model: give --prompt or --prompts, not --class"
+            )
+        if not prompts:
+            raise ConfigError(f"{info.name} is a text-to-image model: give --prompt TEXT or --prompts FILE")
+        return list(prompts)
+    if prompts:
+        raise ConfigError(f"{info.name} is a class-conditional model: give --class, not --prompt/--prompts")
+    specs = [s for c in classes for s in c.split(",") if s.strip()] or [
+        str(i) for i in range(info.gpt.num_classes)
+    ]
+    return [info.class_id(s) for s in specs]
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A run's request, validated before any work (:func:`run_request`)."""
+
+    conditions: list[int | str]  # class ids, or prompts for a text-conditional model
+    sampling: SamplingConfig
+    method: MethodConfig
+    settings: RunDefaults
+
+
+def run_request(
+    md: ModelDir,
+    source: ModelDir | Bundle,
+    *,
+    classes: Sequence[str],
+    prompts: Sequence[str],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    greedy: bool,
+    device: str,
+    k: int,
+    delta: float,
+    lam: float,
+    cfg_scale: float | None = None,
+    method: str | None = None,
+    tree: str | None = None,
+    window: int | None = None,
+    backend: str | None = None,
+    drafter: str | None = None,
+) -> RunRequest:
+    """What a run asks for over ``md`` (its info) and ``source`` (what it runs: the model
+    directory or the opened bundle), validated before any work: the conditions
+    (:func:`requested_conditions`), the sampling (temperature 0 when ``greedy``), the method and
+    its acceptance parameters; what is None :func:`run_defaults` fills in."""
+    from lantern_rt.runtime.sampling import SamplingConfig
+
+    check_device(device)
+    settings = run_defaults(
+        source,
+        backend=backend,
+        method=method,
+        tree=tree,
+        cfg_scale=cfg_scale,
+        device=device,
+        drafter_override=drafter is not None,
+        window=window,
+    )
+    conditions = requested_conditions(md, classes, prompts)
+    sampling = SamplingConfig(
+        cfg_scale=settings.cfg_scale, temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p
+    )
+    mc = MethodConfig(settings.method, settings.tree, k, delta, lam, drafter)
+    mc.relaxation()  # validates k, delta and lambda before any work
+    return RunRequest(conditions, sampling, mc, settings)

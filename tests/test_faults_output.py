@@ -85,7 +85,7 @@ def test_a_failed_write_leaves_none_of_the_outputs(tiny_model_dir, tmp_path, mon
     if name == "g.png":
         monkeypatch.setattr("lantern_rt.images.write_png", failing(code))
     elif name == "t.npy":
-        monkeypatch.setattr("lantern_rt.cli._save_tokens", failing(code))
+        monkeypatch.setattr("lantern_rt.training.codes_files.write_codes_file", failing(code))
     else:
         write_text = Path.write_text
         fail = failing(code, write_text)

@@ -40,15 +40,7 @@ from lantern_rt.eval.metrics import (
     precision_recall,
 )
 from lantern_rt.families.loading import load_target, load_vq, open_bundle
-from lantern_rt.generate import (
-    Generation,
-    Pipeline,
-    cached_bundle,
-    generate,
-    make_pipeline,
-    open_source,
-    requested_conditions,
-)
+from lantern_rt.generate import Generation, Pipeline, cached_bundle, generate, make_pipeline, open_source
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
@@ -62,6 +54,7 @@ from lantern_rt.settings import (
     METHODS,
     MethodConfig,
     check_batch_sizes,
+    requested_conditions,
     run_defaults,
     window_tree,
 )

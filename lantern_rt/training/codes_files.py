@@ -17,6 +17,18 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
 
 
+def write_codes_file(path: Path, codes: np.ndarray, labels: Sequence[int | str]) -> None:
+    """Write ``codes`` [N, tokens] by ``path``'s suffix: a ``.npz`` with each image's class id
+    (``labels``) or prompt (``prompts``), what :func:`read_codes_file` reads back; else the
+    codes alone as ``.npy``."""
+    if path.suffix == ".npz" and any(isinstance(x, str) for x in labels):
+        np.savez(path, codes=codes, prompts=np.asarray(labels, dtype=str))
+    elif path.suffix == ".npz":
+        np.savez(path, codes=codes, labels=np.asarray(labels, dtype=np.int64))
+    else:
+        np.save(path, codes)
+
+
 def read_codes_file(
     path: Path, key: str = "labels", md: ModelDir | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
