@@ -522,7 +522,7 @@ RULES = [
     ),
     Rule(
         "only-the-cli-and-generate-export",  # calibration writes through lantern_rt.bundle
-        lambda m: not _under(m, f"{PKG}.export") and m not in (f"{PKG}.cli", f"{PKG}.generate"),
+        lambda m: not _under(m, f"{PKG}.export") and not _under(m, f"{PKG}.cli") and m != f"{PKG}.generate",
         lambda target: _under(target, f"{PKG}.export"),
     ),
 ]

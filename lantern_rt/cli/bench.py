@@ -1,0 +1,171 @@
+"""``lantern bench``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from lantern_rt.cli.options import (
+    IMAGES_PER_CLASS,
+    SEED,
+    model_option,
+    parse_batch_sizes,
+    prompt_options,
+)
+from lantern_rt.errors import reports_errors
+from lantern_rt.prompt_files import read_prompts
+
+
+@click.command("bench")
+@model_option
+@click.option(
+    "--bundle", type=click.Path(path_type=Path), default=None, help="Benchmark an exported bundle instead."
+)
+@click.option(
+    "--backend",
+    "backends",
+    type=click.Choice(["torch", "onnxruntime"]),
+    multiple=True,
+    help="Backend(s) to measure (repeatable). Default: torch and onnxruntime; onnxruntime for --bundle.",
+)
+@click.option(
+    "--config",
+    "configs",
+    multiple=True,
+    help="METHOD[:key=val,...] (repeatable): ar, exact[:tree=T], lantern[:tree=T,k=K,delta=D], "
+    "lantern++[:tree=T,k=K,lambda=L], sjd[:window=N], sjd++[:window=N,k=K,lambda=L] (no drafter: "
+    "a Jacobi window; N defaults to 5), e.g. 'lantern++:k=5,lambda=10'. Default: ar, exact, "
+    "lantern:k=1000,delta=0.1 and lantern++ with (k, lambda) = (10, 5), (5, 10), (5, 20). "
+    "AR on every backend is always run: it is the speedup reference.",
+)
+@click.option(
+    "--tree",
+    "trees",
+    multiple=True,
+    help="Tree(s) for configs that name none (repeatable: every such config runs on each). "
+    "Default: the tree 'lantern generate' uses (the bundle's first; else chain-5 on a CPU).",
+)
+@click.option(
+    "--num-images",
+    "-n",
+    type=IMAGES_PER_CLASS,
+    default=4,
+    show_default=True,
+    help="Images per class and configuration (FD wants many: 50+ per class for figures that mean something).",
+)
+@click.option("--class", "--classes", "classes", multiple=True, help="Class ids or names. Default: all.")
+@prompt_options
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Untimed calls per configuration, run first (each as many images as a timed call).",
+)
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    default="1",
+    show_default=True,
+    help="Images decoded together per step, comma-separated (e.g. 1,4,16): every configuration runs at each.",
+)
+@click.option(
+    "--baseline",
+    type=click.Choice(["torch-batched"]),
+    default=None,
+    help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size.",
+)
+@click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option(
+    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
+)
+@click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
+@click.option(
+    "--ar-seeds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="AR sample sets (seeds SEED, SEED+1, ...) for the seed-noise calibration; 1 = none.",
+)
+@click.option(
+    "--features",
+    default=None,
+    help="Your feature extractor for FD and precision/recall: path/to/file.py:NAME or package.module:NAME "
+    "(NAME() returns an nn.Module or a callable: images [N, C, H, W] in [-1, 1] -> features [N, D]), "
+    "or a TorchScript .pt/.ts file. Class accuracy still uses the Fashion-MNIST classifier.",
+)
+@click.option(
+    "--reference",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Real images to compare against instead of Fashion-MNIST: an .npz with 'images' (uint8 "
+    "[N, H, W] or [N, H, W, C]) and 'labels' (int [N]). With --features, scores any model.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Folder for results.json, results.md, quality_vs_speedup.png and accepted_lengths.png.",
+)
+@reports_errors
+def bench_cmd(
+    model_path,
+    bundle,
+    backends,
+    configs,
+    trees,
+    num_images,
+    classes,
+    prompt_texts,
+    prompts_file,
+    seed,
+    warmup,
+    batch_sizes,
+    baseline,
+    cfg_scale,
+    temperature,
+    threads,
+    no_quality,
+    ar_seeds,
+    features,
+    reference,
+    out,
+):
+    """Measure decoding methods side by side (speed, acceptance, quality) and write a report."""
+    import shlex
+
+    from lantern_rt.eval.bench import DEFAULT_CONFIGS, BenchSettings, run_bench
+    from lantern_rt.eval.report import speed_table
+
+    settings = BenchSettings(
+        out=out,
+        model=model_path,
+        bundle=bundle,
+        backends=backends,
+        configs=configs or DEFAULT_CONFIGS,
+        trees=trees,
+        num_images=num_images,
+        classes=tuple(s for c in classes for s in c.split(",") if s.strip()),
+        prompts=tuple(read_prompts(prompt_texts, prompts_file)),
+        seed=seed,
+        warmup=warmup,
+        cfg_scale=cfg_scale,
+        temperature=temperature,
+        threads=threads,
+        quality=not no_quality,
+        ar_seeds=ar_seeds,
+        features=features,
+        reference=reference,
+        command=shlex.join(["lantern", *sys.argv[1:]]),
+        batch_sizes=tuple(parse_batch_sizes(batch_sizes)),
+        baseline=baseline,
+    )
+    results = run_bench(settings)
+    click.echo(speed_table(results["rows"]))
+    if results["quality_note"]:
+        click.echo(f"no quality metrics: {results['quality_note']}", err=True)
+    click.echo(f"wrote results.json, results.md and plots -> {out}", err=True)

@@ -1,0 +1,195 @@
+"""What the commands share: the model and run options, prompt options, and the parsing of
+their values (a bundle or a model directory, batch sizes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from lantern_rt.errors import UserError
+from lantern_rt.settings import (
+    BACKENDS,
+    CPU_DEFAULT_TREE,
+    DEFAULT_WINDOW,
+    GPU_DEFAULT_TREE,
+    MAX_BATCH_SIZE,
+    MAX_IMAGES_PER_CLASS,
+    MAX_SEED,
+    METHODS,
+)
+
+SEED = click.IntRange(min=0, max=MAX_SEED)
+IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
+
+
+def open_run_source(
+    model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None
+):
+    """(model info, what to build the pipeline from: a model directory or the opened bundle)."""
+    from lantern_rt.generate import open_source
+
+    if bundle is not None and drafter_path is not None:
+        raise UserError("--bundle runs an exported bundle with its own drafter: drop --drafter")
+    if bundle is not None and backend == "torch":
+        raise UserError("a bundle runs on onnxruntime or tensorrt: drop --backend torch or --bundle")
+    return open_source(model_path, bundle)
+
+
+model_option = click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model directory (config.json + weights). Default: the built-in Fashion-MNIST demo.",
+)
+
+
+def run_options(command: Callable) -> Callable:
+    """The options ``generate`` and ``generate-set`` share: what to make and how (classes and
+    counts, sampling, method, backend, device, batch size), resolved by ``settings.run_request``."""
+    for option in reversed(_RUN_OPTIONS):
+        command = option(command)
+    return command
+
+
+_RUN_OPTIONS = [
+    click.option(
+        "--class",
+        "--classes",
+        "classes",
+        multiple=True,
+        help="Class ids or names, comma-separated or repeated. Default: every class.",
+    ),
+    click.option(
+        "--num-images",
+        "-n",
+        type=IMAGES_PER_CLASS,
+        default=4,
+        show_default=True,
+        help="Images per class.",
+    ),
+    click.option(
+        "--cfg-scale",
+        type=float,
+        default=None,
+        help="Classifier-free guidance scale s in u + s*(c - u). Default: the model's (3.0 for the demo).",
+    ),
+    click.option(
+        "--temperature",
+        type=float,
+        default=1.0,
+        show_default=True,
+        help="Sampling temperature; 0 means greedy.",
+    ),
+    click.option(
+        "--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."
+    ),
+    click.option(
+        "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1]."
+    ),
+    click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
+    click.option(
+        "--seed",
+        type=SEED,
+        default=0,
+        show_default=True,
+        help="Random seed; the same seed and settings give the same tokens.",
+    ),
+    click.option(
+        "--method",
+        type=click.Choice(METHODS),
+        default=None,
+        help="Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++); "
+        "sjd and sjd++ need no drafter: a Jacobi window drafted from the target's own distributions, exact "
+        "or with LANTERN++'s neighbour credit. Default: lantern++ when the model has a drafter, else ar.",
+    ),
+    click.option(
+        "--tree",
+        default=None,
+        help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
+        f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
+        f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
+    ),
+    click.option(
+        "--window",
+        type=int,
+        default=None,
+        help=f"Draft positions per step of --method sjd or sjd++ (a chain of N; a bundle needs 'lantern export "
+        f"--tree chain-N'). Default: {DEFAULT_WINDOW}.",
+    ),
+    click.option(
+        "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
+    ),
+    click.option(
+        "--lantern-delta", type=float, default=0.1, show_default=True, help="LANTERN TV budget in [0, 1]."
+    ),
+    click.option(
+        "--lantern-lambda", type=float, default=5.0, show_default=True, help="LANTERN++ cap lambda >= 1."
+    ),
+    click.option(
+        "--backend",
+        type=click.Choice(BACKENDS),
+        default=None,
+        help="Runtime backend. Default on a CPU: onnxruntime (a model directory is exported once into "
+        "$LANTERN_CACHE or ~/.cache/lantern-rt); torch for another --device or a --drafter override. "
+        "tensorrt runs a bundle's plans from 'lantern build-engines'.",
+    ),
+    click.option(
+        "--cuda-graphs/--no-cuda-graphs",
+        default=True,
+        show_default=True,
+        help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
+    ),
+    click.option(
+        "--bundle",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Run an exported bundle (from 'lantern export') on onnxruntime instead of a model directory.",
+    ),
+    click.option("--device", default="cpu", show_default=True, help="torch device for the torch backend."),
+    click.option(
+        "--threads",
+        type=click.IntRange(min=0),
+        default=0,
+        help="CPU threads (0: the library default; generate-set: per worker, 1 per Ray actor by default).",
+    ),
+    click.option(
+        "--batch-size",
+        type=click.IntRange(min=1, max=MAX_BATCH_SIZE),
+        default=1,
+        show_default=True,
+        help="Images decoded together per step; the tokens do not depend on it (a bundle must hold graphs for it: lantern export --batch-size).",
+    ),
+]
+
+
+def prompt_options(command: Callable) -> Callable:
+    """``--prompt`` and ``--prompts``, for text-to-image models (read by :func:`_prompts`)."""
+    command = click.option(
+        "--prompts",
+        "prompts_file",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Text file of prompts, one per line (UTF-8; blank lines skipped), for a text-to-image or Chameleon-family model.",
+    )(command)
+    return click.option(
+        "--prompt",
+        "prompt_texts",
+        multiple=True,
+        help="A prompt for a text-to-image or Chameleon-family model (repeatable). Prompts over the "
+        "model's prompt length (120 T5 tokens for LlamaGen, the config's prompt.tokens for Anole "
+        "and Lumina-mGPT) are truncated with a warning.",
+    )(command)
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``--batch-size 1,8`` -> [1, 8]; :class:`UserError` for anything else."""
+    from lantern_rt.settings import check_batch_sizes
+
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--batch-size takes comma-separated integers such as 1,8, got {text!r}") from None
+    return check_batch_sizes(sizes)
