@@ -215,7 +215,7 @@ def make_pipeline(
         source = open_bundle(cached_bundle(source, method, batch_sizes=(batch_size,), guided=guided))
     if backend == "onnxruntime":
         return onnxruntime_pipeline(source, method, threads, batch_size)
-    from lantern_rt.runtime.backends.tensorrt_backend import trt_runner
+    from lantern_rt.engines.runner import trt_runner
 
     runner = trt_runner(source, cuda_graphs=cuda_graphs)
     return bundle_pipeline(source, method, runner, "tensorrt", batch_size)

@@ -561,8 +561,8 @@ def test_no_import_cycles():
         pytest.fail(message + describe_cycles(graph, cycles), pytrace=False)
 
 
-def test_tensorrt_backend_imports_neither_onnx_nor_export():
-    module = f"{PKG}.runtime.backends.tensorrt_backend"
+def test_tensorrt_runner_imports_neither_onnx_nor_export():
+    module = f"{PKG}.engines.runner"
     code = (
         f"import sys, {module}; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnx','onnxruntime') "

@@ -31,9 +31,9 @@ from lantern_rt.engines.plans import (
     plan_record,
     write_engines_json,
 )
+from lantern_rt.engines.runner import io_problems, trt_runner
 from lantern_rt.fileio import sha256
 from lantern_rt.runtime.backends.bundle_graphs import RELAX_INPUTS, SAMPLING_INPUTS, bound_by_pointer
-from lantern_rt.runtime.backends.tensorrt_backend import io_problems, trt_runner
 from tests.test_export import shared_bundle
 
 ORIN = {"name": "Orin (nvgpu)", "compute_capability": "8.7"}
@@ -416,7 +416,7 @@ def test_trt_runner_without_tensorrt_fails_cleanly(bundle, no_tensorrt):
 
 def test_importing_the_backend_imports_no_tensorrt():
     code = (
-        "import sys, lantern_rt.runtime.backends.tensorrt_backend, lantern_rt.engines.cli, lantern_rt.cli; "
+        "import sys, lantern_rt.engines.runner, lantern_rt.engines.cli, lantern_rt.cli; "
         "assert 'tensorrt' not in sys.modules, 'tensorrt was imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
