@@ -498,10 +498,20 @@ RULES = [
         lambda m: _under(m, f"{PKG}.models"),
         _forbidding("runtime", "export", "engines", "eval", "calibration", "generate", "cli", "families"),
     ),
-    Rule(  # a family's graphs declare their I/O with graph_spec; only its export-time code is lazy
-        "families-sit-below-export-and-the-commands",
+    Rule(  # export and training ask a family for its graphs (declared with graph_spec) and rows
+        "families-sit-below-export-training-and-the-commands",
         lambda m: _under(m, f"{PKG}.families"),
-        _forbidding("export", "engines", "eval", "calibration", "generate", "cli", "settings", "image_sets"),
+        _forbidding(
+            "export",
+            "engines",
+            "eval",
+            "calibration",
+            "training",
+            "generate",
+            "cli",
+            "settings",
+            "image_sets",
+        ),
     ),
     Rule("errors-imports-nothing", lambda m: m == f"{PKG}.errors", _anything),
     Rule(  # but the errors module, which imports nothing itself: a failed write is one line

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import DrafterConfig
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.target import Transformer
@@ -123,8 +123,3 @@ class Family(ABC):
         the conditions a drafter of ``md`` trains on, in file order (class ids: the arrays
         joined); ``warn`` is told what the user should know."""
         return np.concatenate([values for _, values in files])
-
-    def default_training_data(self, md: ModelDir) -> tuple[np.ndarray, np.ndarray]:
-        """(codes [N, tokens], class ids [N]) to train ``md``'s drafter on when the user gives
-        no codes files; :class:`ConfigError` saying what to pass when there are none."""
-        raise ConfigError(f"{md.name} has no built-in training data: pass --codes FILE.npz")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from lantern_rt.errors import first_line
 from lantern_rt.families.registry import family_named
@@ -92,11 +93,20 @@ def drafter_training_data(
     md: ModelDir, paths: Sequence[Path], warn: Callable[[str], None]
 ) -> tuple[np.ndarray, Any]:
     """(codes [N, tokens], their conditions) to train ``md``'s drafter on: the codes files at
-    ``paths`` (every input checked now, before anything is written), or the family's built-in
-    data when there are none; ``warn`` is told what the user should know."""
+    ``paths`` (every input checked now, before anything is written), or without any, the demo's:
+    Fashion-MNIST's training split through the model's tokenizer (the apt package
+    ``dataset-fashion-mnist``); ``warn`` is told what the user should know."""
     family = family_named(md.family)
     key = family.codes_key(md.gpt)
     if not paths:
-        return family.default_training_data(md)
+        if key != "labels" or md.image_size != 32 or md.vq.in_channels != 1:
+            raise ConfigError(
+                f"{md.name} has no built-in training data (Fashion-MNIST takes 32x32 greyscale "
+                f"class-conditional models): pass --codes FILE.npz with 'codes' and '{key}', e.g. "
+                "from 'lantern generate --save-tokens FILE.npz'"
+            )
+        from lantern_rt.training.demo import encode_dataset
+
+        return encode_dataset(family.load_vq(md, "cpu", torch.float32), "train")
     codes, values = join_codes_files(paths, key, md)
     return codes, family.training_conditions(md, values, warn)

@@ -218,9 +218,3 @@ class ChameleonFamily(Family):
         if cut:
             warn(f"{len(cut)} of the --codes prompts are over the {slots} prompt tokens: their ends are cut")
         return PromptConditions(torch.cat([r.ids for r in rows]), torch.cat([r.mask for r in rows]))
-
-    def default_training_data(self, md: ModelDir) -> tuple[np.ndarray, np.ndarray]:
-        raise ConfigError(
-            f"{md.name} is a Chameleon-family model: pass --codes FILE.npz with 'codes' and 'prompts' "
-            "(e.g. from 'lantern generate --prompts FILE --save-tokens FILE.npz')"
-        )

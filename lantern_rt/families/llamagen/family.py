@@ -155,14 +155,3 @@ class LlamaGenFamily(Family):
                 "released drafters (README: Text-to-image)"
             )
         return "labels"
-
-    def default_training_data(self, md: ModelDir) -> tuple[np.ndarray, np.ndarray]:
-        """Fashion-MNIST's training split through the tokenizer (32x32 greyscale models, as the
-        demo is; the apt package ``dataset-fashion-mnist``)."""
-        from lantern_rt.training.demo import encode_dataset
-
-        if md.image_size != 32 or md.vq.in_channels != 1:
-            raise ConfigError(
-                "this model is not a 32x32 greyscale model: pass --codes with your own training codes"
-            )
-        return encode_dataset(self.load_vq(md, "cpu", torch.float32), "train")
