@@ -16,7 +16,6 @@ import copy
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
-from lantern_rt.fileio import held, remove_stale, replace_folder, sha256
+from lantern_rt.fileio import sha256, staged_folder
 from lantern_rt.models.config import ConfigError, GPTConfig, config_from_dict
 from lantern_rt.models.neighbors import load_neighbors_file
 
@@ -493,25 +492,12 @@ def _constants(c: dict[str, Any]) -> Constants:
 
 @contextlib.contextmanager
 def staged_bundle(out: Path) -> Iterator[Path]:
-    """A temporary folder ``.NAME.XXXXXXXX.tmp`` beside ``out`` to write a bundle into (held
-    locked while it lives; killed runs' ones are removed first); renamed to ``out`` (replacing
-    an existing bundle) when the block succeeds, removed when it fails."""
-    out = Path(out)
+    """A temporary folder to write a bundle into, renamed to ``out`` (replacing an existing
+    bundle, never anything else: :func:`check_bundle_out`) when the block succeeds
+    (:func:`~lantern_rt.fileio.staged_folder`)."""
     check_bundle_out(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(out, ".tmp")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    except OSError as err:
-        raise BundleError(f"cannot write bundle {out}: {err.strerror or err}") from None
-    try:
-        with held(tmp):
-            yield tmp
-            tmp.chmod(0o755)  # mkdtemp made it private
-            replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staged_folder(Path(out), "bundle", BundleError) as tmp:
+        yield tmp
 
 
 def is_bundle(path: Path) -> bool:

@@ -128,6 +128,31 @@ def remove_stale(dest: Path, suffix: str) -> None:
                     os.close(fd)
 
 
+@contextlib.contextmanager
+def staged_folder(dest: Path, what: str, error: type[LanternError] = WriteError) -> Iterator[Path]:
+    """A temporary folder ``.NAME.XXXXXXXX.tmp`` beside ``dest`` to write a whole folder into
+    (held locked while it lives; the ones killed runs left are removed first), renamed to
+    ``dest`` (replacing an existing one, :func:`replace_folder`) when the block succeeds and
+    removed when it fails: readers see the old folder or the new one, never a part. An OS
+    error making it is ``error``, one line naming ``what`` (the user's word for it) and
+    ``dest``."""
+    dest = Path(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(dest, ".tmp")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    except OSError as err:
+        raise error(f"cannot write {what} {dest}: {err.strerror or err}") from None
+    try:
+        with held(tmp):
+            yield tmp
+            tmp.chmod(0o755)  # mkdtemp made it private
+            replace_folder(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def replace_folder(tmp: Path, dest: Path) -> None:
     """Rename the finished folder ``tmp`` to ``dest``; an existing ``dest`` is removed only after
     that succeeds (and put back when it fails)."""

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 from lantern_rt.bundle import Bundle
 from lantern_rt.engines import compat
 from lantern_rt.engines.compat import DEFAULT_WORKSPACE_MB, PRECISIONS, EngineError
-from lantern_rt.fileio import replace_folder, sha256
+from lantern_rt.fileio import sha256, staged_folder
 
 ENGINES_JSON = "engines.json"
 FORMAT = "lantern-rt-engines"
@@ -216,28 +214,21 @@ def build_engines(
     root = bundle.engines_dir
     made_root = not root.exists()
     try:
-        root.mkdir(exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    except OSError as err:
-        raise EngineError(f"cannot write engines into {bundle.path}: {err.strerror or err}") from None
-    try:
-        logger = compat.make_logger(trt)
-        builder = trt.Builder(logger)
-        cache = compat.open_timing_cache(builder, timing_cache)
-        records = []
-        for i, (graph, entry) in enumerate(bundle.graphs.items(), 1):
-            if progress is not None:
-                progress(f"building {graph} ({i}/{len(bundle.graphs)}, {describe(key)})")
-            plan = tmp / f"{graph}.plan"
-            plan.write_bytes(build_plan(trt, builder, logger, bundle.file(entry), workspace_mb, cache))
-            records.append(plan_record(graph, plan.name, sha256(plan), key, bundle.manifest_sha256))
-        write_engines_json(tmp, records)
-        if timing_cache is not None:
-            _save_timing_cache(cache, timing_cache)
-        tmp.chmod(0o755)  # mkdtemp made it private
-        replace_folder(tmp, engines_folder(bundle, key))
+        with staged_folder(engines_folder(bundle, key), "TensorRT plans", EngineError) as tmp:
+            logger = compat.make_logger(trt)
+            builder = trt.Builder(logger)
+            cache = compat.open_timing_cache(builder, timing_cache)
+            records = []
+            for i, (graph, entry) in enumerate(bundle.graphs.items(), 1):
+                if progress is not None:
+                    progress(f"building {graph} ({i}/{len(bundle.graphs)}, {describe(key)})")
+                plan = tmp / f"{graph}.plan"
+                plan.write_bytes(build_plan(trt, builder, logger, bundle.file(entry), workspace_mb, cache))
+                records.append(plan_record(graph, plan.name, sha256(plan), key, bundle.manifest_sha256))
+            write_engines_json(tmp, records)
+            if timing_cache is not None:
+                _save_timing_cache(cache, timing_cache)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         if made_root and root.is_dir() and not any(root.iterdir()):
             root.rmdir()
         raise
