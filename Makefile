@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# the quick loop: leaves out the tests marked slow (ONNX exports, end-to-end CLI runs); CI runs `make test`
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check lantern_rt tests

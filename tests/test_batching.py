@@ -131,6 +131,7 @@ def external_tensors(path) -> set[tuple[int, int]]:
     return {(info.offset, info.length) for info in infos}
 
 
+@pytest.mark.slow
 def test_the_manifest_records_the_batch_sizes_and_one_weights_file(batched_bundle):
     bundle = batched_bundle
     assert bundle.constants.batch_sizes == (1, 3)
@@ -155,6 +156,7 @@ def test_the_manifest_records_the_batch_sizes_and_one_weights_file(batched_bundl
     assert not any(p.name.endswith(".data") for p in bundle.path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trained_pair, sampling):
     """LANTERN++ on onnxruntime at B = 3 gives each image the tokens it gets at B = 1, and torch's."""
@@ -179,6 +181,7 @@ def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trai
     assert all(torch.equal(one[i], batched[i]) and torch.equal(one[i], reference[i]) for i in one)
 
 
+@pytest.mark.slow
 def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
     with pytest.raises(BundleError, match=r"lantern export --batch-size 1,2,3"):
         BundleTarget(batched_bundle, ort_runner(threads=1), "onnxruntime", 2)
@@ -194,6 +197,7 @@ def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
         assert r.exit_code == 2 and r.output.count("\n") == 1 and not bench.exists(), r.output
 
 
+@pytest.mark.slow
 def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tmp_path):
     from lantern_rt.calibration.calibrate import calibrate_bundle
 
@@ -206,6 +210,7 @@ def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tm
     assert (int8.path / WEIGHTS).is_file() and not any(p.suffix == ".data" for p in int8.path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair, tmp_path, monkeypatch):
     """`--batch-size 2` on a model directory exports what B = 2 needs (generate, bench and
     generate-set on an empty cache), and `lantern export --batch-size 2` without 1 gives a

@@ -142,6 +142,7 @@ def windowed_bundle(tmp_path_factory) -> Bundle:
     return Bundle.open(export_bundle(md, path, [load_tree("chain-5")], threads=1, batch_sizes=(1, 2)))
 
 
+@pytest.mark.slow
 def test_the_bundle_holds_a_step_graph_per_window(windowed_bundle):
     c = windowed_bundle.constants
     assert c.cache_windows == WINDOWS and c.cache_capacity == 65
@@ -153,6 +154,7 @@ def test_the_bundle_holds_a_step_graph_per_window(windowed_bundle):
                 assert past.shape[2] == w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "sjd++"])
 def test_onnxruntime_windows_give_torch_whole_cache_tokens(windowed_bundle, monkeypatch, method):
     model, table = tiny_gpt(3, block_size=64), windowed_bundle.neighbors()
@@ -171,6 +173,7 @@ def test_onnxruntime_windows_give_torch_whole_cache_tokens(windowed_bundle, monk
         assert all(torch.equal(want[i][0], got[i][0]) and want[i][1] == got[i][1] for i in want), batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "windows",
     [[32, 65, 48], [32, 64], [], [0, 65], [30, 65]],
@@ -188,6 +191,7 @@ def test_a_manifest_with_bad_windows_is_refused(windowed_bundle, tmp_path, windo
         Bundle.open(copy)
 
 
+@pytest.mark.slow
 def test_one_window_exports_the_whole_cache_alone(tmp_path):
     model = write_model_dir(tmp_path / "model", tiny_gpt(3, block_size=64), tiny_vq())
     with pytest.raises(ConfigError, match="1..16"):

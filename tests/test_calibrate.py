@@ -55,6 +55,7 @@ def quantized_graphs(path: Path) -> dict[str, Path]:
     return {name: bundle.file(bundle.graph(name)) for name, g in graphs.items() if g["precision"] == "int8"}
 
 
+@pytest.mark.slow
 def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
     out, _, _ = calibrated
     graphs = quantized_graphs(out)
@@ -94,6 +95,7 @@ def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
         assert heads and all(consts[n.input[1]].dtype == np.float32 for n in heads)
 
 
+@pytest.mark.slow
 def test_the_int8_bundle_is_complete(fp32, calibrated):
     out, _, _ = calibrated
     want, got = Bundle.open(fp32), Bundle.open(out)  # hashes and graph I/O verified
@@ -115,6 +117,7 @@ def test_the_int8_bundle_is_complete(fp32, calibrated):
         assert (entry.inputs, entry.outputs) == (want.graphs[name].inputs, want.graphs[name].outputs)
 
 
+@pytest.mark.slow
 def test_int8_tokens_agree_with_fp32(calibrated):
     _, report, table = calibrated
     rows = {row["run"]: row for row in report["validation"]["accuracy"]}
@@ -132,6 +135,7 @@ def test_int8_tokens_agree_with_fp32(calibrated):
     assert "| lantern++ chain-3 greedy |" in table and "| target_verify_0 |" in table
 
 
+@pytest.mark.slow
 def test_calibration_used_recorded_inputs(calibrated):
     _, report, _ = calibrated
     calls = Bundle.open(report["int8"]).manifest()["calibration"]["calls"]
@@ -146,6 +150,7 @@ def test_calibration_used_recorded_inputs(calibrated):
     assert report["graphs"]["target_ar_step"]["calls"] == SAMPLES  # the last token
 
 
+@pytest.mark.slow
 def test_recorder_keeps_a_bounded_uniform_sample_of_copies(fp32):
     bundle = Bundle.open(fp32)
     recorder = Recorder(ort_runner(1, ["CPUExecutionProvider"]), limit=3)
@@ -164,6 +169,7 @@ def test_labels_cover_the_classes():
     assert spread_labels(12, 5) == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["not a bundle", "int8 input", "no samples", "existing out"])
 def test_bad_input_is_one_line_and_writes_nothing(fp32, calibrated, tmp_path, case):
     int8, _, _ = calibrated

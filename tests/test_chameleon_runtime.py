@@ -191,6 +191,7 @@ def bundle(md, tmp_path_factory):
     return Bundle.open(out)
 
 
+@pytest.mark.slow
 def test_bundle_carries_the_prompt_side(bundle):
     shown = CliRunner().invoke(main, ["inspect", str(bundle.path)])
     assert shown.exit_code == 0 and "prompts  anole layout, 10 slots per row" in shown.output
@@ -202,6 +203,7 @@ def test_bundle_carries_the_prompt_side(bundle):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "exact", "lantern++"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_onnxruntime_tokens_equal_torch(bundle, generated, method, batch):
@@ -372,6 +374,7 @@ def test_lumina_row_ends_are_forced_while_sampling_and_drafting(lumina, method):
         assert len(greedy.stats.accepted) < len(ar.stats.accepted)  # row ends are drafted and accepted
 
 
+@pytest.mark.slow
 def test_lumina_onnxruntime_equals_torch(lumina, tmp_path):
     from lantern_rt.bundle import Bundle
     from lantern_rt.export.bundle import export_bundle
@@ -391,6 +394,7 @@ def test_lumina_onnxruntime_equals_torch(lumina, tmp_path):
         assert ours.images.shape == (2, 32, 32, 3)
 
 
+@pytest.mark.slow
 def test_int8_calibration_runs_on_prompts(bundle, tmp_path):
     """The int8 path of today's bundles works for the family: calibrated on prompts, validated
     against the fp32 bundle; a prompt bundle without prompts is one line."""
@@ -408,6 +412,7 @@ def test_int8_calibration_runs_on_prompts(bundle, tmp_path):
     assert 0.0 <= greedy["token_agreement"] <= 1.0
 
 
+@pytest.mark.slow
 def test_fp16_export_checks_and_runs(md, generated, tmp_path):
     """An fp16 bundle of the family passes the export's numerical checks (q/k norms and prompt
     masks in fp16) and its greedy AR tokens on onnxruntime equal fp32 torch's."""
@@ -449,6 +454,7 @@ def large_vocab(tmp_path_factory):
     return open_model_dir(write_model_dir(root, model, root / "drafter"))
 
 
+@pytest.mark.slow
 def test_a_vocabulary_above_the_sort_width_samples_alike_on_torch_and_onnxruntime(large_vocab, tmp_path):
     """The drafter bundle passes its export checks, and sampling with top-k and top-p off draws
     the same tokens on torch and onnxruntime for each method, tokens ranked past 3840 included."""

@@ -31,6 +31,7 @@ def test_shipped_neighbour_table_matches_codebook(demo):
     assert torch.equal(table[:, :10], latent_neighbors(vq.quantize.codebook(), 10))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FASHION_MNIST_DIR.exists(), reason="dataset-fashion-mnist is not installed")
 def test_target_classifies_real_images_by_likelihood(demo):
     """Real test images are most likely under their own class: the target is class-conditional."""

@@ -119,6 +119,7 @@ def opened(bundles) -> dict[str, Bundle]:
     return {name: Bundle.open(path) for name, path in bundles.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BUNDLES)
 def test_every_graph_passes_the_checks(opened, name):
     bundle = opened[name]
@@ -140,6 +141,7 @@ def test_graph_shapes_follow_the_trees():
     assert [(catch_up_rows(t), noise_rows(t)) for t in trees] == [(6, 1 + 5 + 13 + 16 + 14), (6, 5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BUNDLES)
 def test_every_graph_matches_torch(bundles, opened, name):
     _, dtype, trees, with_drafter = BUNDLES[name]
@@ -182,6 +184,7 @@ def test_every_graph_matches_torch(bundles, opened, name):
         assert all(err <= atol + rtol * scale for err, scale in errors.values()), (module.spec.name, errors)
 
 
+@pytest.mark.slow
 def test_declared_shapes_and_dtypes(opened):
     graphs = opened["t2i-gqa-fp16"].graphs
     assert all(entry.name == g and entry.file == f"{g}.onnx" for g, entry in graphs.items())
@@ -268,6 +271,7 @@ def test_declared_shapes_and_dtypes(opened):
     assert graphs["vq_decode"].input("codes") == IOSpec("codes", (1, 16), "int64")
 
 
+@pytest.mark.slow
 def test_manifest_describes_the_bundle(bundles, opened):
     path, bundle = bundles["t2i-gqa-fp16"], opened["t2i-gqa-fp16"]
     manifest = bundle.manifest()
@@ -306,6 +310,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert all(err < 1e-4 for g in graphs.values() for err in g["max_abs_err"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BUNDLES)
 def test_neighbour_table_is_the_codebook_s(bundles, opened, name):
     """Every other code, nearest first, stored as uint16 (k = min(1000, V - 1)); read as int64."""
@@ -337,6 +342,7 @@ def edit_manifest(path: Path, edit: Callable[[dict[str, Any]], object]) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_an_untouched_copy_opens(bundles, tmp_path):
     """The copy the tamper tests break is a valid bundle before they break it."""
     bundle = Bundle.open(tampered(bundles, tmp_path))
@@ -345,6 +351,7 @@ def test_an_untouched_copy_opens(bundles, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_modified_graph_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
     data = bytearray((path / "target_ar_step.onnx").read_bytes())
@@ -354,6 +361,7 @@ def test_modified_graph_is_refused(bundles, tmp_path):
         Bundle.open(path)
 
 
+@pytest.mark.slow
 def test_edited_manifest_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -373,6 +381,7 @@ def test_edited_manifest_is_refused(bundles, tmp_path):
         Bundle.open(path)
 
 
+@pytest.mark.slow
 def test_missing_file_is_refused(bundles, tmp_path):
     path = tampered(bundles, tmp_path)
     (path / "vq_decode.onnx").unlink()
@@ -423,6 +432,7 @@ SCHEMA_ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keys, value, message", SCHEMA_ERRORS.values(), ids=SCHEMA_ERRORS)
 def test_manifest_schema_is_checked(bundles, tmp_path, keys, value, message):
     path = tampered(bundles, tmp_path)
@@ -431,6 +441,7 @@ def test_manifest_schema_is_checked(bundles, tmp_path, keys, value, message):
         open_bundle(path)
 
 
+@pytest.mark.slow
 def test_graph_file_that_is_not_onnx_is_refused(bundles, tmp_path):
     """A listed file with the right sha256 that onnx cannot parse: BundleError, not onnx's own."""
     path = tampered(bundles, tmp_path)
@@ -442,6 +453,7 @@ def test_graph_file_that_is_not_onnx_is_refused(bundles, tmp_path):
         Bundle.open(path)
 
 
+@pytest.mark.slow
 def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, opened, tmp_path):
     from click.testing import CliRunner
 

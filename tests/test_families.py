@@ -151,6 +151,7 @@ def toy_bundle(pair, tmp_path_factory) -> Path:
         return export_bundle(open_model_dir(pair[0]), out, trees=[load_tree("chain-2")], progress=False)
 
 
+@pytest.mark.slow
 def test_a_registered_family_exports_and_runs_on_onnxruntime(toy_registered, pair, toy_bundle):
     """The toy family's bundle names it, holds its note and its own null condition; onnxruntime
     decodes it to torch's tokens, and 'lantern inspect' prints the family's line."""
@@ -174,6 +175,7 @@ def test_the_default_cfg_scale_is_the_family_s(toy_registered, pair):
     assert default_cfg_scale(open_model_dir(pair[1])) == 2.0  # its config.json's sampling_defaults
 
 
+@pytest.mark.slow
 def test_an_unknown_family_is_one_line(pair, toy_bundle, tmp_path):
     """Without its registry line the toy family is unknown: its model directory is refused by
     name, and so is a bundle it wrote (one line, exit 2, nothing written)."""

@@ -469,6 +469,7 @@ def kill_when(proc: subprocess.Popen, folder: Path, pattern: str, timeout: float
     proc.wait()
 
 
+@pytest.mark.slow
 def test_a_killed_export_leaves_the_old_bundle_and_the_next_run_succeeds(
     tiny_model_dir, tmp_path, tmp_path_factory
 ):
@@ -485,6 +486,7 @@ def test_a_killed_export_leaves_the_old_bundle_and_the_next_run_succeeds(
     assert (out / MANIFEST).read_text() != old and Bundle.open(out).model_name == "tiny"
 
 
+@pytest.mark.slow
 def test_killed_and_concurrent_first_runs_export_once(tiny_model_dir, tmp_path):
     """A run killed while it exports into an empty cache, then two first runs at once: both
     succeed, one exports (the other waits and reuses it), and no temporary file is left."""

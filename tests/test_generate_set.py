@@ -121,6 +121,7 @@ def test_demo_speculative_set_matches_generate(tmp_path):
     assert summary["tau"] == pytest.approx(want.stats.mean_accepted_length)
 
 
+@pytest.mark.slow
 def test_ray_two_actors_match_generate(ray_cluster, tiny_dir, reference, tmp_path):
     r = make_set(tiny_dir, tmp_path / "set", "--ray", "--actors", "2")
     assert r.exit_code == 0, r.output
@@ -129,6 +130,7 @@ def test_ray_two_actors_match_generate(ray_cluster, tiny_dir, reference, tmp_pat
     assert summary["mode"] == "ray" and summary["workers"] == 2
 
 
+@pytest.mark.slow
 def test_ray_killed_actor_is_retried(ray_cluster, tiny_dir, reference, tmp_path):
     from lantern_rt.families.loading import open_model_dir
     from lantern_rt.generate import model_fingerprint
@@ -153,6 +155,7 @@ def test_ray_killed_actor_is_retried(ray_cluster, tiny_dir, reference, tmp_path)
     check_set(out, reference)
 
 
+@pytest.mark.slow
 def test_partial_run_resumes_on_ray(ray_cluster, tiny_dir, reference, tmp_path):
     out = tmp_path / "set"
     assert make_set(tiny_dir, out).exit_code == 0

@@ -101,6 +101,7 @@ def one_row_bundle(model_dir, tmp_path_factory) -> Bundle:
     )
 
 
+@pytest.mark.slow
 def test_the_one_row_bundle_has_b_rows_per_call(one_row_bundle):
     assert not one_row_bundle.constants.guided
     for name, entry in one_row_bundle.graphs.items():
@@ -114,6 +115,7 @@ def test_the_one_row_bundle_has_b_rows_per_call(one_row_bundle):
         assert rows == {batch}, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "lantern++"])
 def test_onnxruntime_one_row_gives_the_torch_two_row_tokens(model_dir, one_row_bundle, method):
     sampling = OFF["sampled"]
@@ -125,6 +127,7 @@ def test_onnxruntime_one_row_gives_the_torch_two_row_tokens(model_dir, one_row_b
         assert torch.equal(want[0], got[0]) and want[1] == got[1], batch
 
 
+@pytest.mark.slow
 def test_a_one_row_pipeline_refuses_guidance(model_dir, one_row_bundle, tmp_path):
     for pipe in (
         torch_pipeline(model_dir, METHODS["ar"], guided=False),
@@ -139,6 +142,7 @@ def test_a_one_row_pipeline_refuses_guidance(model_dir, one_row_bundle, tmp_path
     assert len(result.output.strip().splitlines()) == 1 and "--no-guidance" in result.output
 
 
+@pytest.mark.slow
 def test_inspect_shows_the_rows(one_row_bundle):
     result = CliRunner().invoke(main, ["inspect", str(one_row_bundle.path)])
     assert result.exit_code == 0 and "1 row per image (no guidance" in result.output
@@ -161,6 +165,7 @@ def test_a_model_directory_exports_one_row_graphs_for_cfg_1(model_dir, tmp_path:
     assert cached_bundle(model_dir, METHODS["ar"], guided=False) == one and len(calls) == 2  # reused
 
 
+@pytest.mark.slow
 def test_a_one_row_bundle_calibrates_at_cfg_1(one_row_bundle, tmp_path):
     """Calibration runs a bundle at the model's CFG scale, at most 1 for a one-row bundle."""
     out = tmp_path / "int8"

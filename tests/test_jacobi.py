@@ -205,6 +205,7 @@ def run(source, backend: str, method: MethodConfig, sampling: SamplingConfig, ba
     return generate(pipe, LABELS, sampling, seed=5, progress=False)
 
 
+@pytest.mark.slow
 def test_greedy_sjd_gives_ar_tokens_on_every_backend_and_batch(no_drafter_bundle):
     md = open_model_dir(no_drafter_bundle.path.with_name("bundle-model"))
     assert "drafter" not in md.files and not no_drafter_bundle.has_drafter
@@ -218,6 +219,7 @@ def test_greedy_sjd_gives_ar_tokens_on_every_backend_and_batch(no_drafter_bundle
     assert not torch.equal(relaxed.tokens, ar.tokens)  # sanity: the credit changes greedy tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [SJD, SJD_PP])
 def test_sampled_tokens_depend_on_neither_batch_nor_backend(no_drafter_bundle, method):
     md = open_model_dir(no_drafter_bundle.path.with_name("bundle-model"))
@@ -232,6 +234,7 @@ def test_sampled_tokens_depend_on_neither_batch_nor_backend(no_drafter_bundle, m
         assert torch.equal(got.tokens, reference.tokens), (backend, batch)
 
 
+@pytest.mark.slow
 def test_a_bundle_without_the_window_names_the_export(no_drafter_bundle, tmp_path):
     r = CliRunner().invoke(
         main,
@@ -304,6 +307,7 @@ def cli_tokens(model, tmp_path, name: str, *args: str) -> tuple[np.ndarray, dict
     return np.load(tokens), json.loads(stats.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["c2i", "t2i", "anole", "lumina"])
 def test_a_model_without_a_drafter_generates_with_sjd(
     family,
@@ -359,6 +363,7 @@ def test_bad_bench_configs_are_refused(spec, says):
         method_config(spec, "chain-5", image_tokens=16)
 
 
+@pytest.mark.slow
 def test_calibrating_a_bundle_without_a_drafter_drives_its_window(no_drafter_bundle, tmp_path):
     """Its default method is sjd, whose calls reach the chain's verify graph; the int8 bundle then
     runs sjd."""
@@ -373,6 +378,7 @@ def test_calibrating_a_bundle_without_a_drafter_drives_its_window(no_drafter_bun
     assert run(int8, "onnxruntime", SJD, SAMPLED).stats.mean_accepted_length > 1.0
 
 
+@pytest.mark.slow
 def test_an_image_set_with_sjd_equals_generate(tiny_model_dir, tmp_path, monkeypatch):
     """`generate-set --method sjd --window 3` on a model directory without a drafter (exported on
     first use with the window's verify graph): the shards hold `generate`'s tokens."""

@@ -101,6 +101,7 @@ def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
     assert torch.equal(got.tokens, want.tokens)
 
 
+@pytest.mark.slow
 def test_fp16_text_bundle_follows_torch(tmp_path_factory):
     """t2i with GQA in fp16: fp16 caches bound in place, logits close to the fp32 model."""
     bundle = Bundle.open(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"))

@@ -39,6 +39,8 @@ SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
 # top-k and top-p on: the drafting graphs' filtering branch (an If), which SAMPLED skips
 FILTERED = SamplingConfig(cfg_scale=2.0, temperature=0.8, top_k=20, top_p=0.9)
 RELAX = Relaxation("lantern++", k=5, lam=5.0)
+# every test reads the bundle, an export of about a minute
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -345,6 +345,7 @@ def test_build_writes_a_checked_plan_set(bundle, fake_gpu, monkeypatch, tmp_path
     assert [p.name for p in (bundle.path / "engines").iterdir()] == [folder.name]
 
 
+@pytest.mark.slow
 def test_tensorrt_parses_drafting_graphs_without_their_ifs(tmp_path_factory, tmp_path, fake_gpu, monkeypatch):
     """An If keeps TensorRT from capturing a CUDA graph: the parser gets each drafting graph with
     its Ifs replaced by their then-branches (an equal graph: see test_ort_speculative)."""

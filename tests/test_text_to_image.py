@@ -179,6 +179,7 @@ def t2i_bundle(tmp_path_factory):
     return model, Bundle.open(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "exact"])
 def test_onnxruntime_tokens_equal_torch(t2i_bundle, method):
     model, bundle = t2i_bundle
@@ -230,7 +231,7 @@ def run_cli(*args: str):
     return CliRunner().invoke(main, list(args))
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("onnxruntime", marks=pytest.mark.slow)])
 def test_generate_with_prompts(prompt_model, tmp_path, monkeypatch, backend):
     """`lantern generate --prompt` on both backends: greedy tokens equal LlamaGen's loop on the
     reference condition; one PNG row per prompt; the stats JSON names the prompts."""
@@ -284,6 +285,7 @@ def llamagen_t2i_greedy_with_null(model, features, mask, cfg_scale, count):
     return llamagen_t2i_greedy(model, features.to(model.null_condition.dtype), mask, cfg_scale, count)
 
 
+@pytest.mark.slow
 def test_bundle_text_encoder_equals_transformers(prompt_model, tmp_path):
     """The exported encoder graph (fp32 in an fp16 bundle) against T5EncoderModel on the same
     ids and mask, and its tokenizer files beside it."""
@@ -344,6 +346,7 @@ def test_prompts_file(prompt_model, tmp_path):
     assert result.exit_code == 2 and "holds no prompt" in result.output
 
 
+@pytest.mark.slow
 def test_bench_with_prompts(prompt_model, tmp_path, monkeypatch):
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     args = ["bench", "--model", str(prompt_model), "--prompt", "a red apple", "--prompt", "a blue car"]
@@ -418,6 +421,7 @@ def test_the_authors_t2i_layout_runs_prompts(prompt_model, tmp_path):
     np.testing.assert_array_equal(codes[0], codes[1])
 
 
+@pytest.mark.slow
 def test_onnxruntime_batch_of_different_captions_equals_one_at_a_time(t2i_bundle):
     """B = 2 graphs (the drafter's caption prefill included): each image keeps its own padding,
     slots refilled with new captions, the same tokens as alone."""

@@ -32,6 +32,7 @@ def recorded():
         return {key: torch.from_numpy(data[key]) for key in data.files}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "method", "mode"), CASES)
 def test_tokens_match_the_recorded_fixtures(demo, recorded, backend, method, mode):
     md, bundle = demo
@@ -51,6 +52,7 @@ def test_recorded_tokens_agree_across_backends(recorded):
     assert torch.equal(recorded["torch/exact/greedy"], recorded["torch/ar/greedy"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_sampled_tokens_equal_on_torch_and_onnxruntime(demo, method):
     md, bundle = demo
