@@ -71,9 +71,9 @@ class Timed:
     def __getattr__(self, name: str):
         return getattr(self.graph, name)
 
-    def __call__(self, *inputs):
+    def __call__(self, **inputs):
         t0 = time.perf_counter()
-        out = self.graph(*inputs)
+        out = self.graph(**inputs)
         self.seconds.append(time.perf_counter() - t0)
         return out
 

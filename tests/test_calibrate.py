@@ -158,7 +158,7 @@ def test_recorder_keeps_a_bounded_uniform_sample_of_copies(fp32):
     cond, prefix = torch.tensor([0, 5]), torch.ones(2, 1, dtype=torch.bool)
     for i in range(10):
         cond[0] = i % 5
-        graph(cond, prefix)
+        graph(cond=cond, prefix=prefix)
     assert recorder.calls == {"target_prefill": 10}
     kept = [int(s["cond"][0]) for s in recorder.samples["target_prefill"]]
     assert len(kept) == 3 and kept != [4, 4, 4]  # copies, not views of the tensor's last value

@@ -251,23 +251,23 @@ def test_drafting_graph_without_its_ifs_computes_the_same(bundle, tmp_path, top_
     inlined_bundle = Bundle.open(copy)  # the inlined graph declares the same inputs and outputs
     assert inlined_bundle.graph(entry.name) == entry
     g = torch.Generator().manual_seed(0)
-    args = []
+    inputs = {}
     for spec in entry.inputs:
         shape, name = spec.shape, spec.name
         settings = {"cfg_scale": 2.0, "temperature": 0.8, "top_k": top_k, "top_p": top_p}
         if name in settings:
-            args.append(torch.tensor([settings[name]], dtype=torch_dtype(spec.dtype)))
+            inputs[name] = torch.tensor([settings[name]], dtype=torch_dtype(spec.dtype))
         elif name == "mask":
-            args.append(torch.ones(shape, dtype=torch.bool))
+            inputs[name] = torch.ones(shape, dtype=torch.bool)
         elif name in ("tokens", "positions"):
-            args.append(torch.randint(0, 8, shape, generator=g))
+            inputs[name] = torch.randint(0, 8, shape, generator=g)
         else:
-            args.append(
+            inputs[name] = (
                 torch.rand(shape, generator=g) if name == "noise" else torch.randn(shape, generator=g)
             )
     make = ort_runner(threads=1)
-    got = [t.clone() for t in make(inlined_bundle, inlined_bundle.graph(entry.name))(*args)]
-    want = make(bundle, entry)(*args)
+    got = [t.clone() for t in make(inlined_bundle, inlined_bundle.graph(entry.name))(**inputs)]
+    want = make(bundle, entry)(**inputs)
     assert (want[2][0, 0] == 0).any() == (top_k > 0)  # the root's q: the filter ran or not
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

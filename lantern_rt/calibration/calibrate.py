@@ -88,7 +88,7 @@ class Recorder:
         self.calls.setdefault(entry.name, 0)
         return _RecordingRunner(self, entry, runner)
 
-    def offer(self, entry: GraphEntry, args: tuple[Tensor, ...]) -> None:
+    def offer(self, entry: GraphEntry, inputs: dict[str, Tensor]) -> None:
         """Keep this call's inputs with the probability that keeps the sample uniform."""
         name = entry.name
         seen, kept = self.calls[name], self.samples[name]
@@ -97,8 +97,8 @@ class Recorder:
         if slot >= self.limit:
             return
         record = {
-            spec.name: arg.detach().cpu().numpy().astype(spec.dtype, copy=True)
-            for spec, arg in zip(entry.inputs, args, strict=True)
+            spec.name: inputs[spec.name].detach().cpu().numpy().astype(spec.dtype, copy=True)
+            for spec in entry.inputs
         }
         if slot < len(kept):
             kept[slot] = record
@@ -113,9 +113,9 @@ class _RecordingRunner:
         self.recorder, self.entry, self.inner = recorder, entry, inner
         self.device = inner.device
 
-    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        self.recorder.offer(self.entry, args)
-        return self.inner(*args)
+    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+        self.recorder.offer(self.entry, inputs)
+        return self.inner(**inputs)
 
 
 class _Samples(CalibrationDataReader):

@@ -28,7 +28,7 @@ from lantern_rt.errors import first_line
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
-    check_inputs,
+    ordered,
     torch_dtype,
 )
 
@@ -93,8 +93,8 @@ class TrtGraph:
         self.cuda_graph_error: str | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
 
-    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        check_inputs(self.inputs, args)
+    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+        args = ordered(self.inputs, inputs)
         current = torch.cuda.current_stream(self.device)
         for i, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
             if bound_by_pointer(spec) and self._in_place(arg, spec):

@@ -37,14 +37,15 @@ from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 class GraphRunner(Protocol):
     """One bundle graph on an engine.
 
-    Called with torch tensors in the manifest's input order (a ``past_k_{i}``/``past_v_{i}``
-    input per layer); returns its outputs in the manifest's order. The returned tensors are the
-    runner's own buffers: valid until its next call.
+    Called with torch tensors by the names the manifest declares (a ``past_k_{i}``/``past_v_{i}``
+    input per layer; :func:`ordered` checks and orders them); returns its outputs in the
+    manifest's order. The returned tensors are the runner's own buffers: valid until its next
+    call.
     """
 
     device: torch.device
 
-    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]: ...
+    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]: ...
 
 
 RunnerFactory = Callable[[Bundle, GraphEntry], GraphRunner]
@@ -68,15 +69,29 @@ def bound_by_pointer(spec: IOSpec) -> bool:
     return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS + RELAX_INPUTS + LENGTH_INPUTS
 
 
-def check_inputs(inputs: tuple[IOSpec, ...], args: tuple[Tensor, ...]) -> None:
-    """``ValueError`` unless ``args`` are one tensor per declared input, each of its shape."""
-    if len(args) != len(inputs):
-        raise ValueError(f"the graph takes {len(inputs)} inputs, got {len(args)}")
+def ordered(inputs: tuple[IOSpec, ...], named: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """The tensors ``named`` by a graph's declared ``inputs``, in their order; ``ValueError``
+    unless there is exactly one per input, each of its shape."""
+    missing, unknown = [s.name for s in inputs if s.name not in named], set(named) - {s.name for s in inputs}
+    if missing or unknown:
+        raise ValueError(
+            f"the graph's inputs are {[s.name for s in inputs]}: missing {missing}, unknown {sorted(unknown)}"
+        )
+    args = tuple(named[spec.name] for spec in inputs)
     for spec, arg in zip(inputs, args, strict=True):
         if tuple(arg.shape) != spec.shape:
             raise ValueError(
                 f"input {spec.name} has shape {list(arg.shape)}, the graph wants {list(spec.shape)}"
             )
+    return args
+
+
+def cache_inputs(layers_k: tuple[Tensor, ...], layers_v: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    """A cache's per-layer tensors by a step graph's input names (``past_k_{i}``, ``past_v_{i}``)."""
+    return {
+        **{f"{CACHE_INPUTS[0]}{i}": k for i, k in enumerate(layers_k)},
+        **{f"{CACHE_INPUTS[1]}{i}": v for i, v in enumerate(layers_v)},
+    }
 
 
 def kv_layers(entry: GraphEntry) -> int:
@@ -124,7 +139,7 @@ class BundleTarget:
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         prefix = self.cache.visible(prefix)
-        logits, hidden, k, v = self._prefill(cond, prefix)
+        logits, hidden, k, v = self._prefill(cond=cond, prefix=prefix)
         self.cache.restart(k, v, fresh, prefix)
         return logits, hidden
 
@@ -143,19 +158,18 @@ class BundleTarget:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        past = (*cache.layers_k, *cache.layers_v)
         return Verified(
             *graph(
-                draft.tokens,
-                cache.length,
-                cache.prefix,
-                draft.valid,
-                draft.q,
-                noise,
-                bonus_noise,
-                *sampling,
-                *relax,
-                *past,
+                node_tokens=draft.tokens,
+                cache_length=cache.length,
+                prefix=cache.prefix,
+                valid=draft.valid,
+                q=draft.q,
+                noise=noise,
+                bonus_noise=bonus_noise,
+                **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
+                **relax._asdict(),
+                **cache_inputs(cache.layers_k, cache.layers_v),
             )
         )
 
@@ -189,9 +203,9 @@ class BundleDrafter:
             self.cache.length.masked_fill_(fresh, 0)
         elif self._prompt:
             visible = prefix[:, :-1]  # the graph's prompt_pairs: slot j's pair is seen where slot j is
-            self.cache.restart(*self._prefill(hidden, cond, prefix), fresh, visible)
+            self.cache.restart(*self._prefill(hidden=hidden, cond=cond, prefix=prefix), fresh, visible)
         else:
-            self.cache.restart(*self._prefill(hidden), fresh)
+            self.cache.restart(*self._prefill(hidden=hidden), fresh)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)
@@ -199,8 +213,15 @@ class BundleDrafter:
             raise BundleError(
                 f"the bundle has no drafting graph for tree {tree.name}; export it with that tree"
             )
-        counts = rows[:5] if rows.prefix is None else rows
-        return graph(*counts, noise, *sampling, *self.cache.layers_k, *self.cache.layers_v)
+        catch_up = {
+            name: t for name, t in rows._asdict().items() if t is not None
+        }  # prefix: a prompt drafter's
+        return graph(
+            **catch_up,
+            noise=noise,
+            **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
+            **cache_inputs(self.cache.layers_k, self.cache.layers_v),
+        )
 
 
 class BundleVQDecoder:
@@ -218,7 +239,7 @@ class BundleVQDecoder:
             chunk = codes[start : start + self.batch]
             padded = torch.zeros(self.batch, *codes.shape[1:], dtype=codes.dtype, device=codes.device)
             padded[: len(chunk)] = chunk
-            images.append(self._graph(padded)[0][: len(chunk)].clone())
+            images.append(self._graph(codes=padded)[0][: len(chunk)].clone())
         return torch.cat(images)
 
 

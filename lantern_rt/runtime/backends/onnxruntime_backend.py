@@ -19,7 +19,7 @@ from lantern_rt.bundle import Bundle, GraphEntry, IOSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
-    check_inputs,
+    ordered,
     torch_dtype,
 )
 
@@ -73,8 +73,8 @@ class OrtGraph:
         for spec, out in zip(self.outputs, self._results, strict=True):
             self._bind(self._binding.bind_output, spec, out)
 
-    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        check_inputs(self.inputs, args)
+    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+        args = ordered(self.inputs, inputs)
         for i, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
             buffer = self._buffers[i]
             if not self._in_place[i]:

@@ -1,0 +1,84 @@
+"""Graphs are called by the names their manifest declares (runtime/backends/bundle_graphs.py):
+the runner puts named tensors in the declared order and refuses a missing, unknown or misshapen
+one; an onnxruntime graph gives the same outputs whatever order the names come in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lantern_rt.bundle import IOSpec
+from lantern_rt.runtime.backends.bundle_graphs import cache_inputs, ordered
+
+INPUTS = (
+    IOSpec("tokens", (2, 3), "int64"),
+    IOSpec("cache_length", (2,), "int64"),
+    IOSpec("past_k_0", (4,), "float32"),
+)
+
+
+def test_named_inputs_come_out_in_the_declared_order():
+    tokens, length, past = torch.zeros(2, 3), torch.ones(2), torch.zeros(4)
+    got = ordered(INPUTS, {"past_k_0": past, "tokens": tokens, "cache_length": length})
+    assert [id(t) for t in got] == [id(tokens), id(length), id(past)]
+
+
+@pytest.mark.parametrize(
+    "named, message",
+    [
+        (
+            {"tokens": torch.zeros(2, 3), "cache_length": torch.ones(2)},
+            r"missing \['past_k_0'\], unknown \[\]",
+        ),
+        (
+            {
+                "tokens": torch.zeros(2, 3),
+                "cache_length": torch.ones(2),
+                "past_k_0": torch.zeros(4),
+                "q": torch.ones(1),
+            },
+            r"missing \[\], unknown \['q'\]",
+        ),
+        (
+            {"tokens": torch.zeros(3, 2), "cache_length": torch.ones(2), "past_k_0": torch.zeros(4)},
+            r"input tokens has shape \[3, 2\], the graph wants \[2, 3\]",
+        ),
+    ],
+    ids=["missing", "unknown", "shape"],
+)
+def test_a_wrong_call_is_refused_by_name(named, message):
+    with pytest.raises(ValueError, match=message):
+        ordered(INPUTS, named)
+
+
+def test_cache_layers_are_named_per_layer():
+    k, v = (torch.zeros(1), torch.ones(1)), (torch.full((1,), 2.0), torch.full((1,), 3.0))
+    named = cache_inputs(k, v)
+    assert list(named) == ["past_k_0", "past_k_1", "past_v_0", "past_v_1"]
+    assert [float(t) for t in named.values()] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):
+    """A two-input graph (out = a - b): the same result for a, b given in either order, and the
+    arguments' names, not their positions, decide which is which."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from lantern_rt.bundle import GraphEntry
+    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("a", "b", "out")]
+    graph = helper.make_graph([helper.make_node("Sub", ["a", "b"], ["out"])], "g", io[:2], io[2:])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "g.onnx")
+
+    class Folder:  # what the runner reads of a bundle: where a graph's file is
+        def file(self, entry: GraphEntry):
+            return tmp_path / entry.file
+
+    specs = (IOSpec("a", (3,), "float32"), IOSpec("b", (3,), "float32"))
+    entry = GraphEntry("g", "g.onnx", specs, (IOSpec("out", (3,), "float32"),))
+    run = ort_runner(threads=1)(Folder(), entry)
+    a, b = torch.tensor([5.0, 6.0, 7.0]), torch.tensor([1.0, 2.0, 3.0])
+    first = run(a=a, b=b)[0].clone()
+    assert torch.equal(first, a - b) and torch.equal(run(b=b, a=a)[0], first)
+    assert torch.equal(run(a=b, b=a)[0], b - a)
