@@ -15,12 +15,15 @@ A Chameleon-family model (Anole, Lumina-mGPT) is named by its Hugging Face folde
 (the target, the VQGAN and the tokenizer all come from that folder; ``image_size`` defaults to
 the VQGAN's resolution, 512 px: 32 x 32 tokens for Anole; Lumina-mGPT-7B-768 takes
 ``"prompt": {"layout": "lumina", ...}, "image_size": 768``).
+
+Each family reads its own sections (``lantern_rt.families``); this module holds what they
+share: the parsed directory and the checks of the common sections.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +45,19 @@ class ModelDir:
     vq: Any  # the family's tokenizer config (``codebook_size``, ``downsample``, ``out_channels``)
     files: dict[str, str]
     image_size: int
-    class_names: list[str] = field(default_factory=list)
-    family: str = "llamagen"  # its name in the registry (lantern_rt.families.registry)
+    class_names: list[str]
+    family: str  # its name in the registry (lantern_rt.families.registry)
     details: Any = None
 
     def path(self, key: str) -> Path:
+        """The file or folder ``files[key]`` names; :class:`ConfigError` when it names none."""
         if key not in self.files:
             raise ConfigError(f"{self.root / 'config.json'} names no '{key}' file")
         return self.root / self.files[key]
 
     @property
     def name(self) -> str:
+        """The model's name: ``config.json``'s ``name``, else its folder's."""
         return str(self.raw.get("name", self.root.name))
 
     def class_id(self, spec: str | int) -> int:
@@ -73,6 +78,7 @@ class ModelDir:
 
 
 def is_int(value: Any) -> bool:
+    """Whether a JSON value is an integer (``true`` is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
