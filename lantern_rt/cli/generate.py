@@ -12,14 +12,12 @@ from lantern_rt.cli.options import (
     model_option,
     open_run_source,
     prompt_options,
+    requested_run,
     run_options,
 )
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.fileio import check_writable
 from lantern_rt.prompt_files import read_prompts
-from lantern_rt.settings import (
-    run_request,
-)
 
 
 @click.command("generate")
@@ -116,26 +114,8 @@ def generate(
         check_writable(path, what)
     if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
-    request = run_request(
-        md,
-        source,
-        classes=classes,
-        prompts=read_prompts(prompt_texts, prompts_file),
-        cfg_scale=cfg_scale,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        greedy=greedy,
-        method=method,
-        tree=tree,
-        window=window,
-        backend=backend,
-        device=device,
-        k=lantern_k,
-        delta=lantern_delta,
-        lam=lantern_lambda,
-        drafter=None if drafter_path is None else str(drafter_path),
-    )
+    prompts = read_prompts(prompt_texts, prompts_file)
+    request = requested_run(md, source, prompts, None if drafter_path is None else str(drafter_path))
     class_ids, sampling, mc = request.conditions, request.sampling, request.method
     labels = [c for c in class_ids for _ in range(num_images)]
     pipe = make_pipeline(
@@ -254,25 +234,7 @@ def generate_set_cmd(
         raise UserError(
             "generate-set makes class-conditional image sets; for prompts use 'lantern generate --prompts'"
         )
-    request = run_request(
-        md,
-        source,
-        classes=classes,
-        prompts=(),
-        cfg_scale=cfg_scale,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        greedy=greedy,
-        method=method,
-        tree=tree,
-        window=window,
-        backend=backend,
-        device=device,
-        k=lantern_k,
-        delta=lantern_delta,
-        lam=lantern_lambda,
-    )
+    request = requested_run(md, source, ())
     job, digest = set_job(model_path, source, request, seed, device, threads, cuda_graphs, batch_size)
     summary = generate_set(
         out, job, digest, request.conditions, num_images, unit_size, ray_address, actors, fid_npz, not quiet

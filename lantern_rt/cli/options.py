@@ -3,8 +3,9 @@ their values (a bundle or a model directory, batch sizes)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,7 +19,13 @@ from lantern_rt.settings import (
     MAX_IMAGES_PER_CLASS,
     MAX_SEED,
     METHODS,
+    RunRequest,
+    run_request,
 )
+
+if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
+    from lantern_rt.bundle import Bundle
+    from lantern_rt.models.model_dir import ModelDir
 
 SEED = click.IntRange(min=0, max=MAX_SEED)
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
@@ -163,6 +170,33 @@ _RUN_OPTIONS = [
         help="Images decoded together per step; the tokens do not depend on it (a bundle must hold graphs for it: lantern export --batch-size).",
     ),
 ]
+
+
+def requested_run(
+    md: ModelDir, source: ModelDir | Bundle, prompts: Sequence[str], drafter: str | None = None
+) -> RunRequest:
+    """``settings.run_request`` for the :func:`run_options` the running command was given."""
+    given = click.get_current_context().params
+    return run_request(
+        md,
+        source,
+        classes=given["classes"],
+        prompts=prompts,
+        cfg_scale=given["cfg_scale"],
+        temperature=given["temperature"],
+        top_k=given["top_k"],
+        top_p=given["top_p"],
+        greedy=given["greedy"],
+        method=given["method"],
+        tree=given["tree"],
+        window=given["window"],
+        backend=given["backend"],
+        device=given["device"],
+        k=given["lantern_k"],
+        delta=given["lantern_delta"],
+        lam=given["lantern_lambda"],
+        drafter=drafter,
+    )
 
 
 def prompt_options(command: Callable) -> Callable:
