@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lantern_rt.errors import LanternError
 from lantern_rt.fileio import sha256, staged_folder
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.models.config import ConfigError, GPTConfig, config_from_dict
 from lantern_rt.models.neighbors import load_neighbors_file
 
@@ -103,27 +104,15 @@ def verify_graph_name(index: int) -> str:
 
 
 @dataclass(frozen=True)
-class IOSpec:
-    """One graph input or output as the manifest declares it: name, fixed shape, numpy dtype name."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-
-
-@dataclass(frozen=True)
 class GraphEntry:
     """One graph of the bundle: its ONNX file and its inputs and outputs, in call order."""
 
     name: str
     file: str
-    inputs: tuple[IOSpec, ...]
-    outputs: tuple[IOSpec, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
 
-    def input(self, name: str) -> IOSpec:
+    def input(self, name: str) -> TensorSpec:
         """The declared input called ``name``."""
         return next(spec for spec in self.inputs if spec.name == name)
 
@@ -462,8 +451,8 @@ def _ints(values: list, field: str, where: Path | str) -> None:
         raise BundleError(f"{where}: {field} must hold non-negative integers")
 
 
-def _io_spec(spec: dict[str, Any]) -> IOSpec:
-    return IOSpec(spec["name"], tuple(spec["shape"]), spec["dtype"])
+def _io_spec(spec: dict[str, Any]) -> TensorSpec:
+    return TensorSpec(spec["name"], tuple(spec["shape"]), spec["dtype"])
 
 
 def _constants(c: dict[str, Any]) -> Constants:

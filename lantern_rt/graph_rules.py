@@ -93,7 +93,7 @@ def _io_mismatches(graph: onnx.GraphProto, spec: GraphSpec) -> list[str]:
         ("inputs", spec.inputs, graph.input),
         ("outputs", spec.outputs, graph.output),
     ):
-        want = [t.to_dict() for t in declared]
+        want = [t.to_json() for t in declared]
         got = [_as_dict(v) for v in actual]
         if want != got:
             problems.append(f"{kind} {got} differ from the declared {want}")

@@ -1,7 +1,8 @@
 """What a graph declares: its name, its inputs and outputs in call order with their fixed
 shapes and dtypes, and the dtype it computes in. Every module that becomes a bundle graph has a
-``spec`` (:class:`GraphSpec`); the exporter writes it into the manifest, and the runners call
-graphs by these names."""
+``spec`` (:class:`GraphSpec`); the exporter writes it into the manifest, a bundle reads its
+graphs' inputs and outputs back as the same :class:`TensorSpec`, and the runners call graphs by
+these names."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ import torch
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or output with its fixed shape."""
+    """One graph input or output: its name, its fixed shape and its dtype, by numpy's name as the
+    manifest writes it (``"float16"``, ``"int64"``, ``"bool"``)."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
 
-    def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as torch's."""
+        return getattr(torch, self.dtype)
+
+    def to_json(self) -> dict[str, object]:
+        """The manifest's form: ``{"name", "shape", "dtype"}``."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
 @dataclass(frozen=True)
@@ -34,8 +42,8 @@ class GraphSpec:
     def to_dict(self) -> dict[str, object]:
         return {
             "compute_dtype": dtype_name(self.compute_dtype),
-            "inputs": [t.to_dict() for t in self.inputs],
-            "outputs": [t.to_dict() for t in self.outputs],
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
         }
 
 

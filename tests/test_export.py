@@ -22,7 +22,6 @@ from lantern_rt.bundle import (
     MANIFEST,
     Bundle,
     BundleError,
-    IOSpec,
     TreeEntry,
     draft_graph_name,
     verify_graph_name,
@@ -41,6 +40,7 @@ from lantern_rt.families.loading import (
 )
 from lantern_rt.fileio import sha256
 from lantern_rt.graph_rules import check_graph
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.neighbors import latent_neighbors
@@ -268,7 +268,7 @@ def test_declared_shapes_and_dtypes(opened):
     for g, entry in graphs.items():  # the typed specs are the manifest's JSON
         assert [t.to_json() for t in entry.inputs] == raw[g]["inputs"], g
         assert [t.to_json() for t in entry.outputs] == raw[g]["outputs"], g
-    assert graphs["vq_decode"].input("codes") == IOSpec("codes", (1, 16), "int64")
+    assert graphs["vq_decode"].input("codes") == TensorSpec("codes", (1, 16), "int64")
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lantern_rt.bundle import IOSpec
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import cache_inputs, ordered
 
 INPUTS = (
-    IOSpec("tokens", (2, 3), "int64"),
-    IOSpec("cache_length", (2,), "int64"),
-    IOSpec("past_k_0", (4,), "float32"),
+    TensorSpec("tokens", (2, 3), "int64"),
+    TensorSpec("cache_length", (2,), "int64"),
+    TensorSpec("past_k_0", (4,), "float32"),
 )
 
 
@@ -75,8 +75,8 @@ def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):
         def file(self, entry: GraphEntry):
             return tmp_path / entry.file
 
-    specs = (IOSpec("a", (3,), "float32"), IOSpec("b", (3,), "float32"))
-    entry = GraphEntry("g", "g.onnx", specs, (IOSpec("out", (3,), "float32"),))
+    specs = (TensorSpec("a", (3,), "float32"), TensorSpec("b", (3,), "float32"))
+    entry = GraphEntry("g", "g.onnx", specs, (TensorSpec("out", (3,), "float32"),))
     run = ort_runner(threads=1)(Folder(), entry)
     a, b = torch.tensor([5.0, 6.0, 7.0]), torch.tensor([1.0, 2.0, 3.0])
     first = run(a=a, b=b)[0].clone()

@@ -22,7 +22,6 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     BundleTarget,
     bundle_trees,
-    torch_dtype,
 )
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
@@ -256,7 +255,7 @@ def test_drafting_graph_without_its_ifs_computes_the_same(bundle, tmp_path, top_
         shape, name = spec.shape, spec.name
         settings = {"cfg_scale": 2.0, "temperature": 0.8, "top_k": top_k, "top_p": top_p}
         if name in settings:
-            inputs[name] = torch.tensor([settings[name]], dtype=torch_dtype(spec.dtype))
+            inputs[name] = torch.tensor([settings[name]], dtype=spec.torch_dtype)
         elif name == "mask":
             inputs[name] = torch.ones(shape, dtype=torch.bool)
         elif name in ("tokens", "positions"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lantern_rt.bundle import DTYPES, MANIFEST, Bundle, BundleError, GraphEntry, IOSpec
+from lantern_rt.bundle import DTYPES, MANIFEST, Bundle, BundleError, GraphEntry
 from lantern_rt.cli import main
 from lantern_rt.engines import compat, plans
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable
@@ -33,6 +33,7 @@ from lantern_rt.engines.plans import (
 )
 from lantern_rt.engines.runner import io_problems, trt_runner
 from lantern_rt.fileio import sha256
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import RELAX_INPUTS, SAMPLING_INPUTS, bound_by_pointer
 from tests.test_export import shared_bundle
 
@@ -428,8 +429,8 @@ def test_runner_helpers():
     entry = GraphEntry(
         "target_ar_step",
         "target_ar_step.onnx",
-        inputs=(IOSpec("tokens", (1,), "int64"), IOSpec("past_k_0", (2,), "float16")),
-        outputs=(IOSpec("logits", (2, 4), "float32"),),
+        inputs=(TensorSpec("tokens", (1,), "int64"), TensorSpec("past_k_0", (2,), "float16")),
+        outputs=(TensorSpec("logits", (2, 4), "float32"),),
     )
     io = {
         "tokens": {"input": True, "shape": [1], "dtype": "int64"},

@@ -21,15 +21,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lantern_rt.bundle import Bundle, GraphEntry, IOSpec
+from lantern_rt.bundle import Bundle, GraphEntry
 from lantern_rt.engines.compat import EngineError, make_logger, require_tensorrt
 from lantern_rt.engines.plans import device_info, engine_key, find_engines
 from lantern_rt.errors import first_line
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
     ordered,
-    torch_dtype,
 )
 
 
@@ -135,14 +135,14 @@ class TrtGraph:
         if not self.context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("TensorRT's execute_async_v3 failed (see its log above)")
 
-    def _in_place(self, arg: Tensor, spec: IOSpec) -> bool:
+    def _in_place(self, arg: Tensor, spec: TensorSpec) -> bool:
         """Whether ``arg`` can be bound as it is: on this GPU, of the graph's dtype, contiguous."""
-        return arg.device == self.device and arg.dtype == torch_dtype(spec.dtype) and arg.is_contiguous()
+        return arg.device == self.device and arg.dtype == spec.torch_dtype and arg.is_contiguous()
 
-    def _empty(self, spec: IOSpec) -> Tensor:
-        return torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+    def _empty(self, spec: TensorSpec) -> Tensor:
+        return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=self.device)
 
-    def _bind(self, spec: IOSpec, tensor: Tensor) -> None:
+    def _bind(self, spec: TensorSpec, tensor: Tensor) -> None:
         if not self.context.set_tensor_address(spec.name, tensor.data_ptr()):
             raise RuntimeError(f"TensorRT refused the address of {spec.name}")
 

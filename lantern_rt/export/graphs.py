@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
 from lantern_rt.export.graph_forward import Blocks, rms_norm
-from lantern_rt.graph_spec import GraphSpec, TensorSpec
+from lantern_rt.graph_spec import GraphSpec, TensorSpec, dtype_name
 from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer, grid_codes
@@ -39,10 +39,10 @@ from lantern_rt.runtime.tree import StaticTree
 
 # The sampling settings every drafting and verify graph takes (sampling.filter_inputs).
 SAMPLING_SPECS = (
-    TensorSpec("cfg_scale", (1,), torch.float32),
-    TensorSpec("temperature", (1,), torch.float32),
-    TensorSpec("top_k", (1,), torch.int64),
-    TensorSpec("top_p", (1,), torch.float32),
+    TensorSpec("cfg_scale", (1,), "float32"),
+    TensorSpec("temperature", (1,), "float32"),
+    TensorSpec("top_k", (1,), "int64"),
+    TensorSpec("top_p", (1,), "float32"),
 )
 
 
@@ -56,7 +56,7 @@ KVDims = tuple[int, int, int]  # layers, kv heads, head dim
 
 def _kv_spec(name: str, dims: KVDims, rows: int, length: int, dtype: torch.dtype) -> TensorSpec:
     layers, heads, head_dim = dims
-    return TensorSpec(name, (layers, rows, heads, length, head_dim), dtype)
+    return TensorSpec(name, (layers, rows, heads, length, head_dim), dtype_name(dtype))
 
 
 def _past_specs(dims: KVDims, rows: int, length: int, dtype: torch.dtype) -> tuple[TensorSpec, ...]:
@@ -64,7 +64,7 @@ def _past_specs(dims: KVDims, rows: int, length: int, dtype: torch.dtype) -> tup
     so that a graph reads each layer's cache in place (a stacked input would be split, a copy)."""
     layers, heads, head_dim = dims
     shape = (rows, heads, length, head_dim)
-    return tuple(TensorSpec(f"past_{kv}_{i}", shape, dtype) for kv in "kv" for i in range(layers))
+    return tuple(TensorSpec(f"past_{kv}_{i}", shape, dtype_name(dtype)) for kv in "kv" for i in range(layers))
 
 
 def _split_past(past: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
@@ -80,7 +80,7 @@ def _target_kv(model: Transformer) -> KVDims:
 
 def _random_cache(g: torch.Generator, specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """Random, partly stale per-layer past K and V of the ``past_*`` specs' shapes and dtype."""
-    return tuple(torch.randn(spec.shape, generator=g).to(spec.dtype) for spec in specs)
+    return tuple(torch.randn(spec.shape, generator=g).to(spec.torch_dtype) for spec in specs)
 
 
 class TargetPrefill(nn.Module):
@@ -97,16 +97,16 @@ class TargetPrefill(nn.Module):
         self.rows = rows = guided_rows(batch, guided)
         t = c.cls_token_num
         cond = {
-            "c2i": TensorSpec("cond", (rows,), torch.int64),
-            "t2i": TensorSpec("cond", (rows, t, c.caption_dim), torch.float32),
-            "chameleon": TensorSpec("cond", (rows, t), torch.int64),
+            "c2i": TensorSpec("cond", (rows,), "int64"),
+            "t2i": TensorSpec("cond", (rows, t, c.caption_dim), "float32"),
+            "chameleon": TensorSpec("cond", (rows, t), "int64"),
         }[c.model_type]
         self.spec = GraphSpec(
             batched_name(PREFILL_GRAPH, batch),
-            (cond, TensorSpec("prefix", (rows, t), torch.bool)),
+            (cond, TensorSpec("prefix", (rows, t), "bool")),
             (
-                TensorSpec("logits", (rows, c.vocab_size), torch.float32),
-                TensorSpec("hidden", (rows, t, c.dim), dtype),
+                TensorSpec("logits", (rows, c.vocab_size), "float32"),
+                TensorSpec("hidden", (rows, t, c.dim), dtype_name(dtype)),
                 _kv_spec("new_k", _target_kv(model), rows, t, dtype),
                 _kv_spec("new_v", _target_kv(model), rows, t, dtype),
             ),
@@ -185,15 +185,15 @@ class DrafterPrefill(nn.Module):
         self.prompt = drafter.takes_prompts
         prompt = (
             (
-                TensorSpec("cond", (rows, cls_token_num), torch.int64),
-                TensorSpec("prefix", (rows, cls_token_num), torch.bool),
+                TensorSpec("cond", (rows, cls_token_num), "int64"),
+                TensorSpec("prefix", (rows, cls_token_num), "bool"),
             )
             if self.prompt
             else ()
         )
         self.spec = GraphSpec(
             batched_name(DRAFTER_PREFILL_GRAPH, batch),
-            (TensorSpec("hidden", (rows, count, c.hidden_size), dtype), *prompt),
+            (TensorSpec("hidden", (rows, count, c.hidden_size), dtype_name(dtype)), *prompt),
             (_kv_spec("new_k", kv, rows, count, dtype), _kv_spec("new_v", kv, rows, count, dtype)),
             dtype,
         )
@@ -255,30 +255,30 @@ class TargetVerify(nn.Module):
         self.spec = GraphSpec(
             batched_name(name, batch),
             (
-                TensorSpec("node_tokens", (b, s), torch.int64),
-                TensorSpec("cache_length", (b,), torch.int64),
-                TensorSpec("prefix", (rows, c.cls_token_num), torch.bool),
-                TensorSpec("valid", (b, s), torch.bool),
-                TensorSpec("q", (b, s, v), torch.float32),
-                TensorSpec("noise", (b, s), torch.float32),
-                TensorSpec("bonus_noise", (b, v), torch.float32),
+                TensorSpec("node_tokens", (b, s), "int64"),
+                TensorSpec("cache_length", (b,), "int64"),
+                TensorSpec("prefix", (rows, c.cls_token_num), "bool"),
+                TensorSpec("valid", (b, s), "bool"),
+                TensorSpec("q", (b, s, v), "float32"),
+                TensorSpec("noise", (b, s), "float32"),
+                TensorSpec("bonus_noise", (b, v), "float32"),
                 *SAMPLING_SPECS,
-                TensorSpec("neighbors", (v, neighbors_k), torch.int64),
-                TensorSpec("k", (1,), torch.int64),
-                TensorSpec("cap_a", (1,), torch.float32),
-                TensorSpec("cap_b", (1,), torch.float32),
-                TensorSpec("greedy", (1,), torch.bool),
+                TensorSpec("neighbors", (v, neighbors_k), "int64"),
+                TensorSpec("k", (1,), "int64"),
+                TensorSpec("cap_a", (1,), "float32"),
+                TensorSpec("cap_b", (1,), "float32"),
+                TensorSpec("greedy", (1,), "bool"),
                 *_past_specs(kv, rows, cap, dtype),
             ),
             (
-                TensorSpec("length", (b,), torch.int64),
-                TensorSpec("kept", (b, kept), torch.int64),
-                TensorSpec("tokens", (b, kept), torch.int64),
-                TensorSpec("hidden", (rows, kept, c.dim), dtype),
+                TensorSpec("length", (b,), "int64"),
+                TensorSpec("kept", (b, kept), "int64"),
+                TensorSpec("tokens", (b, kept), "int64"),
+                TensorSpec("hidden", (rows, kept, c.dim), dtype_name(dtype)),
                 _kv_spec("new_k", kv, rows, kept, dtype),
                 _kv_spec("new_v", kv, rows, kept, dtype),
-                TensorSpec("logits", (rows, s, v), torch.float32),
-                TensorSpec("probs", (b, s, v), torch.float32),
+                TensorSpec("logits", (rows, s, v), "float32"),
+                TensorSpec("probs", (b, s, v), "float32"),
             ),
             dtype,
         )
@@ -375,20 +375,20 @@ class DrafterTree(nn.Module):
         self.spec = GraphSpec(
             batched_name(name, batch),
             (
-                TensorSpec("tokens", (b, rows), torch.int64),
-                TensorSpec("hidden", (self.rows, rows, c.hidden_size), dtype),
-                TensorSpec("count", (b,), torch.int64),
-                TensorSpec("root_position", (b,), torch.int64),
-                TensorSpec("cache_length", (b,), torch.int64),
-                *((TensorSpec("prefix", (self.rows, prefix), torch.bool),) if prefix else ()),
-                TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), torch.float32),
+                TensorSpec("tokens", (b, rows), "int64"),
+                TensorSpec("hidden", (self.rows, rows, c.hidden_size), dtype_name(dtype)),
+                TensorSpec("count", (b,), "int64"),
+                TensorSpec("root_position", (b,), "int64"),
+                TensorSpec("cache_length", (b,), "int64"),
+                *((TensorSpec("prefix", (self.rows, prefix), "bool"),) if prefix else ()),
+                TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), "float32"),
                 *SAMPLING_SPECS,
                 *_past_specs(kv, self.rows, capacity, dtype),
             ),
             (
-                TensorSpec("node_tokens", (b, n), torch.int64),
-                TensorSpec("valid", (b, n), torch.bool),
-                TensorSpec("q", (b, n, c.vocab_size), torch.float32),
+                TensorSpec("node_tokens", (b, n), "int64"),
+                TensorSpec("valid", (b, n), "bool"),
+                TensorSpec("q", (b, n, c.vocab_size), "float32"),
                 _kv_spec("new_k", kv, self.rows, rows, dtype),
                 _kv_spec("new_v", kv, self.rows, rows, dtype),
             ),
@@ -447,8 +447,8 @@ class VQDecode(nn.Module):
         dtype = vq.post_quant_conv.weight.dtype
         self.spec = GraphSpec(
             VQ_DECODE_GRAPH,
-            (TensorSpec("codes", (batch, layout.block_size), torch.int64),),
-            (TensorSpec("images", (batch, c.out_channels, side, side), torch.float32),),
+            (TensorSpec("codes", (batch, layout.block_size), "int64"),),
+            (TensorSpec("images", (batch, c.out_channels, side, side), "float32"),),
             dtype,
         )
 

@@ -43,8 +43,8 @@ class TextEncoderGraph(nn.Module):
         c = model.config
         self.spec = GraphSpec(
             TEXT_ENCODER_GRAPH,
-            (TensorSpec("ids", (1, length), torch.int64), TensorSpec("mask", (1, length), torch.int64)),
-            (TensorSpec("features", (1, length, c.d_model), torch.float32),),
+            (TensorSpec("ids", (1, length), "int64"), TensorSpec("mask", (1, length), "int64")),
+            (TensorSpec("features", (1, length, c.d_model), "float32"),),
             torch.float32,
         )
 

@@ -21,12 +21,12 @@ from lantern_rt.bundle import (
     Bundle,
     BundleError,
     GraphEntry,
-    IOSpec,
     batched_name,
     paths_depth,
     step_windows,
     windowed_name,
 )
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.jacobi import is_window
@@ -51,25 +51,20 @@ class GraphRunner(Protocol):
 RunnerFactory = Callable[[Bundle, GraphEntry], GraphRunner]
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The manifest's dtype name (numpy's) as a torch dtype."""
-    return getattr(torch, name)
-
-
 CACHE_INPUTS = ("past_k_", "past_v_")
 SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # sampling.filter_inputs, cached
 RELAX_INPUTS = ("neighbors", "k", "cap_a", "cap_b", "greedy")  # acceptance.RelaxInputs, per image
 LENGTH_INPUTS = ("cache_length", "root_position")  # the caches' own length tensors, updated in place
 
 
-def bound_by_pointer(spec: IOSpec) -> bool:
+def bound_by_pointer(spec: TensorSpec) -> bool:
     """Whether an input is bound where the caller keeps it rather than copied: the caches and
     the neighbour table (too large to copy), the sampling settings, the relaxation and the
     caches' lengths (the same tensors every call; a captured CUDA graph reads their values)."""
     return spec.name.startswith(CACHE_INPUTS) or spec.name in SAMPLING_INPUTS + RELAX_INPUTS + LENGTH_INPUTS
 
 
-def ordered(inputs: tuple[IOSpec, ...], named: dict[str, Tensor]) -> tuple[Tensor, ...]:
+def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[Tensor, ...]:
     """The tensors ``named`` by a graph's declared ``inputs``, in their order; ``ValueError``
     unless there is exactly one per input, each of its shape."""
     missing, unknown = [s.name for s in inputs if s.name not in named], set(named) - {s.name for s in inputs}
@@ -107,7 +102,7 @@ def cache_for(
     condition slots (a target's), read through ``windows`` (see :class:`KVCache`)."""
     past = entry.input("past_k_0")
     rows, heads, capacity, head_dim = past.shape
-    dtype = torch_dtype(past.dtype)
+    dtype = past.torch_dtype
     guided = rows == 2 * batch
     return KVCache(kv_layers(entry), batch, heads, capacity, head_dim, dtype, device, prefix, windows, guided)
 

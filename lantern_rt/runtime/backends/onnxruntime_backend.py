@@ -15,12 +15,12 @@ import onnxruntime as ort
 import torch
 from torch import Tensor
 
-from lantern_rt.bundle import Bundle, GraphEntry, IOSpec
+from lantern_rt.bundle import Bundle, GraphEntry
+from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
     ordered,
-    torch_dtype,
 )
 
 CUDA = "CUDAExecutionProvider"
@@ -80,7 +80,7 @@ class OrtGraph:
             if not self._in_place[i]:
                 buffer.copy_(arg)
             elif buffer is not arg and (buffer is None or buffer.data_ptr() != arg.data_ptr()):
-                arg = arg.to(self.device, torch_dtype(spec.dtype)).contiguous()
+                arg = arg.to(self.device, spec.torch_dtype).contiguous()
                 self._bind(self._binding.bind_input, spec, arg)
                 self._buffers[i] = arg  # keeps the bound memory alive
         if self.device.type == "cuda":
@@ -88,10 +88,10 @@ class OrtGraph:
         self.session.run_with_iobinding(self._binding)
         return self._results
 
-    def _allocate(self, spec: IOSpec) -> Tensor:
-        return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+    def _allocate(self, spec: TensorSpec) -> Tensor:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
 
-    def _bind(self, bind: Any, spec: IOSpec, tensor: Tensor) -> None:
+    def _bind(self, bind: Any, spec: TensorSpec, tensor: Tensor) -> None:
         index = self.device.index or 0
         bind(spec.name, self.device.type, index, np.dtype(spec.dtype), list(spec.shape), tensor.data_ptr())
 
