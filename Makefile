@@ -18,12 +18,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/lantern generate --num-images 8 -o demo.png --stats-json demo.json
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each taking a whole test module at a time so
+# that a module's fixtures (its exported bundles) are built once; TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 # the quick loop: leaves out the tests marked slow (ONNX exports, end-to-end CLI runs); CI runs `make test`
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check lantern_rt tests
