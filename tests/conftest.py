@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -199,7 +200,7 @@ PROMPT_SLOTS = 12  # caption slots of the prompt models (a short prompt is padde
 
 
 @pytest.fixture(scope="session")
-def prompt_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def prompt_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A t2i model directory whose config.json names a tiny T5 folder (files.t5)
     (test_text_to_image and test_jacobi)."""
     from tests.t5_fixtures import TINY_T5, tiny_t5
@@ -217,7 +218,7 @@ def prompt_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert_folder_unchanged(before, md)
 
 
-def _chameleon_dir(tmp_path_factory: pytest.TempPathFactory, layout: str):
+def _chameleon_dir(tmp_path_factory: pytest.TempPathFactory, layout: str) -> Iterator[Path]:
     pytest.importorskip("transformers")
     from tests.chameleon_fixtures import LUMINA_VQ, hf_model
     from tests.chameleon_fixtures import write_model_dir as write_chameleon
