@@ -36,8 +36,8 @@ Warn = Callable[[str], None]
 
 
 class Family(ABC):
-    """One model family: its name in ``config.json`` (``"family"``), the ``model_type`` values
-    of its targets (a bundle's manifest names its family by one) and what only it knows."""
+    """One model family: its name (``"family"`` in a model directory's ``config.json`` and in a
+    bundle's manifest) and what only it knows."""
 
     name: ClassVar[str]
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lantern_rt.bundle import TEXT_ENCODER_GRAPH
 from lantern_rt.families.base import Conditioner, Warn
 from lantern_rt.families.llamagen.captions import left_pad, load_tokenizer, tokenize
 from lantern_rt.models.config import ConfigError
@@ -70,7 +71,6 @@ def null_caption(bundle: Bundle) -> np.ndarray:
 def bundle_prompts(bundle: Bundle, runner: RunnerFactory, device: torch.device, warn: Warn) -> Conditioner:
     """Prompt -> condition on a bundle's text encoder graph and tokenizer (loaded on first use:
     a bundle exported without a text encoder still decodes conditions built elsewhere)."""
-    from lantern_rt.bundle import TEXT_ENCODER_GRAPH
 
     @functools.cache
     def text_side() -> tuple[Any, TextEncode, torch.Tensor]:

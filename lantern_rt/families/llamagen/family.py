@@ -13,6 +13,7 @@ from torch import nn
 
 from lantern_rt.bundle import NULL_CAPTION
 from lantern_rt.families.base import Conditioner, Family, Warn
+from lantern_rt.families.llamagen.captions import load_tokenizer
 from lantern_rt.families.llamagen.conditions import (
     bundle_prompts,
     class_conditioner,
@@ -20,6 +21,8 @@ from lantern_rt.families.llamagen.conditions import (
     prompt_condition,
 )
 from lantern_rt.families.llamagen.hf_layout import read_target_state, resolve_gpt_section
+from lantern_rt.families.llamagen.text_encoder import encode, load_text_encoder
+from lantern_rt.families.llamagen.text_encoder_graph import TextEncoderGraph, copy_tokenizer
 from lantern_rt.models.checkpoint import load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict
 from lantern_rt.models.model_dir import (
@@ -99,9 +102,6 @@ class LlamaGenFamily(Family):
                 return Condition(condition_rows(target, int(label)))
 
             return condition
-        from lantern_rt.families.llamagen.captions import load_tokenizer
-        from lantern_rt.families.llamagen.text_encoder import encode, load_text_encoder
-
         self.check_runnable(md)
         encoder = load_text_encoder(md.path("t5"), device, md.gpt.caption_dim)
         tokenizer = load_tokenizer(md.path("t5"))
@@ -130,9 +130,6 @@ class LlamaGenFamily(Family):
         features given through the Python API only)."""
         if md.gpt.model_type != "t2i" or "t5" not in md.files:
             return []
-        from lantern_rt.families.llamagen.text_encoder import load_text_encoder
-        from lantern_rt.families.llamagen.text_encoder_graph import TextEncoderGraph
-
         encoder = load_text_encoder(md.path("t5"), caption_dim=target.config.caption_dim)
         return [TextEncoderGraph(encoder, target.config.cls_token_num)]
 
@@ -142,8 +139,6 @@ class LlamaGenFamily(Family):
         np.save(folder / NULL_CAPTION, target.null_condition.float().numpy())
         extras: dict[str, Any] = {"null_condition": {"file": NULL_CAPTION}}
         if "t5" in md.files:
-            from lantern_rt.families.llamagen.text_encoder_graph import copy_tokenizer
-
             copy_tokenizer(md.path("t5"), folder)
             extras["text_encoder"] = {"max_length": md.gpt.cls_token_num}
         return extras
