@@ -228,16 +228,18 @@ class Bundle:
         """Where TensorRT plans for this bundle live (see :mod:`lantern_rt.engines.plans`)."""
         return self.path / ENGINES_DIR
 
-    def check_batch_size(self, batch: int) -> None:
-        """:class:`BundleError` naming the export command when the graphs were not exported for
-        ``batch`` images per call."""
+    def batch(self, size: int) -> BatchGraphs:
+        """Its graphs for ``size`` images per call; :class:`BundleError` naming the export command
+        when the graphs were not exported for that batch size (the one check of a bundle's batch
+        size: runtimes take the :class:`BatchGraphs` it returns)."""
         sizes = self.constants.batch_sizes
-        if batch not in sizes:
-            listed = ",".join(map(str, sorted({*sizes, batch})))
+        if size not in sizes:
+            listed = ",".join(map(str, sorted({*sizes, size})))
+            hint = f": re-export it with `lantern export --batch-size {listed}`" if size >= 1 else ""
             raise BundleError(
-                f"bundle {self.path} has graphs for batch sizes {', '.join(map(str, sizes))}, not {batch}: "
-                f"re-export it with `lantern export --batch-size {listed}`"
+                f"bundle {self.path} has graphs for batch sizes {', '.join(map(str, sizes))}, not {size}{hint}"
             )
+        return BatchGraphs(self, size)
 
     def graph(self, name: str) -> GraphEntry:
         """The graph called ``name``; :class:`BundleError` naming the ones it has otherwise."""
@@ -264,6 +266,19 @@ class Bundle:
                 f"bundle {self.path} stores {table.shape[1]} neighbours per code, fewer than k={k}"
             )
         return table[:, :k]
+
+
+@dataclass(frozen=True)
+class BatchGraphs:
+    """A bundle's graphs for ``size`` images per call, a batch size it was exported for (made
+    by :meth:`Bundle.batch`, which checks that)."""
+
+    bundle: Bundle
+    size: int
+
+    def graph(self, name: str) -> GraphEntry:
+        """The ``size``-image variant of graph ``name`` (see :func:`batched_name`)."""
+        return self.bundle.graph(batched_name(name, self.size))
 
 
 def _read_manifest(path: Path) -> Any:

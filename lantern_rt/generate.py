@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, Bundle
+from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST, BatchGraphs, Bundle
 from lantern_rt.errors import warn
 from lantern_rt.families.loading import (
     bundle_info,
@@ -188,8 +188,8 @@ def make_pipeline(
     ``guided``), decoding ``batch_size`` images per step. ``cuda_graphs`` applies to torch on a
     CUDA device and to tensorrt. ``guided`` False (for CFG scales of at most 1,
     :attr:`SamplingConfig.guided`) runs one row per image instead of two; a bundle runs the rows
-    it was exported with."""
-    check_batch_sizes([batch_size])
+    it was exported with. The batch size is checked by what builds the pipeline (the torch
+    models, the export or the bundle's graphs)."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "torch":
@@ -218,7 +218,7 @@ def make_pipeline(
     from lantern_rt.engines.runner import trt_runner
 
     runner = trt_runner(source, cuda_graphs=cuda_graphs)
-    return bundle_pipeline(source, method, runner, "tensorrt", batch_size)
+    return bundle_pipeline(source.batch(batch_size), method, runner, "tensorrt")
 
 
 def open_source(model: Path | None, bundle: Path | None) -> tuple[ModelDir, ModelDir | Bundle]:
@@ -314,12 +314,13 @@ def cached_bundle(
 
 
 def bundle_pipeline(
-    bundle: Bundle, method: MethodConfig, runner: RunnerFactory, backend: str, batch_size: int = 1
+    graphs: BatchGraphs, method: MethodConfig, runner: RunnerFactory, backend: str
 ) -> Pipeline:
-    """A bundle run by an engine's graph runners, ``batch_size`` images per step (graphs the
-    bundle was exported for: :class:`BundleTarget` refuses others); no torch model is built."""
+    """A bundle's graphs for one batch size (:meth:`Bundle.batch`) run by an engine's graph
+    runners; no torch model is built."""
+    bundle = graphs.bundle
     info = bundle_info(bundle)
-    target = BundleTarget(bundle, runner, backend, batch_size)
+    target = BundleTarget(graphs, runner, backend)
     spec = None
     if method.jacobi:
         window = load_tree(method.tree, MAX_DRAFT_WIDTH)
@@ -339,7 +340,7 @@ def bundle_pipeline(
             raise ConfigError(
                 f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
             )
-        drafter = BundleDrafter(bundle, runner, backend, batch_size)
+        drafter = BundleDrafter(graphs, runner, backend)
         spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     decoder = BundleVQDecoder(bundle, runner)
     condition = family_named(info.family).bundle_conditioner(bundle, runner, target.cache.k.device, warn)
@@ -361,7 +362,7 @@ def onnxruntime_pipeline(
     """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu)."""
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 
-    return bundle_pipeline(bundle, method, ort_runner(threads), "onnxruntime", batch_size)
+    return bundle_pipeline(bundle.batch(batch_size), method, ort_runner(threads), "onnxruntime")
 
 
 @dataclass

@@ -55,7 +55,9 @@ def main() -> None:
         return make
 
     for profile in (False, True):
-        pipe = bundle_pipeline(bundle, MethodConfig(method=args.method), runner(profile), "onnxruntime")
+        pipe = bundle_pipeline(
+            bundle.batch(1), MethodConfig(method=args.method), runner(profile), "onnxruntime"
+        )
         generate(pipe, labels, SamplingConfig(cfg_scale=3.0), progress=False)
     for name, graph in profiled:
         if calls.get(name):

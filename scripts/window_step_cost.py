@@ -41,7 +41,7 @@ def main() -> None:
     print(f"threads {args.threads}, {args.calls} calls per row, cache {c.cache_capacity} slots")
     print("B  step      " + "".join(f"{f'w {w}':>10}" for w in c.cache_windows))
     for batch in c.batch_sizes:
-        target = BundleTarget(bundle, ort_runner(threads=args.threads), "onnxruntime", batch)
+        target = BundleTarget(bundle.batch(batch), ort_runner(threads=args.threads), "onnxruntime")
         cache = target.cache
         for name, tree in trees.items():
             table = None if tree is ROOT_ONLY else bundle.neighbors()  # AR's step credits none

@@ -165,9 +165,9 @@ def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trai
     runs = []
     for batch in (1, 3):
         runner = ort_runner(threads=1)
-        ort_target = BundleTarget(bundle, runner, "onnxruntime", batch)
+        ort_target = BundleTarget(bundle.batch(batch), runner, "onnxruntime")
         spec = Speculation(
-            BundleDrafter(bundle, runner, "onnxruntime", batch), tree, RELAX, bundle.neighbors()
+            BundleDrafter(bundle.batch(batch), runner, "onnxruntime"), tree, RELAX, bundle.neighbors()
         )
         runs.append(decode_all(ort_target, target, LABELS, sampling, spec)[0])
     spec = Speculation(
@@ -184,7 +184,9 @@ def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trai
 @pytest.mark.slow
 def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
     with pytest.raises(BundleError, match=r"lantern export --batch-size 1,2,3"):
-        BundleTarget(batched_bundle, ort_runner(threads=1), "onnxruntime", 2)
+        batched_bundle.batch(2)
+    with pytest.raises(BundleError, match=r"not 0$"):  # no export can make a batch of 0
+        batched_bundle.batch(0)
     out = tmp_path / "g.png"
     args = ["generate", "--bundle", str(batched_bundle.path), "--batch-size", "2", "-q", "-o", str(out)]
     r = CliRunner().invoke(main, args)

@@ -165,7 +165,7 @@ def test_onnxruntime_windows_give_torch_whole_cache_tokens(windowed_bundle, monk
     for batch in (1, 2):
         reference = TorchTarget(model, batch, 1)
         want = _tokens(reference, LABELS, SAMPLED, spec(reference))
-        target = BundleTarget(windowed_bundle, ort_runner(threads=1), "onnxruntime", batch)
+        target = BundleTarget(windowed_bundle.batch(batch), ort_runner(threads=1), "onnxruntime")
         used = _spy_windows(monkeypatch)
         got = _tokens(target, LABELS, SAMPLED, spec(target))
         monkeypatch.undo()

@@ -32,7 +32,9 @@ def model_dir(bundle):
 
 
 def backends(bundle: Bundle, model_dir) -> tuple[BundleTarget, TorchTarget]:
-    return BundleTarget(bundle, ort_runner(threads=1), "onnxruntime"), TorchTarget(load_target(model_dir))
+    return BundleTarget(bundle.batch(1), ort_runner(threads=1), "onnxruntime"), TorchTarget(
+        load_target(model_dir)
+    )
 
 
 def test_greedy_decoding_matches_torch(bundle, model_dir):
@@ -52,7 +54,7 @@ def test_a_bundle_without_drafter_refuses_a_drafter(bundle):
     with pytest.raises(
         BundleError, match="has no drafter graphs; export it from a model directory with a drafter"
     ):
-        BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
+        BundleDrafter(bundle.batch(1), ort_runner(threads=1), "onnxruntime")
 
 
 def test_ar_steps_match_torch(bundle, model_dir):
@@ -72,7 +74,7 @@ def test_ar_steps_match_torch(bundle, model_dir):
 
 def test_a_tree_without_a_verify_graph_is_refused(bundle):
     """c2i-fp32 lists a tree but has no drafter: no verify graph was exported for it."""
-    target = BundleTarget(bundle, ort_runner(threads=1), "onnxruntime")
+    target = BundleTarget(bundle.batch(1), ort_runner(threads=1), "onnxruntime")
     target.prefill(COND)
     tree = load_tree("mc_sim_7b_63")
     with pytest.raises(BundleError, match="the bundle has no verify graph for tree mc_sim_7b_63; export it"):
@@ -92,7 +94,7 @@ def test_vq_decoder_matches_torch(bundle, model_dir):
 )
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch has no CUDA device here")
 def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
-    ours = BundleTarget(bundle, ort_runner(providers=[CUDA]), "onnxruntime")
+    ours = BundleTarget(bundle.batch(1), ort_runner(providers=[CUDA]), "onnxruntime")
     reference = TorchTarget(load_target(model_dir).cuda())
     assert ours.cache.k.is_cuda
     n = model_dir.gpt.block_size
@@ -105,7 +107,7 @@ def test_cuda_provider_keeps_the_cache_on_the_gpu(bundle, model_dir):
 def test_fp16_text_bundle_follows_torch(tmp_path_factory):
     """t2i with GQA in fp16: fp16 caches bound in place, logits close to the fp32 model."""
     bundle = Bundle.open(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"))
-    ours = BundleTarget(bundle, ort_runner(threads=1), "onnxruntime")
+    ours = BundleTarget(bundle.batch(1), ort_runner(threads=1), "onnxruntime")
     reference = TorchTarget(load_target(open_model_dir(bundle.path.parent / "t2i-gqa-fp16-model")))
     caption = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
     cond = torch.stack([caption, reference.model.null_condition])

@@ -93,7 +93,7 @@ def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
     committed cache, then every level in one graph; the same tokens, q and committed caches as
     the drafter's own step in torch."""
     tree = load_tree("naive_extend_57")
-    ours = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
+    ours = BundleDrafter(bundle.batch(1), ort_runner(threads=1), "onnxruntime")
     reference = torch_drafter(bundle, model_dir)
     g = torch.Generator().manual_seed(0)
     tokens, hidden = torch.randint(0, 64, (6,), generator=g), torch.randn(2, 6, 32, generator=g)
@@ -151,8 +151,8 @@ def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
     results = []
     for target, drafter in (
         (
-            BundleTarget(bundle, ort_runner(threads=1), "onnxruntime"),
-            BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime"),
+            BundleTarget(bundle.batch(1), ort_runner(threads=1), "onnxruntime"),
+            BundleDrafter(bundle.batch(1), ort_runner(threads=1), "onnxruntime"),
         ),
         (reference, torch_drafter(bundle, model_dir)),
     ):
@@ -171,7 +171,7 @@ def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
 
 
 def test_a_tree_that_was_not_exported_is_refused(bundle):
-    drafter = BundleDrafter(bundle, ort_runner(threads=1), "onnxruntime")
+    drafter = BundleDrafter(bundle.batch(1), ort_runner(threads=1), "onnxruntime")
     with pytest.raises(BundleError, match="no drafting graph for tree chain-3"):
         one = torch.tensor([1])
         draft(

@@ -153,7 +153,8 @@ def pipelines(
     """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle (a Jacobi
     method: per chain with a verify graph), all on one set of graph runners, ``batch`` images
     per step."""
-    ar = bundle_pipeline(bundle, MethodConfig("ar"), runner, "onnxruntime", batch)
+    graphs = bundle.batch(batch)
+    ar = bundle_pipeline(graphs, MethodConfig("ar"), runner, "onnxruntime")
     if method.method == "ar":
         return {"ar": ar}
     if method.jacobi:
@@ -172,7 +173,7 @@ def pipelines(
         } | {"ar": ar}
     if not bundle.has_drafter:
         raise CalibrationError(f"{bundle.path} has no drafter graphs: use method ar")
-    drafter = BundleDrafter(bundle, runner, "onnxruntime", batch)
+    drafter = BundleDrafter(graphs, runner, "onnxruntime")
     return {
         name: dataclasses.replace(
             ar,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lantern_rt.models.config import ConfigError
+from lantern_rt.models.config import ConfigError, GPTConfig
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.sampling import SamplingConfig
 
@@ -120,6 +120,15 @@ def chunk_generator(seed: int, chunk: int, device: torch.device) -> torch.Genera
     return torch.Generator(device=device).manual_seed(state)
 
 
+def check_runnable(cfg: GPTConfig) -> None:
+    """:class:`ConfigError` unless the baseline can run a target of ``cfg``: LlamaGen's loop
+    here is its class-conditional one."""
+    if cfg.takes_prompts:
+        raise ConfigError(
+            f"the torch-batched baseline runs class-conditional models (LlamaGen's c2i loop), not {cfg.model_type}"
+        )
+
+
 @torch.inference_mode()
 def torch_batched_ar(
     model: Transformer, labels: Sequence[int], sampling: SamplingConfig, batch_size: int, seed: int
@@ -127,8 +136,7 @@ def torch_batched_ar(
     """LlamaGen-style batched AR decoding of class ``labels`` (c2i), ``batch_size`` images at a
     time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops."""
     cfg = model.config
-    if cfg.model_type != "c2i":
-        raise ConfigError(f"the torch-batched baseline takes class labels; this model is {cfg.model_type}")
+    check_runnable(cfg)
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     labels = [int(label) for label in labels]

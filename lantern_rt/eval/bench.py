@@ -630,8 +630,9 @@ def check_baseline(name: str, source: ModelDir | Bundle) -> None:
         raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     if not isinstance(source, ModelDir):
         raise ConfigError(f"the {name} baseline runs a model directory: drop --bundle")
-    if source.gpt.model_type != "c2i":
-        raise ConfigError(f"the {name} baseline runs class-conditional models (LlamaGen's c2i loop)")
+    from lantern_rt.eval.baseline import check_runnable
+
+    check_runnable(source.gpt)
 
 
 def baseline_measurement(
@@ -693,7 +694,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     if s.baseline is not None:
         check_baseline(s.baseline, source)
     for size in sizes if isinstance(source, Bundle) else ():
-        source.check_batch_size(size)
+        source.batch(size)  # refused before any run
     out = output_dir(s.out)
     if s.threads:
         torch.set_num_threads(s.threads)

@@ -18,10 +18,10 @@ from lantern_rt.bundle import (
     DRAFTER_PREFILL_GRAPH,
     PREFILL_GRAPH,
     VQ_DECODE_GRAPH,
+    BatchGraphs,
     Bundle,
     BundleError,
     GraphEntry,
-    batched_name,
     paths_depth,
     step_windows,
     windowed_name,
@@ -95,40 +95,54 @@ def kv_layers(entry: GraphEntry) -> int:
 
 
 def cache_for(
-    entry: GraphEntry, batch: int, device: torch.device, prefix: int = 0, windows: tuple[int, ...] = ()
+    entry: GraphEntry,
+    graphs: BatchGraphs,
+    device: torch.device,
+    prefix: int = 0,
+    windows: tuple[int, ...] = (),
 ) -> KVCache:
-    """An empty cache for ``batch`` images shaped like a graph's per-layer ``past_k_{i}`` inputs
-    (2B rows, or B without guidance), on ``device``, keeping the visibility of ``prefix``
-    condition slots (a target's), read through ``windows`` (see :class:`KVCache`)."""
+    """An empty cache for the batch of ``graphs`` (2B rows, or B for a bundle exported without
+    guidance) whose heads, slots and dtype are those of ``entry``'s per-layer ``past_k_{i}``
+    inputs, on ``device``, keeping the visibility of ``prefix`` condition slots (a target's),
+    read through ``windows`` (see :class:`KVCache`)."""
     past = entry.input("past_k_0")
-    rows, heads, capacity, head_dim = past.shape
-    dtype = past.torch_dtype
-    guided = rows == 2 * batch
-    return KVCache(kv_layers(entry), batch, heads, capacity, head_dim, dtype, device, prefix, windows, guided)
+    _, heads, capacity, head_dim = past.shape
+    guided = graphs.bundle.constants.guided
+    return KVCache(
+        kv_layers(entry),
+        graphs.size,
+        heads,
+        capacity,
+        head_dim,
+        past.torch_dtype,
+        device,
+        prefix,
+        windows,
+        guided,
+    )
 
 
 class BundleTarget:
-    """``TargetBackend`` over a bundle's prefill graph and its verify graphs for ``batch``
-    images per call: one per tree with a drafter (``target_verify_{i}``) and AR's
+    """``TargetBackend`` over a bundle's prefill graph and its verify graphs for the batch of
+    ``graphs`` (from :meth:`Bundle.batch`): one per tree with a drafter (``target_verify_{i}``) and AR's
     ``target_ar_step``, each once per cache window (names with ``_w{window}`` below the whole
     cache, ``_b{batch}`` for batches above 1); a call runs the one of the cache's window."""
 
-    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str, batch: int = 1):
-        bundle.check_batch_size(batch)
+    def __init__(self, graphs: BatchGraphs, runner: RunnerFactory, name: str):
+        bundle = graphs.bundle
         self.name = name
         self.cls_token_num = bundle.constants.cls_token_num
-        self._prefill = runner(bundle, bundle.graph(batched_name(PREFILL_GRAPH, batch)))
+        self._prefill = runner(bundle, graphs.graph(PREFILL_GRAPH))
         names = {ROOT_ONLY.paths: AR_STEP_GRAPH}
         names |= {tree.paths: tree.verify for tree in bundle.trees.values() if tree.verify is not None}
         capacity, windows = bundle.constants.cache_capacity, bundle.constants.cache_windows
         self._verify = {
-            (paths, w): runner(bundle, bundle.graph(batched_name(windowed_name(name, w, capacity), batch)))
+            (paths, w): runner(bundle, graphs.graph(windowed_name(name, w, capacity)))
             for paths, name in names.items()
             for w in step_windows(windows, self.cls_token_num, paths_depth(paths))
         }
-        ar = bundle.graph(batched_name(AR_STEP_GRAPH, batch))
         device = self._verify[ROOT_ONLY.paths, capacity].device
-        self.cache = cache_for(ar, batch, device, self.cls_token_num, windows)
+        self.cache = cache_for(graphs.graph(AR_STEP_GRAPH), graphs, device, self.cls_token_num, windows)
 
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
@@ -170,12 +184,12 @@ class BundleTarget:
 
 
 class BundleDrafter:
-    """``DrafterBackend`` over a bundle's drafting graphs for ``batch`` images per call, one per
+    """``DrafterBackend`` over a bundle's drafting graphs for the batch of ``graphs``, one per
     exported tree (the drafter's layers and the LM head are inside them); its cache has the
     manifest's ``drafter_capacity``."""
 
-    def __init__(self, bundle: Bundle, runner: RunnerFactory, name: str, batch: int = 1):
-        bundle.check_batch_size(batch)
+    def __init__(self, graphs: BatchGraphs, runner: RunnerFactory, name: str):
+        bundle = graphs.bundle
         trees = [tree for tree in bundle.trees.values() if tree.graph is not None]
         if not bundle.has_drafter or not trees:
             raise BundleError(
@@ -184,12 +198,12 @@ class BundleDrafter:
             )
         self.name = name
         self.vocab_size = bundle.constants.vocab_size
-        graphs = {tree.paths: bundle.graph(batched_name(tree.graph, batch)) for tree in trees}
-        self._graphs = {paths: runner(bundle, entry) for paths, entry in graphs.items()}
+        entries = {tree.paths: graphs.graph(tree.graph) for tree in trees}
+        self._graphs = {paths: runner(bundle, entry) for paths, entry in entries.items()}
         pairs = bundle.constants.cls_token_num - 1  # the condition prefix's pairs
         device = next(iter(self._graphs.values())).device
-        self.cache = cache_for(next(iter(graphs.values())), batch, device, pairs)
-        entry = bundle.graph(batched_name(DRAFTER_PREFILL_GRAPH, batch)) if pairs else None
+        self.cache = cache_for(next(iter(entries.values())), graphs, device, pairs)
+        entry = graphs.graph(DRAFTER_PREFILL_GRAPH) if pairs else None
         self._prefill = runner(bundle, entry) if entry is not None else None
         self._prompt = entry is not None and len(entry.inputs) > 1  # a prompt-token drafter
 
