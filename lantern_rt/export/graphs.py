@@ -17,7 +17,7 @@ from lantern_rt.export.graph_forward import Blocks, rms_norm
 from lantern_rt.graph_spec import GraphSpec, TensorSpec, dtype_name
 from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
-from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer, grid_codes
+from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer, grid_codes, random_prefix
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.acceptance import RelaxInputs, tree_plan, tree_step_inputs, verify_tree
 from lantern_rt.runtime.backends.base import CatchUp
@@ -96,11 +96,7 @@ class TargetPrefill(nn.Module):
         dtype = model.output.weight.dtype
         self.rows = rows = guided_rows(batch, guided)
         t = c.cls_token_num
-        cond = {
-            "c2i": TensorSpec("cond", (rows,), "int64"),
-            "t2i": TensorSpec("cond", (rows, t, c.caption_dim), "float32"),
-            "chameleon": TensorSpec("cond", (rows, t), "int64"),
-        }[c.model_type]
+        cond = TensorSpec("cond", *model.cls_embedding.condition_input(rows, t))
         self.spec = GraphSpec(
             batched_name(PREFILL_GRAPH, batch),
             (cond, TensorSpec("prefix", (rows, t), "bool")),
@@ -130,27 +126,10 @@ class TargetPrefill(nn.Module):
         return logits[:, -1], hidden, k, v
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
-        """Random condition rows plus (guided) the null conditions; for captions and prompts, a
-        random number of leading padding slots per row (left padding)."""
-        c, b, rows = self.model.config, self.batch, self.rows
-        if c.model_type == "chameleon":
-            ids = torch.randint(c.text_vocab_size, (rows, c.cls_token_num), generator=g)
-            return ids, random_prefix(g, rows, c.cls_token_num)
-        if c.model_type == "c2i":
-            cond = torch.cat(
-                [torch.randint(c.num_classes, (b,), generator=g), torch.full((b,), c.num_classes)]
-            )
-            return cond[:rows], torch.ones(rows, 1, dtype=torch.bool)
-        captions = torch.randn(b, c.cls_token_num, c.caption_dim, generator=g)
-        null = self.model.null_condition.float().cpu().expand(b, -1, -1)
-        return torch.cat([captions, null])[:rows], random_prefix(g, rows, c.cls_token_num)
-
-
-def random_prefix(g: torch.Generator, rows: int, slots: int) -> Tensor:
-    """[rows, slots] bool: per CFG row a random number of leading False (padding) slots, the
-    last one always visible (a caption or a prompt has at least its last token)."""
-    padding = torch.randint(slots, (rows, 1), generator=g)
-    return torch.arange(slots)[None, :] >= padding
+        """Random condition rows plus (guided) the null conditions, and which prefix slots each
+        row sees (the condition embedder's :meth:`random_conditions`)."""
+        slots = self.model.config.cls_token_num
+        return self.model.cls_embedding.random_conditions(g, self.batch, self.rows, slots)
 
 
 def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:

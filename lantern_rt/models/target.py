@@ -245,6 +245,13 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h)), k, v
 
 
+def random_prefix(g: torch.Generator, rows: int, slots: int) -> Tensor:
+    """[rows, slots] bool: per CFG row a random number of leading False (padding) slots, the
+    last one always visible (a caption or a prompt has at least its last token)."""
+    padding = torch.randint(slots, (rows, 1), generator=g)
+    return torch.arange(slots)[None, :] >= padding
+
+
 class LabelEmbedder(nn.Module):
     """Class id -> one prefix embedding; id ``num_classes`` is the null (unconditional) class."""
 
@@ -259,6 +266,20 @@ class LabelEmbedder(nn.Module):
             drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
             labels = torch.where(drop, self.num_classes, labels)
         return self.embedding_table(labels).unsqueeze(1)
+
+    def condition_input(self, rows: int, slots: int) -> tuple[tuple[int, ...], str]:
+        """The shape and dtype of ``rows`` conditions as a graph takes them: one class id each."""
+        return (rows,), "int64"
+
+    def random_conditions(
+        self, g: torch.Generator, images: int, rows: int, slots: int
+    ) -> tuple[Tensor, Tensor]:
+        """Random class ids for ``images`` images and (``rows`` = 2 x images) the null class,
+        with their prefix visibility [rows, 1] (all visible)."""
+        cond = torch.cat(
+            [torch.randint(self.num_classes, (images,), generator=g), torch.full((images,), self.num_classes)]
+        )
+        return cond[:rows], torch.ones(rows, 1, dtype=torch.bool)
 
 
 class MLP(nn.Module):
@@ -287,6 +308,19 @@ class CaptionEmbedder(nn.Module):
             caption = torch.where(drop[:, None, None], self.uncond_embedding, caption)
         return self.cap_proj(caption)
 
+    def condition_input(self, rows: int, slots: int) -> tuple[tuple[int, ...], str]:
+        """The shape and dtype of ``rows`` conditions as a graph takes them: caption features."""
+        return (rows, slots, self.uncond_embedding.shape[1]), "float32"
+
+    def random_conditions(
+        self, g: torch.Generator, images: int, rows: int, slots: int
+    ) -> tuple[Tensor, Tensor]:
+        """Random caption features for ``images`` images and (``rows`` = 2 x images) the null
+        caption, each row with a random left padding (:func:`random_prefix`)."""
+        captions = torch.randn(images, slots, self.uncond_embedding.shape[1], generator=g)
+        null = self.uncond_embedding.float().cpu().expand(images, -1, -1)
+        return torch.cat([captions, null])[:rows], random_prefix(g, rows, slots)
+
 
 class PromptEmbedder(nn.Embedding):
     """Prompt token ids [B, T] -> prefix embeddings [B, T, dim] (the Chameleon family's prefix:
@@ -294,6 +328,17 @@ class PromptEmbedder(nn.Embedding):
 
     def forward(self, ids: Tensor, train: bool = False) -> Tensor:  # type: ignore[override]
         return super().forward(ids)
+
+    def condition_input(self, rows: int, slots: int) -> tuple[tuple[int, ...], str]:
+        """The shape and dtype of ``rows`` conditions as a graph takes them: prompt token ids."""
+        return (rows, slots), "int64"
+
+    def random_conditions(
+        self, g: torch.Generator, images: int, rows: int, slots: int
+    ) -> tuple[Tensor, Tensor]:
+        """Random prompt rows (an unconditional row is a prompt too), each with a random left
+        padding (:func:`random_prefix`)."""
+        return torch.randint(self.num_embeddings, (rows, slots), generator=g), random_prefix(g, rows, slots)
 
 
 class Transformer(nn.Module):
