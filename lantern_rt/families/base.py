@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.models.config import GPTConfig
+from lantern_rt.models.config import ConfigError, GPTConfig
 from lantern_rt.models.drafter import DrafterConfig
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.target import Transformer
@@ -33,6 +34,52 @@ if TYPE_CHECKING:
 Conditioner = Callable[[int | str], Condition]
 # a warning for the user (printed on stderr by the command line)
 Warn = Callable[[str], None]
+
+
+class TrainingRows(Protocol):
+    """N images' conditions as a drafter trains on them (what :meth:`Family.training_conditions`
+    returns); indexing with image indices selects images."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: Tensor) -> TrainingRows: ...
+
+    def teacher_forced_hidden(self, target: Transformer, codes: Tensor, uncond: Tensor) -> Tensor:
+        """The target's final-norm hidden states [B, P + T, D] over the P condition slots (each
+        image's unconditional row where ``uncond`` [B]) and its T image tokens ``codes`` [B, T],
+        teacher-forced, as the runtime's prefill and steps see them."""
+        ...
+
+    def prefix_pairs(self, uncond: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The drafter's prefix pairs: the condition tokens of slots 1..P-1 [B, P - 1] and which
+        of the pairs the others see [B, P - 1]; None for a prefix without pairs (P = 1)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClassRows:
+    """N images' class ids ``labels`` int64 [N] as :class:`TrainingRows`: one prefix slot, the
+    null class (``num_classes``) on the unconditional rows, one full causal forward."""
+
+    labels: Tensor
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: Tensor) -> ClassRows:
+        return ClassRows(self.labels[index])
+
+    def teacher_forced_hidden(self, target: Transformer, codes: Tensor, uncond: Tensor) -> Tensor:
+        cfg = target.config
+        if cfg.takes_prompts:
+            raise ConfigError(
+                f"class labels train a class-conditional target's drafter, not a {cfg.model_type} one"
+            )
+        cond = torch.where(uncond, torch.full_like(self.labels, cfg.num_classes), self.labels)
+        return target.hidden_states(codes, cond)
+
+    def prefix_pairs(self, uncond: Tensor) -> None:
+        return None
 
 
 class Family(ABC):
@@ -118,8 +165,10 @@ class Family(ABC):
         ids) or ``prompts`` (strings); :class:`ConfigError` when this kind of model trains no
         drafter here (the message says what to use instead)."""
 
-    def training_conditions(self, md: ModelDir, files: list[tuple[Path, np.ndarray]], warn: Warn) -> Any:
+    def training_conditions(
+        self, md: ModelDir, files: list[tuple[Path, np.ndarray]], warn: Warn
+    ) -> TrainingRows:
         """Each codes file's path and ``codes_key`` array [N_i] (its shape and range checked) ->
         the conditions a drafter of ``md`` trains on, in file order (class ids: the arrays
         joined); ``warn`` is told what the user should know."""
-        return np.concatenate([values for _, values in files])
+        return ClassRows(torch.from_numpy(np.concatenate([values for _, values in files]).astype(np.int64)))

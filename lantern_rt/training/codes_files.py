@@ -7,12 +7,12 @@ from __future__ import annotations
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from lantern_rt.errors import first_line
+from lantern_rt.families.base import TrainingRows
 from lantern_rt.families.registry import family_named
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
@@ -91,7 +91,7 @@ def join_codes_files(
 
 def drafter_training_data(
     md: ModelDir, paths: Sequence[Path], warn: Callable[[str], None]
-) -> tuple[np.ndarray, Any]:
+) -> tuple[np.ndarray, np.ndarray | TrainingRows]:
     """(codes [N, tokens], their conditions) to train ``md``'s drafter on: the codes files at
     ``paths`` (every input checked now, before anything is written), or without any, the demo's:
     Fashion-MNIST's training split through the model's tokenizer (the apt package

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lantern_rt.errors import LanternError, first_line
-from lantern_rt.families.chameleon.training_rows import PromptConditions
+from lantern_rt.families.base import ClassRows, TrainingRows
 from lantern_rt.models.checkpoint import load_strict, torch_load
 from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
@@ -69,46 +69,22 @@ class DrafterDataError(LanternError, ValueError):
     """Training data that does not fit the target (its conditions, their count)."""
 
 
-def teacher_forced_hidden(
-    target: Transformer, codes: torch.Tensor, conds: torch.Tensor | PromptConditions, uncond: torch.Tensor
-) -> torch.Tensor:
-    """The target's final-norm hidden states [B, P + T, D] over the P condition slots and the T
-    image tokens ``codes`` [B, T]: class ids ``conds`` [B] (the null class where ``uncond``) for
-    a class-conditional target, one full causal forward; prompt rows (:class:`PromptConditions`,
-    row 1 where ``uncond``) for a Chameleon-family one, under the runtime's masks: the prefill
-    hides the padding slots but each slot sees itself, image tokens see every visible slot and
-    the earlier image tokens (``kv_cache.prefill_mask``, ``cache_mask``), at positions 0..P+T-1."""
-    cfg = target.config
-    if cfg.model_type == "c2i":
-        if isinstance(conds, PromptConditions):
-            raise DrafterDataError("a class-conditional target trains on class labels, not prompts")
-        cond = torch.where(uncond, torch.full_like(conds, cfg.num_classes), conds)
-        return target.hidden_states(codes, cond)
-    if cfg.model_type != "chameleon":
-        raise DrafterDataError(
-            f"drafter training takes a class-conditional or Chameleon-family target, not {cfg.model_type}"
-        )
-    if not isinstance(conds, PromptConditions):
-        raise DrafterDataError("a Chameleon-family target trains on prompt rows (PromptConditions)")
-    if conds.ids.shape[2] != cfg.cls_token_num:
-        raise DrafterDataError(
-            f"prompt rows of {conds.ids.shape[2]} slots; this model's prompts have {cfg.cls_token_num}"
-        )
-    ids, visible = conds.rows(uncond)
-    h = torch.cat([target.embed_condition(ids), target.tok_embeddings(codes)], dim=1)
-    # the image tokens are visible slots past the prefix: prefill_mask's rule is the whole mask
-    mask = prefill_mask(F.pad(visible, (0, codes.shape[1]), value=True))
-    _, hidden, _, _ = target.step(h, torch.arange(h.shape[1]), mask, None, None)
-    return hidden
+def training_rows(conds: torch.Tensor | np.ndarray | TrainingRows) -> TrainingRows:
+    """``conds`` as :class:`TrainingRows`: class ids [N] (a tensor or an array) become
+    :class:`ClassRows`; a family's rows (e.g. :class:`PromptConditions`) are kept."""
+    if isinstance(conds, np.ndarray | torch.Tensor):
+        return ClassRows(torch.as_tensor(conds, dtype=torch.int64))
+    return conds
 
 
 def drafter_batch(
-    target: Transformer, codes: torch.Tensor, conds: torch.Tensor | PromptConditions, uncond: torch.Tensor
+    target: Transformer, codes: torch.Tensor, conds: torch.Tensor | TrainingRows, uncond: torch.Tensor
 ):
     """(tokens [B, S], input hidden [B, S, D], positions [S], target hidden [B, T, D]) for T
     image tokens ``codes`` [B, T] under a prefix of P condition slots (``conds``: class ids [B]
-    or :class:`PromptConditions`; see :func:`teacher_forced_hidden`), S = P - 1 + T; for prompt
-    rows also (5th) which pairs the others see, ``visible`` [B, S].
+    or a family's :class:`TrainingRows`, e.g. :class:`PromptConditions`; the hidden states are
+    their ``teacher_forced_hidden``), S = P - 1 + T; with prefix pairs also (5th) which pairs
+    the others see, ``visible`` [B, S].
 
     The S pairs are the drafter's sequence as the runtime feeds it: the P - 1 prefix pairs
     (hidden at slot j, with slot j + 1's prompt token id: tokens of the whole vocabulary, for
@@ -119,14 +95,21 @@ def drafter_batch(
     the predictions (:func:`batch_predictions`).
     """
     p, t = target.config.cls_token_num, codes.shape[1]
+    rows = training_rows(conds)
     with torch.no_grad():
-        hidden = teacher_forced_hidden(target, codes, conds, uncond)  # [B, P + T, D]
+        hidden = rows.teacher_forced_hidden(target, codes, uncond)  # [B, P + T, D]
     positions = torch.arange(1, p + t)
-    if not isinstance(conds, PromptConditions):  # a class prefix: no prefix pairs
+    pairs = rows.prefix_pairs(uncond)
+    if pairs is None:  # a class prefix: no prefix pairs
         return codes, hidden[:, :-1], positions, hidden[:, p:]
-    ids, visible = conds.rows(uncond)
-    tokens = torch.cat([ids[:, 1:], codes], dim=1)
-    return tokens, hidden[:, :-1], positions, hidden[:, p:], F.pad(visible[:, :-1], (0, t), value=True)
+    tokens, visible = pairs
+    return (
+        torch.cat([tokens, codes], dim=1),
+        hidden[:, :-1],
+        positions,
+        hidden[:, p:],
+        F.pad(visible, (0, t), value=True),
+    )
 
 
 def batch_predictions(drafter: Drafter, batch, levels: int = 1, hidden: torch.Tensor | None = None):
@@ -277,14 +260,14 @@ def train_drafter(
     target: Transformer,
     drafter: Drafter,
     codes: np.ndarray,
-    labels: np.ndarray | PromptConditions,
+    labels: np.ndarray | TrainingRows,
     cfg: DrafterTraining,
     state_path: Path | None = None,
     progress: bool = True,
 ) -> list[float]:
     """Train ``drafter`` in place on ``codes`` [N, T] and their conditions ``labels``: class ids
-    [N] for a class-conditional target, :class:`PromptConditions` for a Chameleon-family one;
-    resumes from and saves to ``state_path`` atomically.
+    [N], or the rows its family's ``training_conditions`` makes (:class:`PromptConditions` for
+    a Chameleon-family target); resumes from and saves to ``state_path`` atomically.
 
     Returns the per-step losses of this run.
     """
@@ -297,12 +280,7 @@ def train_drafter(
     start = 0 if state_path is None or not state_path.exists() else resume(state_path, drafter, opt)
     gen = torch.Generator().manual_seed(cfg.seed)
     all_codes = torch.from_numpy(codes.astype(np.int64))
-    if isinstance(labels, PromptConditions):
-        all_labels = PromptConditions(
-            torch.as_tensor(labels.ids, dtype=torch.int64), torch.as_tensor(labels.mask, dtype=torch.bool)
-        )
-    else:
-        all_labels = torch.from_numpy(labels.astype(np.int64))
+    all_labels = training_rows(labels)
     if len(all_labels) != len(all_codes):
         raise DrafterDataError(f"{len(all_codes)} images of codes but {len(all_labels)} conditions")
     order = torch.cat(

@@ -203,7 +203,9 @@ class ChameleonFamily(Family):
     def codes_key(self, gpt: GPTConfig) -> str:
         return "prompts"
 
-    def training_conditions(self, md: ModelDir, files: list[tuple[Path, np.ndarray]], warn: Warn) -> Any:
+    def training_conditions(
+        self, md: ModelDir, files: list[tuple[Path, np.ndarray]], warn: Warn
+    ) -> PromptConditions:
         """The prompts' token rows as the runtime builds them (``PromptConditions``), checked
         now: a prompt that gives no rows is a :class:`ConfigError` naming the file and index."""
         tokenizer = load_chameleon_tokenizer(details(md).folder.root)

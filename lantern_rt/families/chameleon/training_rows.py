@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from lantern_rt.errors import TextEncoderError, first_line
 from lantern_rt.families.chameleon.prompts import PromptLayout, prompt_rows
 from lantern_rt.models.config import ConfigError
+from lantern_rt.models.target import Transformer
+from lantern_rt.runtime.kv_cache import prefill_mask
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,35 @@ class PromptConditions:
         (ids [N, P], visible slots [N, P])."""
         image, row = torch.arange(len(self)), uncond.long()
         return self.ids[image, row], self.mask[image, row]
+
+    def teacher_forced_hidden(
+        self, target: Transformer, codes: torch.Tensor, uncond: torch.Tensor
+    ) -> torch.Tensor:
+        """The target's hidden states over the prompt rows and ``codes`` (``TrainingRows``), under
+        the runtime's masks: the prefill hides the padding slots but each slot sees itself, image
+        tokens see every visible slot and the earlier image tokens (``kv_cache.prefill_mask``,
+        ``cache_mask``), at positions 0..P+T-1."""
+        cfg = target.config
+        if cfg.model_type != "chameleon":
+            raise ConfigError(
+                f"prompt rows train a Chameleon-family target's drafter, not a {cfg.model_type} one"
+            )
+        if self.ids.shape[2] != cfg.cls_token_num:
+            raise ConfigError(
+                f"prompt rows of {self.ids.shape[2]} slots; this model's prompts have {cfg.cls_token_num}"
+            )
+        ids, visible = self.rows(uncond)
+        h = torch.cat([target.embed_condition(ids), target.tok_embeddings(codes)], dim=1)
+        # the image tokens are visible slots past the prefix: prefill_mask's rule is the whole mask
+        mask = prefill_mask(F.pad(visible, (0, codes.shape[1]), value=True))
+        _, hidden, _, _ = target.step(h, torch.arange(h.shape[1]), mask, None, None)
+        return hidden
+
+    def prefix_pairs(self, uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots 1..P-1's prompt token ids (each pair carries the row's next prompt token) and
+        which pairs are seen: the slots before them that are not padding (``TrainingRows``)."""
+        ids, visible = self.rows(uncond)
+        return ids[:, 1:], visible[:, :-1]
 
 
 def prompt_conditions(
