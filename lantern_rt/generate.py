@@ -119,7 +119,7 @@ class Pipeline:
     def guided(self) -> bool:
         """Whether each image runs its two CFG rows (False: one row, CFG scales of at most 1
         only; docs/method.md §13)."""
-        return self.target.cache.rows == 2 * self.batch_size
+        return self.target.cache.guided
 
 
 def torch_pipeline(

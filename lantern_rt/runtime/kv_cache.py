@@ -97,7 +97,7 @@ class KVCache:
     (graphs take one input per layer). A target cache also keeps ``prefix`` [2B, P], which of
     its first P slots (the condition prefix) each CFG row's later tokens see: all but a
     caption's or a prompt's padding. ``guided`` False: B rows, one per image (guidance off,
-    docs/method.md §13); ``rows`` is the row count, 2B or B.
+    docs/method.md §13); ``rows`` is the row count, 2B or B, and ``images`` is B.
     """
 
     def __init__(
@@ -113,6 +113,7 @@ class KVCache:
         windows: Sequence[int] = (),
         guided: bool = True,
     ):
+        self.images, self.guided = images, guided
         self.rows = guided_rows(images, guided)
         self._rows = (self.rows, heads)
         self._head_dim = head_dim
@@ -124,11 +125,6 @@ class KVCache:
         self._views(capacity)
         self.length = torch.zeros(images, dtype=torch.long, device=device)
         self.prefix = torch.ones(self.rows, prefix, dtype=torch.bool, device=device) if prefix else None
-
-    @property
-    def images(self) -> int:
-        """B: the images whose rows this cache holds."""
-        return self.length.shape[0]
 
     def reset(self) -> None:
         self.length.zero_()
