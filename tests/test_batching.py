@@ -216,7 +216,7 @@ def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tm
 def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair, tmp_path, monkeypatch):
     """`--batch-size 2` on a model directory exports what B = 2 needs (generate, bench and
     generate-set on an empty cache), and `lantern export --batch-size 2` without 1 gives a
-    bundle that runs; every image keeps the tokens torch gives it at B = 1."""
+    bundle that runs and calibrates; every image keeps the tokens torch gives it at B = 1."""
     import numpy as np
 
     target, drafter = trained_pair
@@ -282,3 +282,7 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
     assert r.exit_code == 0, r.output
     assert Bundle.open(tmp_path / "b2").constants.batch_sizes == (2,)
     assert np.array_equal(generate(["--bundle", str(tmp_path / "b2")], "b2", "--batch-size", "2"), want)
+    calibrate = ["calibrate", str(tmp_path / "b2"), "--samples", "2", "--validate", "1", "--threads", "1"]
+    r = CliRunner().invoke(main, [*calibrate, "--out", str(tmp_path / "b2-int8"), "-q"])
+    assert r.exit_code == 0, r.output  # validated at B = 2, the bundle's one batch size
+    assert Bundle.open(tmp_path / "b2-int8").constants.batch_sizes == (2,)

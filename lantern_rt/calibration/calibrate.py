@@ -499,7 +499,8 @@ def validation(
     threads: int = 0,
     progress: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Both bundles with every pipeline of :func:`pipelines` and the same seeds.
+    """Both bundles with every pipeline of :func:`pipelines` and the same seeds, at the smallest
+    batch size they were exported for (an image's tokens do not depend on it).
 
     ``accuracy``: greedy and sampling on ``AS_WRITTEN`` onnxruntime sessions; per run, the fraction of
     equal tokens (position by position), the mean count of equal tokens before the first
@@ -509,8 +510,11 @@ def validation(
     cfg = bundle_cfg_scale(fp32)
     modes = {"greedy": SamplingConfig(cfg, temperature=0.0), "sampling": SamplingConfig(cfg)}
     bundles = {"fp32": fp32, "int8": int8}
-    reference = {d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN)) for d, b in bundles.items()}
-    runtime = {d: pipelines(b, method, ort_runner(threads, [CPU])) for d, b in bundles.items()}
+    batch = min(fp32.constants.batch_sizes)
+    reference = {
+        d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN), batch) for d, b in bundles.items()
+    }
+    runtime = {d: pipelines(b, method, ort_runner(threads, [CPU]), batch) for d, b in bundles.items()}
     accuracy, speed = [], []
     for name in reference["fp32"]:
         label = "ar" if name == "ar" else f"{method.method} {name}"
