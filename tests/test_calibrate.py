@@ -188,3 +188,19 @@ def test_bad_input_is_one_line_and_writes_nothing(fp32, calibrated, tmp_path, ca
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and result.output.count("\n") == 1
     assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_a_failed_comparison_leaves_nothing_at_out(fp32, tmp_path, monkeypatch):
+    """The int8 bundle is compared with fp32 before it is renamed into place: a comparison that
+    fails (here, planted) is one line, exit 2, and leaves neither --out nor a temporary folder."""
+    from lantern_rt.calibration import calibrate
+
+    def fail(*args, **kwargs):
+        raise calibrate.CalibrationError("the comparison failed")
+
+    monkeypatch.setattr(calibrate, "validation", fail)
+    args = ["calibrate", str(fp32), "--samples", "1", "--threads", "1", "-q", "--out", str(tmp_path / "int8")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.output == "error: the comparison failed\n", result.output
+    assert list(tmp_path.iterdir()) == []

@@ -372,8 +372,9 @@ def calibrate_bundle(
     """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
     bundle has a drafter); compare it with ``bundle`` on ``validate`` images (default: one per
-    class, or per prompt of a prompt-conditioned bundle, which takes ``prompts``) and return
-    the report (see :func:`validation` and :func:`markdown_table`)."""
+    class, or per prompt of a prompt-conditioned bundle, which takes ``prompts``) before the
+    rename, so that a failed comparison leaves nothing at ``out``, and return the report (see
+    :func:`validation` and :func:`markdown_table`)."""
     out = Path(out)
     if bundle.dtype != "fp32":
         raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
@@ -389,14 +390,15 @@ def calibrate_bundle(
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp)
         write_manifest(tmp, _int8_manifest(bundle, graphs, recorder, method, samples, seed))
-    int8 = open_bundle(out)
-    return {
-        "fp32": str(bundle.path),
-        "int8": str(int8.path),
-        "samples": samples,
-        "graphs": graph_agreement(bundle, int8, recorder, threads),
-        "validation": validation(bundle, int8, labels, method, seed, threads, progress),
-    }
+        int8 = open_bundle(tmp)
+        report = {
+            "fp32": str(bundle.path),
+            "int8": str(out.resolve()),
+            "samples": samples,
+            "graphs": graph_agreement(bundle, int8, recorder, threads),
+            "validation": validation(bundle, int8, labels, method, seed, threads, progress),
+        }
+    return report
 
 
 def graph_agreement(
