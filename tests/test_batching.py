@@ -193,10 +193,31 @@ def test_a_batch_size_the_bundle_lacks_is_refused(batched_bundle, tmp_path):
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "--batch-size 1,2,3" in r.output
     assert not out.exists()
     bench = tmp_path / "bench"
-    for extra in (["--batch-size", "1,2"], ["--baseline", "torch-batched"]):  # refused before any work
-        args = ["bench", "--bundle", str(batched_bundle.path), "--no-quality", "--out", str(bench), *extra]
-        r = CliRunner().invoke(main, args)
+    refused = {
+        "--batch-size 1,2": "--batch-size 1,2,3",
+        "--baseline torch-batched": "not the model",  # its default --model, the demo
+        "--model x --batch-size 1": "drop --model",  # no baseline: --model has no use
+    }
+    for extra, reason in refused.items():  # refused before any work
+        args = ["bench", "--bundle", str(batched_bundle.path), "--no-quality", "--out", str(bench)]
+        r = CliRunner().invoke(main, [*args, *extra.split()])
         assert r.exit_code == 2 and r.output.count("\n") == 1 and not bench.exists(), r.output
+        assert reason in r.output, r.output
+
+
+def test_a_bundle_is_benched_against_the_loop_over_its_model(batched_bundle, tmp_path):
+    """``--baseline`` beside ``--bundle`` runs LlamaGen's loop over ``--model`` in the same run
+    (how an int8 bundle meets the loop)."""
+    model, out = batched_bundle.path.parent / "model", tmp_path / "bench"
+    args = f"bench --bundle {batched_bundle.path} --model {model} --baseline torch-batched --config ar"
+    r = CliRunner().invoke(main, [*args.split(), "-n", "1", "--no-quality", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["baseline_model"] == str(model)
+    assert [(row["backend"], row["num_images"]) for row in results["rows"]] == [
+        ("onnxruntime", 5),  # one image per class
+        ("torch-batched", 5),
+    ]
 
 
 @pytest.mark.slow

@@ -76,7 +76,8 @@ from lantern_rt.prompt_files import read_prompts
     "--baseline",
     type=click.Choice(["torch-batched"]),
     default=None,
-    help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size.",
+    help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size. "
+    "With --bundle it runs --model (default: the demo), the model the bundle was exported from.",
 )
 @click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
 @click.option("--temperature", type=float, default=1.0, show_default=True)

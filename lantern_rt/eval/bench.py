@@ -39,7 +39,7 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
-from lantern_rt.families.loading import load_target, load_vq, open_bundle
+from lantern_rt.families.loading import load_target, load_vq, open_bundle, open_model_dir
 from lantern_rt.generate import Generation, Pipeline, cached_bundle, generate, make_pipeline, open_source
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
@@ -624,26 +624,32 @@ def _bundle_for(
     return open_bundle(cached_bundle(source, mc, batch_sizes=sizes, guided=guided))
 
 
-def check_baseline(name: str, source: ModelDir | Bundle) -> None:
-    """:class:`ConfigError` unless ``name`` is a baseline that can run ``source``."""
+def baseline_model(name: str, source: ModelDir | Bundle, model: Path | None) -> ModelDir:
+    """The model directory the ``name`` baseline runs: ``source`` itself, or beside a bundle
+    ``model`` (default: the demo), which must be the model the bundle was exported from (its
+    name and architecture); :class:`ConfigError` unless the baseline can run it."""
     if name not in BASELINES:
         raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
-    if not isinstance(source, ModelDir):
-        raise ConfigError(f"the {name} baseline runs a model directory: drop --bundle")
+    md = source if isinstance(source, ModelDir) else open_model_dir(model)
+    if isinstance(source, Bundle) and (md.name != source.model_name or md.gpt != source.gpt):
+        raise ConfigError(
+            f"the {name} baseline runs --model (default: the demo), and {md.name} is not the model "
+            f"{source.path} was exported from ({source.model_name}): give that model with --model"
+        )
     from lantern_rt.eval.baseline import check_runnable
 
-    check_runnable(source.gpt)
+    check_runnable(md.gpt)
+    return md
 
 
 def baseline_measurement(
-    name: str, source: ModelDir | Bundle, sampling: SamplingConfig, seed: int, batch_size: int
+    name: str, source: ModelDir, sampling: SamplingConfig, seed: int, batch_size: int
 ) -> Measurement:
     """The ``name`` baseline (``torch-batched``: LlamaGen's sampler loop over the model
     directory's target in torch eager, :func:`~lantern_rt.eval.baseline.torch_batched_ar`) at
     ``batch_size``, as a configuration of the interleaved run."""
     from lantern_rt.eval.baseline import torch_batched_ar
 
-    assert isinstance(source, ModelDir)  # check_baseline
     model, vq = load_target(source), load_vq(source)
     grid, tokens = source.gpt.grid_size, source.gpt.block_size
 
@@ -679,7 +685,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Run the benchmark and write results.json, results.md and the plots into ``s.out``."""
     from lantern_rt.eval.report import write_report
 
-    info, source = open_source(s.model, s.bundle)
+    # beside a bundle, --model names what the baseline runs
+    info, source = open_source(None if s.bundle and s.baseline else s.model, s.bundle)
     md = source if isinstance(source, ModelDir) else None
     backends = resolve_backends(s.backends, md is None)
     trees = s.trees or tuple(dict.fromkeys(run_defaults(source, backend=b).tree for b in backends))
@@ -691,8 +698,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     feature_fn = None if s.features is None else load_features(s.features, shape)
     reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
     sizes = check_batch_sizes(list(s.batch_sizes))
-    if s.baseline is not None:
-        check_baseline(s.baseline, source)
+    baseline = None if s.baseline is None else baseline_model(s.baseline, source, s.model)
     for size in sizes if isinstance(source, Bundle) else ():
         source.batch(size)  # refused before any run
     out = output_dir(s.out)
@@ -718,7 +724,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         for mc in configs
     ]
     if s.baseline is not None:
-        runs += [baseline_measurement(s.baseline, source, sampling, s.seed, size) for size in sizes]
+        runs += [baseline_measurement(s.baseline, baseline, sampling, s.seed, size) for size in sizes]
     runs = run_interleaved(runs, labels, s.warmup, chunk_size(sizes, len(labels)))
     ref, note = quality_reference(
         info, classes, len(labels), s.quality, s.classifier, s.data_root, feature_fn, reference
@@ -749,6 +755,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "batch_sizes": sizes,
             "images_per_call": chunk_size(sizes, len(labels)),
             "baseline": s.baseline,
+            "baseline_model": None if baseline is None else str(baseline.root),
             "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},
             # 2: CFG rows; 1: one row per image (guidance off, docs/method.md §13)
             "rows_per_image": sorted({2 if r.pipe.guided else 1 for r in runs if r.pipe is not None}),
