@@ -365,7 +365,8 @@ _CONSTANTS = {
 _GRAPH = {"file": _STR, "inputs": _LIST, "outputs": _LIST}
 _IO = {"name": _STR, "shape": _LIST, "dtype": _STR}
 _TREE = {"name": _STR, "paths": _LIST}
-DTYPES = ("fp32", "fp16", "int8")
+WEIGHT_ONLY_DTYPES = ("int8-weights", "int4-weights")  # onnxruntime's MatMulNBits: no TensorRT engines
+DTYPES = ("fp32", "fp16", "int8", *WEIGHT_ONLY_DTYPES)
 _KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lantern_rt.bundle import DTYPES, MANIFEST, Bundle, BundleError, GraphEntry
+from lantern_rt.bundle import DTYPES, MANIFEST, WEIGHT_ONLY_DTYPES, Bundle, BundleError, GraphEntry
+from lantern_rt.calibration.calibrate import WEIGHT_ONLY_DTYPE
 from lantern_rt.cli import main
 from lantern_rt.engines import compat, plans
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable
@@ -127,10 +128,15 @@ def test_check_plans_wants_every_graph_and_refuses_any_mismatch():
 
 def test_precision_comes_from_the_bundle(bundle):
     assert bundle.dtype == "fp32" and plans.choose_precision(bundle.dtype, None) == "fp32"
-    assert DTYPES == compat.PRECISIONS  # every dtype a bundle opens with (int8: Q/DQ) has engines
+    # every dtype a bundle opens with (int8: Q/DQ) has engines but onnxruntime's weight-only ones
+    assert set(DTYPES) - set(WEIGHT_ONLY_DTYPES) == set(compat.PRECISIONS)
+    assert set(WEIGHT_ONLY_DTYPE.values()) == set(WEIGHT_ONLY_DTYPES)
+    for dtype in WEIGHT_ONLY_DTYPES:
+        with pytest.raises(EngineError, match=f"graphs are {dtype} .*TensorRT cannot build"):
+            choose_precision(dtype, None)
     manifest = json.loads((bundle.path / MANIFEST).read_text())
     (bundle.path / MANIFEST).write_text(json.dumps({**manifest, "dtype": "bf16"}))
-    with pytest.raises(BundleError, match="dtype 'bf16' is none of fp32, fp16, int8"):
+    with pytest.raises(BundleError, match="dtype 'bf16' is none of fp32, fp16, int8, int8-weights"):
         Bundle.open(bundle.path)  # a bundle of another precision never opens
     assert choose_precision("fp32", None) == "fp32" and choose_precision("int8", "int8") == "int8"
     with pytest.raises(EngineError, match="graphs are fp32.*--dtype fp16"):

@@ -1,4 +1,5 @@
-"""INT8 by calibration: a Q/DQ bundle made from an fp32 bundle and the inputs its graphs really see.
+"""INT8 by calibration: a Q/DQ bundle made from an fp32 bundle and the inputs its graphs really see
+(or, with ``weight_bits``, a weight-only bundle: the same MatMuls' weights in 4 or 8 bits).
 
 :func:`calibrate_bundle` generates images with the fp32 bundle on onnxruntime through a recording
 :data:`RunnerFactory` (the decode loop is unchanged), quantizes the target and drafter graphs with
@@ -8,6 +9,11 @@ and the VQ decoder stay fp32), writes
 the new bundle as the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
 :func:`~lantern_rt.bundle.write_manifest`), and compares it with the fp32 bundle: accuracy with the
 Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime sessions.
+
+A weight-only bundle (docs/method.md §14) replaces each of those MatMuls by onnxruntime's
+``MatMulNBits`` (blockwise symmetric weights, products in int8 on CPUs with VNNI): no activation is
+quantized ahead of time, so the recorded inputs serve only the comparison with fp32. TensorRT
+cannot build it; it is an onnxruntime bundle.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import math
 import random
 import shutil
 from collections.abc import Iterator, Sequence
@@ -25,6 +32,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from torch import Tensor
 
 from lantern_rt.bundle import (
@@ -40,7 +48,7 @@ from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
 from lantern_rt.families.loading import bundle_info, open_bundle
 from lantern_rt.generate import Pipeline, bundle_pipeline, generate, jacobi_speculation, speculation
-from lantern_rt.graph_rules import check_graph, node_subgraphs
+from lantern_rt.graph_rules import check_graph, node_subgraphs, with_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     GraphRunner,
@@ -62,7 +70,16 @@ def kept_fp32(entry: GraphEntry) -> bool:
 
 
 QUANTIZED_OPS = ("MatMul", "Gemm")
+# Weight-only bundles: the dtype per weight width; weights in blocks of 32 along the input, one
+# fp32 scale per block; accuracy level 4 lets onnxruntime quantize each activation block to int8
+# as it runs and use int8 dot products (VNNI/AMX), the level its CPU kernels are fastest at.
+WEIGHT_ONLY_DTYPE = {4: "int4-weights", 8: "int8-weights"}  # bundle.WEIGHT_ONLY_DTYPES
+WEIGHT_BLOCK = 32
+WEIGHT_ONLY_ACCURACY_LEVEL = 4
 MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
+# and at most this many bytes of them (at least one call): a demo step at B = 32 takes 126 MB a
+# call, and 32 calls of each of its 8 step graphs would not fit in a 24 GiB machine
+MAX_RECORDED_BYTES_PER_GRAPH = 128 * 2**20
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
@@ -71,14 +88,21 @@ class CalibrationError(LanternError, ValueError):
 
 
 class Recorder:
-    """Wraps a :data:`RunnerFactory`; keeps copies of at most ``limit`` calls per graph, drawn
-    uniformly from all its calls (reservoir sampling), as numpy arrays keyed by input name, in
-    :attr:`samples` by graph name."""
+    """Wraps a :data:`RunnerFactory`; keeps copies of at most ``limit`` calls per graph, and of
+    no more than ``max_bytes`` of them (but at least one), drawn uniformly from all its calls
+    (reservoir sampling), as numpy arrays keyed by input name, in :attr:`samples` by graph name."""
 
-    def __init__(self, inner: RunnerFactory, limit: int = MAX_SAMPLES_PER_GRAPH, seed: int = 0):
-        self.inner, self.limit, self._rng = inner, limit, random.Random(seed)
+    def __init__(
+        self,
+        inner: RunnerFactory,
+        limit: int = MAX_SAMPLES_PER_GRAPH,
+        seed: int = 0,
+        max_bytes: int = MAX_RECORDED_BYTES_PER_GRAPH,
+    ):
+        self.inner, self.limit, self.max_bytes, self._rng = inner, limit, max_bytes, random.Random(seed)
         self.samples: dict[str, list[dict[str, np.ndarray]]] = {}
         self.calls: dict[str, int] = {}
+        self.limits: dict[str, int] = {}  # per graph: calls kept
 
     def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
         runner = self.inner(bundle, entry)
@@ -86,15 +110,17 @@ class Recorder:
             return runner
         self.samples.setdefault(entry.name, [])
         self.calls.setdefault(entry.name, 0)
+        call = sum(math.prod(spec.shape) * np.dtype(spec.dtype).itemsize for spec in entry.inputs)
+        self.limits[entry.name] = max(1, min(self.limit, self.max_bytes // call))
         return _RecordingRunner(self, entry, runner)
 
     def offer(self, entry: GraphEntry, inputs: dict[str, Tensor]) -> None:
         """Keep this call's inputs with the probability that keeps the sample uniform."""
         name = entry.name
-        seen, kept = self.calls[name], self.samples[name]
+        seen, kept, limit = self.calls[name], self.samples[name], self.limits[name]
         self.calls[name] = seen + 1
-        slot = seen if seen < self.limit else self._rng.randrange(seen + 1)
-        if slot >= self.limit:
+        slot = seen if seen < limit else self._rng.randrange(seen + 1)
+        if slot >= limit:
             return
         record = {
             spec.name: inputs[spec.name].detach().cpu().numpy().astype(spec.dtype, copy=True)
@@ -217,12 +243,18 @@ def record_inputs(
     return recorder
 
 
-def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]], vocab: int) -> None:
+def quantize_graph(
+    src: Path, dst: Path, samples: list[dict[str, np.ndarray]], vocab: int, weight_bits: int | None = None
+) -> None:
     """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes but the output
-    head (``vocab`` outputs), calibrated on ``samples`` (min/max, symmetric); raises
+    head (``vocab`` outputs), calibrated on ``samples`` (min/max, symmetric), or with
+    ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`); raises
     :class:`CalibrationError` if it breaks a rule."""
     model = onnx.load(str(src))
     nodes = weight_nodes(model, vocab)
+    if weight_bits is not None:
+        quantize_weights(model, nodes, weight_bits, dst)
+        return
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     # its advice to run quant_pre_process goes to the root logger; that step adds nothing here
     # (static shapes, same ops) but opset imports of onnxruntime's own domains
@@ -234,6 +266,40 @@ def quantize_graph(src: Path, dst: Path, samples: list[dict[str, np.ndarray]], v
     if has_conditionals(model.graph):
         _restore_order(dst, external)
     problems = check_graph(dst) + qdq_problems(dst)
+    if problems:
+        raise CalibrationError(f"{dst.stem}: {problems[0]}")
+
+
+def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: Path) -> None:
+    """Write ``model`` to ``dst`` (weights inline) with the MatMul ``nodes`` as onnxruntime's
+    ``MatMulNBits`` on ``bits``-bit weights (:data:`WEIGHT_BLOCK`, symmetric); raises
+    :class:`CalibrationError` if a node is left as it was or the graph breaks a rule."""
+    others = [  # its nodes_to_include adds to the op types; the other MatMuls are excluded
+        n.name
+        for g in with_subgraphs(model.graph)
+        for n in g.node
+        if n.op_type == "MatMul" and n.name not in nodes
+    ]
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=WEIGHT_BLOCK,
+        is_symmetric=True,
+        accuracy_level=WEIGHT_ONLY_ACCURACY_LEVEL,
+        nodes_to_exclude=others,
+        op_types_to_quantize=("MatMul",),
+    )
+    logging.disable(logging.INFO)  # a line per node it skips
+    try:
+        quantizer.process()
+    finally:
+        logging.disable(logging.NOTSET)
+    out = quantizer.model.model
+    made = sum(n.op_type == "MatMulNBits" for g in with_subgraphs(out.graph) for n in g.node)
+    if made != len(nodes):
+        raise CalibrationError(f"{dst.stem}: {made} of its {len(nodes)} weight MatMuls were quantized")
+    onnx.save(out, str(dst))
+    problems = check_graph(dst)
     if problems:
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
 
@@ -368,44 +434,50 @@ def calibrate_bundle(
     overwrite: bool = False,
     progress: bool = False,
     prompts: Sequence[str] = (),
+    weight_bits: int | None = None,
 ) -> dict[str, Any]:
     """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
-    bundle has a drafter); compare it with ``bundle`` on ``validate`` images (default: one per
-    class, or per prompt of a prompt-conditioned bundle, which takes ``prompts``) before the
-    rename, so that a failed comparison leaves nothing at ``out``, and return the report (see
-    :func:`validation` and :func:`markdown_table`)."""
+    bundle has a drafter), or with ``weight_bits`` (4 or 8) a weight-only copy; compare it with
+    ``bundle`` on ``validate`` images (default: one per class, or per prompt of a
+    prompt-conditioned bundle, which takes ``prompts``) before the rename, so that a failed
+    comparison leaves nothing at ``out``, and return the report (see :func:`validation` and
+    :func:`markdown_table`; the copy is named by its dtype, ``report["dtype"]``)."""
     out = Path(out)
+    if weight_bits is not None and weight_bits not in WEIGHT_ONLY_DTYPE:
+        raise CalibrationError(f"weights are quantized to 4 or 8 bits, not {weight_bits}")
+    dtype = "int8" if weight_bits is None else WEIGHT_ONLY_DTYPE[weight_bits]
     if bundle.dtype != "fp32":
         raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
     if samples < 1:
         raise CalibrationError(f"samples must be at least 1, got {samples}")
     if out.resolve() == bundle.path:
-        raise CalibrationError(f"the int8 bundle must go elsewhere than {bundle.path}")
+        raise CalibrationError(f"the {dtype} bundle must go elsewhere than {bundle.path}")
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
     method = method or default_method(bundle)
     recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts)
     with staged_bundle(out) as tmp:
-        graphs = _write_graphs(bundle, recorder, tmp)
-        write_manifest(tmp, _int8_manifest(bundle, graphs, recorder, method, samples, seed))
-        int8 = open_bundle(tmp)
+        graphs = _write_graphs(bundle, recorder, tmp, dtype, weight_bits)
+        write_manifest(tmp, _quantized_manifest(bundle, graphs, recorder, method, samples, seed, weight_bits))
+        quantized = open_bundle(tmp)
         report = {
+            "dtype": dtype,
             "fp32": str(bundle.path),
-            "int8": str(out.resolve()),
+            dtype: str(out.resolve()),
             "samples": samples,
-            "graphs": graph_agreement(bundle, int8, recorder, threads),
-            "validation": validation(bundle, int8, labels, method, seed, threads, progress),
+            "graphs": graph_agreement(bundle, quantized, recorder, threads),
+            "validation": validation(bundle, quantized, labels, method, seed, threads, progress),
         }
     return report
 
 
 def graph_agreement(
-    fp32: Bundle, int8: Bundle, recorder: Recorder, threads: int = 0
+    fp32: Bundle, quantized: Bundle, recorder: Recorder, threads: int = 0
 ) -> dict[str, dict[str, Any]]:
     """Per quantized graph, on its recorded (calibration) inputs and ``AS_WRITTEN`` sessions:
-    calls seen, inputs kept, the fraction of logits rows whose argmax the int8 graph keeps, and
+    calls seen, inputs kept, the fraction of logits rows whose argmax the quantized graph keeps, and
     its largest logits error relative to the largest fp32 logit. A drafting graph is scored on
     its root's distribution ``q[0]``, which depends on its inputs alone (deeper rows follow the
     tokens each graph drew); the drafter's prefill graph (K/V out, no distribution) on the
@@ -413,15 +485,15 @@ def graph_agreement(
     options = session_options(threads, AS_WRITTEN)
     result = {}
     for name, samples in recorder.samples.items():
-        fp32_graph, int8_graph = (
+        fp32_graph, quantized_graph = (
             ort.InferenceSession(str(b.file(b.graph(name))), options, providers=["CPUExecutionProvider"])
-            for b in (fp32, int8)
+            for b in (fp32, quantized)
         )
         agree, error = [], 0.0
         names = [o.name for o in fp32_graph.get_outputs()]
         scored = next((n for n in ("logits", "q") if n in names), names[0])
         for sample in samples:
-            want, got = (graph.run([scored], sample)[0] for graph in (fp32_graph, int8_graph))
+            want, got = (graph.run([scored], sample)[0] for graph in (fp32_graph, quantized_graph))
             if scored == "q":
                 want, got = want[:1], got[:1]
             if scored in ("logits", "q"):
@@ -436,9 +508,12 @@ def graph_agreement(
     return result
 
 
-def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, Any]:
-    """Quantized graphs, the graphs kept in fp32, copies of the other files in ``tmp``, all the
-    graphs' weights in one shared file again; the new manifest's graph entries."""
+def _write_graphs(
+    bundle: Bundle, recorder: Recorder, tmp: Path, dtype: str, weight_bits: int | None
+) -> dict[str, Any]:
+    """Quantized graphs (``dtype``: Q/DQ, or ``weight_bits`` weights), the graphs kept in fp32,
+    copies of the other files in ``tmp``, all the graphs' weights in one shared file again; the
+    new manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
     graphs = {}
     for name, entry in bundle.graphs.items():
@@ -447,12 +522,12 @@ def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, An
             onnx.save(onnx.load(str(src)), str(dst))  # its weights inline, until shared below
             graphs[name] = {**raw[name], "precision": "fp32"}
             continue
-        quantize_graph(src, dst, recorder.samples[name], bundle.constants.vocab_size)
+        quantize_graph(src, dst, recorder.samples[name], bundle.constants.vocab_size, weight_bits)
         inputs, outputs = io_specs(dst)
         if (inputs, outputs) != ([s.to_json() for s in entry.inputs], [s.to_json() for s in entry.outputs]):
             raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
         kept = {k: v for k, v in raw[name].items() if k != "max_abs_err"}  # that was fp32 vs torch
-        graphs[name] = {**kept, "precision": "int8", "calibration_samples": len(recorder.samples[name])}
+        graphs[name] = {**kept, "precision": dtype, "calibration_samples": len(recorder.samples[name])}
     share_weights([tmp / entry.file for entry in bundle.graphs.values()], tmp / WEIGHTS)
     for file in bundle.files:
         if not (tmp / file).exists():
@@ -460,22 +535,34 @@ def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path) -> dict[str, An
     return graphs
 
 
-def _int8_manifest(
+def _quantized_manifest(
     source: Bundle,
     graphs: dict[str, Any],
     recorder: Recorder,
     method: MethodConfig,
     samples: int,
     seed: int,
+    weight_bits: int | None,
 ) -> dict[str, Any]:
-    """The source's manifest with the int8 graphs and what the calibration did (its ``files``
-    are :func:`~lantern_rt.bundle.write_manifest`'s)."""
-    new = {**source.manifest(), "dtype": "int8", "graphs": graphs}
+    """The source's manifest with the quantized graphs and what the calibration did (its
+    ``files`` are :func:`~lantern_rt.bundle.write_manifest`'s)."""
+    if weight_bits is None:
+        dtype, scheme = (
+            "int8",
+            "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations",
+        )
+    else:
+        dtype = WEIGHT_ONLY_DTYPE[weight_bits]
+        scheme = (
+            f"MatMulNBits: {weight_bits}-bit symmetric weights in blocks of {WEIGHT_BLOCK}, "
+            f"accuracy level {WEIGHT_ONLY_ACCURACY_LEVEL}; activations not quantized ahead of time"
+        )
+    new = {**source.manifest(), "dtype": dtype, "graphs": graphs}
     new["versions"] = {**source.versions, "onnxruntime": ort.__version__}
     new["calibration"] = {
         "source_manifest_sha256": source.manifest_sha256,
         "tool": f"onnxruntime.quantization {ort.__version__}",
-        "scheme": "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations",
+        "scheme": scheme,
         "ops": [f"{op} with constant weights" for op in QUANTIZED_OPS],
         "method": method.method,
         "params": method.params(),
@@ -494,7 +581,7 @@ AS_WRITTEN = {"session.disable_quant_qdq": "1"}
 
 def validation(
     fp32: Bundle,
-    int8: Bundle,
+    quantized: Bundle,
     labels: list[int | str],
     method: MethodConfig,
     seed: int = 0,
@@ -511,7 +598,7 @@ def validation(
     """
     cfg = bundle_cfg_scale(fp32)
     modes = {"greedy": SamplingConfig(cfg, temperature=0.0), "sampling": SamplingConfig(cfg)}
-    bundles = {"fp32": fp32, "int8": int8}
+    bundles = {"fp32": fp32, quantized.dtype: quantized}
     batch = min(fp32.constants.batch_sizes)
     reference = {
         d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN), batch) for d, b in bundles.items()
@@ -525,7 +612,7 @@ def validation(
                 d: generate(p[name], labels, sampling, seed=seed, progress=progress)
                 for d, p in reference.items()
             }
-            same = runs["fp32"].tokens == runs["int8"].tokens
+            same = runs["fp32"].tokens == runs[quantized.dtype].tokens
             accuracy.append(
                 {
                     "run": f"{label} {mode}",
@@ -551,22 +638,23 @@ def _speed(stats: GenerationStats) -> dict[str, float]:
 
 def markdown_table(report: dict[str, Any]) -> str:
     """A :func:`calibrate_bundle` report as markdown: the runs, then the graphs."""
+    q = report["dtype"]
     lines = [
-        "| run (reference Q/DQ numerics) | token agreement | equal prefix | tau fp32 | tau int8 |",
+        f"| run (reference numerics) | token agreement | equal prefix | tau fp32 | tau {q} |",
         "|---|---|---|---|---|",
     ]
     for row in report["validation"]["accuracy"]:
         lines.append(
             f"| {row['run']} | {row['token_agreement']:.3f} | {row['common_prefix']:.1f} "
-            f"| {row['fp32']['mean_accepted_length']:.2f} | {row['int8']['mean_accepted_length']:.2f} |"
+            f"| {row['fp32']['mean_accepted_length']:.2f} | {row[q]['mean_accepted_length']:.2f} |"
         )
     lines += [
         "",
-        "| run (onnxruntime runtime) | tau fp32 | tau int8 | s/img fp32 | s/img int8 |",
+        f"| run (onnxruntime runtime) | tau fp32 | tau {q} | s/img fp32 | s/img {q} |",
         "|---|---|---|---|---|",
     ]
     for row in report["validation"]["speed"]:
-        f, i = row["fp32"], row["int8"]
+        f, i = row["fp32"], row[q]
         lines.append(
             f"| {row['run']} | {f['mean_accepted_length']:.2f} | {i['mean_accepted_length']:.2f} "
             f"| {f['seconds_per_image']:.3f} | {i['seconds_per_image']:.3f} |"

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from lantern_rt.bundle import Bundle
+from lantern_rt.bundle import WEIGHT_ONLY_DTYPES, Bundle
 from lantern_rt.engines import compat
 from lantern_rt.engines.compat import DEFAULT_WORKSPACE_MB, PRECISIONS, EngineError
 from lantern_rt.fileio import sha256, staged_folder
@@ -182,6 +182,12 @@ def find_engines(bundle: Bundle, key: dict[str, str]) -> dict[str, Path]:
 def choose_precision(bundle_prec: str, requested: str | None) -> str:
     """The precision to build: the bundle's. Asking for another is refused, since TensorRT takes
     precision from the graphs (strongly typed) and never converts them."""
+    if bundle_prec in WEIGHT_ONLY_DTYPES:
+        raise EngineError(
+            f"this bundle's graphs are {bundle_prec} (onnxruntime's MatMulNBits), which TensorRT "
+            "cannot build: build engines from the fp32 bundle, or its Q/DQ int8 copy (lantern "
+            "calibrate without --weights-only)"
+        )
     if requested is None or requested == bundle_prec:
         return bundle_prec
     how = {
