@@ -248,7 +248,7 @@ def test_weight_only_graphs_quantize_exactly_the_weight_matmuls(fp32, weight_onl
     """Each target/drafter graph has a MatMulNBits where the fp32 graph has a learned weight
     MatMul (the Q/DQ bundle's rule), and nothing else changed: the output head, RoPE's
     rotate-half matrix and attention stay fp32 MatMuls. 4 bits: the same nodes."""
-    from lantern_rt.calibration.calibrate import quantize_graph, weight_nodes
+    from lantern_rt.calibration.calibrate import fold_weight_transposes, quantize_graph, weight_nodes
 
     out, _ = weight_only
     want, got = Bundle.open(fp32), Bundle.open(out)
@@ -261,6 +261,7 @@ def test_weight_only_graphs_quantize_exactly_the_weight_matmuls(fp32, weight_onl
             assert not matmul_nbits(after) and got.manifest()["graphs"][name]["precision"] == "fp32"
             continue
         assert got.manifest()["graphs"][name]["precision"] == "int8-weights"
+        fold_weight_transposes(before)  # the drafter's weights, read through Transposes
         weights = weight_nodes(before, vocab)
         assert len(matmul_nbits(after)) == len(weights) > 0, name
         assert all(next(a.i for a in n.attribute if a.name == "bits") == 8 for n in matmul_nbits(after))
@@ -273,6 +274,44 @@ def test_weight_only_graphs_quantize_exactly_the_weight_matmuls(fp32, weight_onl
     w4 = matmul_nbits(onnx.load(str(tmp_path / "w4.onnx")))
     assert len(w4) == len(weight_nodes(onnx.load(str(step)), vocab))
     assert all(next(a.i for a in n.attribute if a.name == "bits") == 4 for n in w4)
+
+
+@pytest.mark.slow
+def test_folding_weight_transposes_is_exact(fp32):
+    """The demo's drafting graph reads its large weights (shared by every tree level) through
+    Transposes; stored transposed instead, they are weight MatMuls to quantize again, and the
+    graph computes exactly the same. Here the tiny drafter's weights are hidden that way first."""
+    from lantern_rt.calibration.calibrate import fold_weight_transposes, weight_nodes
+
+    bundle = Bundle.open(fp32)
+    entry, vocab = bundle.graph("draft_tree_0"), bundle.constants.vocab_size
+    model = onnx.load(str(bundle.file(entry)))
+    weights = weight_nodes(model, vocab)
+    consts = {t.name: t for t in model.graph.initializer}
+    for node in [n for n in model.graph.node if n.name in weights]:
+        name = node.input[1]
+        flipped = onnx.numpy_helper.to_array(consts[name]).T.copy()
+        model.graph.initializer.append(onnx.numpy_helper.from_array(flipped, f"{name}_{node.name}_T"))
+        transpose = onnx.helper.make_node(
+            "Transpose", [f"{name}_{node.name}_T"], [f"{node.name}_w"], perm=[1, 0]
+        )
+        model.graph.node.insert(0, transpose)
+        node.input[1] = f"{node.name}_w"
+    assert weight_nodes(model, vocab) == []
+    fold_weight_transposes(model)
+    assert sorted(weight_nodes(model, vocab)) == sorted(weights)
+    assert not [n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in consts]
+    g = torch.Generator().manual_seed(0)
+    inputs = {  # any values: both graphs must compute the same from them
+        spec.name: torch.rand(spec.shape, generator=g).numpy()
+        if spec.dtype.startswith("float")
+        else np.zeros(spec.shape, spec.dtype)
+        for spec in entry.inputs
+    }
+    want = ort.InferenceSession(str(bundle.file(entry))).run(None, inputs)
+    got = ort.InferenceSession(model.SerializeToString()).run(None, inputs)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

@@ -251,10 +251,11 @@ def quantize_graph(
     ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`); raises
     :class:`CalibrationError` if it breaks a rule."""
     model = onnx.load(str(src))
-    nodes = weight_nodes(model, vocab)
     if weight_bits is not None:
-        quantize_weights(model, nodes, weight_bits, dst)
+        fold_weight_transposes(model)
+        quantize_weights(model, weight_nodes(model, vocab), weight_bits, dst)
         return
+    nodes = weight_nodes(model, vocab)
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     # its advice to run quant_pre_process goes to the root logger; that step adds nothing here
     # (static shapes, same ops) but opset imports of onnxruntime's own domains
@@ -268,6 +269,30 @@ def quantize_graph(
     problems = check_graph(dst) + qdq_problems(dst)
     if problems:
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
+
+
+def fold_weight_transposes(model: onnx.ModelProto) -> None:
+    """Store each weight that ``model`` transposes before its products transposed instead (an
+    exact rewrite): the exported drafting graphs read the drafter's weights, shared by every
+    tree level, through one Transpose each, which hides them from :func:`weight_nodes`."""
+    graph = model.graph
+    consts = {t.name: t for t in graph.initializer}
+    kept = []
+    for node in graph.node:
+        source = consts.get(node.input[0]) if node.op_type == "Transpose" else None
+        if source is None or len(source.dims) != 2:
+            kept.append(node)
+            continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        weight = np.ascontiguousarray(onnx.numpy_helper.to_array(source).transpose(perm))
+        graph.initializer.append(onnx.numpy_helper.from_array(weight, node.output[0]))
+    del graph.node[:]
+    graph.node.extend(kept)
+    read = {name for g in with_subgraphs(graph) for n in g.node for name in _reads(n)}
+    read |= {o.name for o in graph.output}
+    unread = [t for t in graph.initializer if t.name not in read]
+    for t in unread:
+        graph.initializer.remove(t)
 
 
 def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: Path) -> None:
