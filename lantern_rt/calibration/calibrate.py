@@ -77,9 +77,10 @@ WEIGHT_ONLY_DTYPE = {4: "int4-weights", 8: "int8-weights"}  # bundle.WEIGHT_ONLY
 WEIGHT_BLOCK = 32
 WEIGHT_ONLY_ACCURACY_LEVEL = 4
 MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
-# and at most this many bytes of them (at least one call): a demo step at B = 32 takes 126 MB a
-# call, and 32 calls of each of its 8 step graphs would not fit in a 24 GiB machine
-MAX_RECORDED_BYTES_PER_GRAPH = 128 * 2**20
+# and at most this many bytes of them (at least one call). A demo step at B = 1 takes 12 MB a
+# call (8 of them its neighbour table), so 21 calls; at B = 32 126 MB, so 2: 32 calls of each
+# step graph of a bundle for B = 16, 32 and 64 would need about 100 GB.
+MAX_RECORDED_BYTES_PER_GRAPH = 256 * 2**20
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
