@@ -21,7 +21,8 @@ from lantern_rt.settings import MAX_SEED, METHODS
     default=32,
     show_default=True,
     help="Images generated with the fp32 bundle per decoding pipeline (AR, and the method on each "
-    "of the bundle's trees) to record the graphs' inputs.",
+    "of the bundle's trees) to record the graphs' inputs: Q/DQ's calibration data, and what "
+    "every quantized graph is compared with fp32 on.",
 )
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="Folder for the quantized bundle."
@@ -52,7 +53,7 @@ from lantern_rt.settings import MAX_SEED, METHODS
     "--validate",
     type=click.IntRange(min=1),
     default=None,
-    help="Images per validation run (fp32 vs int8). Default: one per class (per prompt).",
+    help="Images per validation run (fp32 vs the quantized bundle). Default: one per class (per prompt).",
 )
 @click.option(
     "--prompts",
