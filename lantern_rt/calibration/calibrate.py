@@ -272,6 +272,16 @@ def quantize_graph(
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
 
 
+def quantized_dtype(weight_bits: int | None) -> str:
+    """The dtype of a quantized bundle: ``int8`` (Q/DQ) without ``weight_bits``, else the
+    weight-only one; :class:`CalibrationError` for a width other than 4 or 8."""
+    if weight_bits is None:
+        return "int8"
+    if weight_bits not in WEIGHT_ONLY_DTYPE:
+        raise CalibrationError(f"weights are quantized to 4 or 8 bits, not {weight_bits}")
+    return WEIGHT_ONLY_DTYPE[weight_bits]
+
+
 def fold_weight_transposes(model: onnx.ModelProto) -> None:
     """Store each weight that ``model`` transposes before its products transposed instead (an
     exact rewrite): the exported drafting graphs read the drafter's weights, shared by every
@@ -470,9 +480,7 @@ def calibrate_bundle(
     comparison leaves nothing at ``out``, and return the report (see :func:`validation` and
     :func:`markdown_table`; the copy is named by its dtype, ``report["dtype"]``)."""
     out = Path(out)
-    if weight_bits is not None and weight_bits not in WEIGHT_ONLY_DTYPE:
-        raise CalibrationError(f"weights are quantized to 4 or 8 bits, not {weight_bits}")
-    dtype = "int8" if weight_bits is None else WEIGHT_ONLY_DTYPE[weight_bits]
+    dtype = quantized_dtype(weight_bits)
     if bundle.dtype != "fp32":
         raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
     if samples < 1:
@@ -485,7 +493,7 @@ def calibrate_bundle(
     method = method or default_method(bundle)
     recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts)
     with staged_bundle(out) as tmp:
-        graphs = _write_graphs(bundle, recorder, tmp, dtype, weight_bits)
+        graphs = _write_graphs(bundle, recorder, tmp, weight_bits)
         write_manifest(tmp, _quantized_manifest(bundle, graphs, recorder, method, samples, seed, weight_bits))
         quantized = open_bundle(tmp)
         report = {
@@ -534,12 +542,10 @@ def graph_agreement(
     return result
 
 
-def _write_graphs(
-    bundle: Bundle, recorder: Recorder, tmp: Path, dtype: str, weight_bits: int | None
-) -> dict[str, Any]:
-    """Quantized graphs (``dtype``: Q/DQ, or ``weight_bits`` weights), the graphs kept in fp32,
-    copies of the other files in ``tmp``, all the graphs' weights in one shared file again; the
-    new manifest's graph entries."""
+def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path, weight_bits: int | None) -> dict[str, Any]:
+    """Quantized graphs (Q/DQ, or ``weight_bits`` weights), the graphs kept in fp32, copies of
+    the other files in ``tmp``, all the graphs' weights in one shared file again; the new
+    manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
     graphs = {}
     for name, entry in bundle.graphs.items():
@@ -553,7 +559,11 @@ def _write_graphs(
         if (inputs, outputs) != ([s.to_json() for s in entry.inputs], [s.to_json() for s in entry.outputs]):
             raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
         kept = {k: v for k, v in raw[name].items() if k != "max_abs_err"}  # that was fp32 vs torch
-        graphs[name] = {**kept, "precision": dtype, "calibration_samples": len(recorder.samples[name])}
+        graphs[name] = {
+            **kept,
+            "precision": quantized_dtype(weight_bits),
+            "calibration_samples": len(recorder.samples[name]),
+        }
     share_weights([tmp / entry.file for entry in bundle.graphs.values()], tmp / WEIGHTS)
     for file in bundle.files:
         if not (tmp / file).exists():
@@ -573,17 +583,13 @@ def _quantized_manifest(
     """The source's manifest with the quantized graphs and what the calibration did (its
     ``files`` are :func:`~lantern_rt.bundle.write_manifest`'s)."""
     if weight_bits is None:
-        dtype, scheme = (
-            "int8",
-            "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations",
-        )
+        scheme = "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations"
     else:
-        dtype = WEIGHT_ONLY_DTYPE[weight_bits]
         scheme = (
             f"MatMulNBits: {weight_bits}-bit symmetric weights in blocks of {WEIGHT_BLOCK}, "
             f"accuracy level {WEIGHT_ONLY_ACCURACY_LEVEL}; activations not quantized ahead of time"
         )
-    new = {**source.manifest(), "dtype": dtype, "graphs": graphs}
+    new = {**source.manifest(), "dtype": quantized_dtype(weight_bits), "graphs": graphs}
     new["versions"] = {**source.versions, "onnxruntime": ort.__version__}
     new["calibration"] = {
         "source_manifest_sha256": source.manifest_sha256,
