@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -45,10 +46,11 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     bundle_windows,
 )
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, decode_images
+from lantern_rt.runtime.decode import Condition, ImageResult, Speculation
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.streams import Stream, decode_streams, stream_threads
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
 from lantern_rt.settings import BACKENDS, CACHE_WINDOWS, MethodConfig, check_batch_sizes
 from lantern_rt.stats import GenerationStats
@@ -109,6 +111,12 @@ class Pipeline:
     method: MethodConfig
     device: str = "cpu"
     step_graphs: dict | None = None  # CUDA graphs of whole decode steps (torch on a GPU), kept here
+    more_streams: tuple[Stream, ...] = ()  # decode streams beside the first (docs/method.md §15)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        """The decode streams: ``target``/``spec``/``step_graphs``, then :attr:`more_streams`."""
+        return (Stream(self.target, self.spec, self.step_graphs), *self.more_streams)
 
     @property
     def batch_size(self) -> int:
@@ -182,6 +190,7 @@ def make_pipeline(
     cuda_graphs: bool = True,
     batch_size: int = 1,
     guided: bool = True,
+    streams: int = 1,
 ) -> Pipeline:
     """A pipeline for a model directory (torch) or an opened bundle (onnxruntime, tensorrt; a
     model directory is exported into the cache first, for ``method``'s tree, ``batch_size`` and
@@ -189,9 +198,16 @@ def make_pipeline(
     CUDA device and to tensorrt. ``guided`` False (for CFG scales of at most 1,
     :attr:`SamplingConfig.guided`) runs one row per image instead of two; a bundle runs the rows
     it was exported with. The batch size is checked by what builds the pipeline (the torch
-    models, the export or the bundle's graphs)."""
+    models, the export or the bundle's graphs). ``streams`` above 1 (onnxruntime on the CPU)
+    decodes that many batches at once, each on its share of ``threads``
+    (:mod:`lantern_rt.runtime.streams`)."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if streams > 1 and backend != "onnxruntime":
+        raise ConfigError(
+            f"--streams runs a bundle on onnxruntime on the CPU; the {backend} backend decodes one "
+            "stream: use --backend onnxruntime or --streams 1"
+        )
     if backend == "torch":
         if not isinstance(source, ModelDir):
             raise ConfigError(
@@ -214,7 +230,7 @@ def make_pipeline(
             )
         source = open_bundle(cached_bundle(source, method, batch_sizes=(batch_size,), guided=guided))
     if backend == "onnxruntime":
-        return onnxruntime_pipeline(source, method, threads, batch_size)
+        return onnxruntime_pipeline(source, method, threads, batch_size, streams)
     from lantern_rt.engines.runner import trt_runner
 
     runner = trt_runner(source, cuda_graphs=cuda_graphs)
@@ -320,28 +336,8 @@ def bundle_pipeline(
     runners; no torch model is built."""
     bundle = graphs.bundle
     info = bundle_info(bundle)
-    target = BundleTarget(graphs, runner, backend)
-    spec = None
-    if method.jacobi:
-        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
-        if window.paths not in {t.paths for t in bundle_windows(bundle).values()}:
-            raise ConfigError(
-                f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
-                f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
-            )
-        spec = jacobi_speculation(target, info.gpt, window, method, bundle.neighbors())
-    elif method.method != "ar":
-        if not bundle.has_drafter:
-            raise ConfigError(
-                f"bundle {bundle.path} has no drafter graphs: re-export a model that has a drafter"
-            )
-        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
-        if tree.paths not in {t.paths for t in bundle.trees.values()}:
-            raise ConfigError(
-                f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
-            )
-        drafter = BundleDrafter(graphs, runner, backend)
-        spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
+    first = bundle_stream(graphs, method, runner, backend)
+    target, spec = first.target, first.spec
     decoder = BundleVQDecoder(bundle, runner)
     condition = family_named(info.family).bundle_conditioner(bundle, runner, target.cache.k.device, warn)
     return Pipeline(
@@ -356,13 +352,57 @@ def bundle_pipeline(
     )
 
 
+def bundle_stream(graphs: BatchGraphs, method: MethodConfig, runner: RunnerFactory, backend: str) -> Stream:
+    """The target (its own cache) and the speculation ``method`` runs over a bundle's graphs for
+    one batch size: what a decode stream holds."""
+    bundle = graphs.bundle
+    target = BundleTarget(graphs, runner, backend)
+    spec = None
+    if method.jacobi:
+        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
+        if window.paths not in {t.paths for t in bundle_windows(bundle).values()}:
+            raise ConfigError(
+                f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
+                f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
+            )
+        spec = jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors())
+    elif method.method != "ar":
+        if not bundle.has_drafter:
+            raise ConfigError(
+                f"bundle {bundle.path} has no drafter graphs: re-export a model that has a drafter"
+            )
+        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
+        if tree.paths not in {t.paths for t in bundle.trees.values()}:
+            raise ConfigError(
+                f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
+            )
+        drafter = BundleDrafter(graphs, runner, backend)
+        spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
+    return Stream(target, spec)
+
+
 def onnxruntime_pipeline(
-    bundle: Bundle, method: MethodConfig = MethodConfig(), threads: int = 0, batch_size: int = 1
+    bundle: Bundle,
+    method: MethodConfig = MethodConfig(),
+    threads: int = 0,
+    batch_size: int = 1,
+    streams: int = 1,
 ) -> Pipeline:
-    """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu)."""
+    """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu), decoding ``streams``
+    batches at once on the CPU, each with its share of ``threads`` (the streams share one
+    session per graph, so the weights are loaded once)."""
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 
-    return bundle_pipeline(bundle.batch(batch_size), method, ort_runner(threads), "onnxruntime")
+    graphs = bundle.batch(batch_size)
+    runner = ort_runner(stream_threads(threads, streams))
+    pipe = bundle_pipeline(graphs, method, runner, "onnxruntime")
+    if streams > 1 and pipe.device != "cpu":
+        raise ConfigError(
+            f"--streams shares out CPU cores; this pipeline runs on {pipe.device}: use --streams 1 "
+            "(and a larger --batch-size)"
+        )
+    more = tuple(bundle_stream(graphs, method, runner, "onnxruntime") for _ in range(streams - 1))
+    return dataclasses.replace(pipe, more_streams=more)
 
 
 @dataclass
@@ -415,7 +455,7 @@ def generate(
     ):
         t0 = time.perf_counter()
         with profiling.span("decode"):
-            for index, result in decode_images(pipe.target, jobs, n_tokens, sampling, spec, pipe.step_graphs):
+            for index, result in decode_streams(pipe.streams, jobs, n_tokens, sampling):
                 if not results:
                     steady.enter_context(profiling.capture(profile))
                 results[index] = result
@@ -454,5 +494,6 @@ def generate(
         sampling=sampling,
         labels=labels,
         batch_size=pipe.batch_size,
+        streams=len(pipe.streams),
     )
     return Generation(labels, tokens, images, stats)

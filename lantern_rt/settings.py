@@ -33,6 +33,7 @@ BACKENDS = ("onnxruntime", "tensorrt", "torch")
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
 MAX_BATCH_SIZE = 256  # images per decode step
+MAX_STREAMS = 64  # batches decoded at once, one thread each at least (docs/method.md §15)
 # Target step graphs per batch size, each reading a window of the KV cache's first slots
 # (docs/method.md §12); measured on the demo (BENCHMARKS.md, issue 27): an AR step at B = 16
 # reading 80 of 257 slots costs half the whole cache's step. 1 reads the whole cache only.
@@ -66,6 +67,16 @@ def check_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:
     ):
         raise ConfigError(f"batch sizes must be integers in 1..{MAX_BATCH_SIZE}, got {list(sizes)}")
     return sorted(set(sizes))
+
+
+def check_stream_counts(counts: list[int] | tuple[int, ...]) -> list[int]:
+    """``counts`` (decode streams) sorted without repeats; :class:`ConfigError` unless each is
+    an integer in 1..MAX_STREAMS."""
+    if not counts or not all(
+        isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_STREAMS for n in counts
+    ):
+        raise ConfigError(f"stream counts must be integers in 1..{MAX_STREAMS}, got {list(counts)}")
+    return sorted(set(counts))
 
 
 def check_cache_windows(count: int) -> int:

@@ -38,6 +38,7 @@ class GenerationStats:
     sampling: SamplingConfig
     labels: list[int | str]  # class ids, or prompts
     batch_size: int = 1  # images per decode call
+    streams: int = 1  # batches decoded at once (docs/method.md §15)
     extra: dict[str, Any] = field(default_factory=dict)  # added by the caller (e.g. the output path)
 
     @property
@@ -79,6 +80,7 @@ class GenerationStats:
             "device": self.device,
             "num_images": self.num_images,
             "batch_size": self.batch_size,
+            "streams": self.streams,
             "tokens_per_image": self.tokens_per_image,
             "target_calls": self.target_calls,
             "verify_calls": self.verify_calls,

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import onnxruntime as ort
+
 from lantern_rt.bundle import Bundle
 from lantern_rt.generate import bundle_pipeline, generate
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, OrtGraph, session_options
@@ -45,7 +47,7 @@ def main() -> None:
             options = session_options(1 if entry.drafting else args.threads)
             options.enable_profiling = profile
             options.profile_file_prefix = str(folder / entry.name)
-            graph = OrtGraph(b, entry, options, [CPU])
+            graph = OrtGraph(ort.InferenceSession(str(b.file(entry)), options, providers=[CPU]), entry)
             if profile:
                 profiled.append((entry.name, graph))
                 return graph

@@ -307,3 +307,90 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
     r = CliRunner().invoke(main, [*calibrate, "--out", str(tmp_path / "b2-int8"), "-q"])
     assert r.exit_code == 0, r.output  # validated at B = 2, the bundle's one batch size
     assert Bundle.open(tmp_path / "b2-int8").constants.batch_sizes == (2,)
+
+
+@pytest.mark.slow
+def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle, tmp_path):
+    """``--streams 2`` on onnxruntime: the tokens of one stream (B = 3 and 1), each stream with
+    its own caches over the same onnxruntime sessions; refused where it cannot run."""
+    import numpy as np
+
+    from lantern_rt.generate import onnxruntime_pipeline
+    from lantern_rt.settings import MethodConfig
+
+    pipe = onnxruntime_pipeline(batched_bundle, MethodConfig("lantern++", tree="chain-5"), 2, 3, streams=2)
+    first, second = pipe.streams
+    assert first.target.cache is not second.target.cache
+    assert first.spec.drafter.cache is not second.spec.drafter.cache
+    graphs = [first.target._verify, second.target._verify]
+    assert all(graphs[0][key].session is graphs[1][key].session for key in graphs[0])
+
+    def tokens(*extra: str) -> np.ndarray:
+        out = tmp_path / f"t{len(list(tmp_path.iterdir()))}.npy"
+        args = [
+            "generate",
+            "--bundle",
+            str(batched_bundle.path),
+            "--method",
+            "lantern++",
+            "--tree",
+            "chain-5",
+        ]
+        args += [
+            "--classes",
+            "0,3,1,4",
+            "-n",
+            "2",
+            "-q",
+            "-o",
+            str(out.with_suffix(".png")),
+            "--save-tokens",
+            str(out),
+        ]
+        r = CliRunner().invoke(main, [*args, *extra])
+        assert r.exit_code == 0, r.output
+        return np.load(out)
+
+    one = tokens()
+    assert np.array_equal(tokens("--streams", "2", "--threads", "2"), one)
+    assert np.array_equal(tokens("--streams", "3", "--batch-size", "3"), one)
+    model = batched_bundle.path.parent / "model"
+    refused = {
+        f"generate --model {model} --backend torch --streams 2": "--backend onnxruntime",
+        f"bench --model {model} --backend torch --streams 1,2": "--backend onnxruntime",
+        f"bench --bundle {batched_bundle.path} --streams 0,1": "1..64",
+        f"bench --bundle {batched_bundle.path} --streams two": "comma-separated integers",
+    }
+    for args, reason in refused.items():
+        r = CliRunner().invoke(
+            main,
+            [
+                *args.split(),
+                "-q" if args.startswith("generate") else "--no-quality",
+                *(["--out", str(tmp_path / "b")] if args.startswith("bench") else []),
+            ],
+        )
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and reason in r.output, (args, r.output)
+    assert not (tmp_path / "b").exists()
+
+
+def test_bench_rows_at_each_stream_count(batched_bundle, tmp_path):
+    """``lantern bench --streams 1,2``: one row per configuration and stream count, each row's
+    speedup against the AR row of its own stream count."""
+    out = tmp_path / "bench"
+    args = f"bench --bundle {batched_bundle.path} --config ar --config lantern++ --tree chain-5 --streams 1,2"
+    r = CliRunner().invoke(main, [*args.split(), "-n", "1", "--no-quality", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
+    assert results["settings"]["streams"] == [1, 2]
+    assert [(row["method"], row["streams"]) for row in rows] == [
+        ("ar", 1),
+        ("lantern++", 1),
+        ("ar", 2),
+        ("lantern++", 2),
+    ]
+    for ar, spec in (rows[:2], rows[2:]):
+        assert ar["speedup_vs_ar"] == pytest.approx(1.0)
+        assert spec["speedup_vs_ar"] == pytest.approx(ar["seconds_per_image"] / spec["seconds_per_image"])
+    assert "| 2 |" in (out / "results.md").read_text()

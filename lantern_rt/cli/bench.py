@@ -12,6 +12,7 @@ from lantern_rt.cli.options import (
     SEED,
     model_option,
     parse_batch_sizes,
+    parse_stream_counts,
     prompt_options,
 )
 from lantern_rt.errors import reports_errors
@@ -73,6 +74,14 @@ from lantern_rt.prompt_files import read_prompts
     help="Images decoded together per step, comma-separated (e.g. 1,4,16): every configuration runs at each.",
 )
 @click.option(
+    "--streams",
+    "stream_counts",
+    default="1",
+    show_default=True,
+    help="Batches decoded at once, comma-separated (e.g. 1,2): the onnxruntime rows run at each, each "
+    "stream on its share of --threads; the other rows run one stream.",
+)
+@click.option(
     "--baseline",
     type=click.Choice(["torch-batched"]),
     default=None,
@@ -126,6 +135,7 @@ def bench_cmd(
     seed,
     warmup,
     batch_sizes,
+    stream_counts,
     baseline,
     cfg_scale,
     temperature,
@@ -163,6 +173,7 @@ def bench_cmd(
         reference=reference,
         command=shlex.join(["lantern", *sys.argv[1:]]),
         batch_sizes=tuple(parse_batch_sizes(batch_sizes)),
+        streams=tuple(parse_stream_counts(stream_counts)),
         baseline=baseline,
     )
     results = run_bench(settings)

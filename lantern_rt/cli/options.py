@@ -218,12 +218,22 @@ def prompt_options(command: Callable) -> Callable:
     )(command)
 
 
+def _integers(text: str, option: str, example: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated integers such as {example}, got {text!r}") from None
+
+
 def parse_batch_sizes(text: str) -> list[int]:
     """``--batch-size 1,8`` -> [1, 8]; :class:`UserError` for anything else."""
     from lantern_rt.settings import check_batch_sizes
 
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--batch-size takes comma-separated integers such as 1,8, got {text!r}") from None
-    return check_batch_sizes(sizes)
+    return check_batch_sizes(_integers(text, "--batch-size", "1,8"))
+
+
+def parse_stream_counts(text: str) -> list[int]:
+    """``--streams 1,2`` -> [1, 2]; :class:`UserError` for anything else."""
+    from lantern_rt.settings import check_stream_counts
+
+    return check_stream_counts(_integers(text, "--streams", "1,2"))

@@ -54,6 +54,7 @@ from lantern_rt.settings import (
     METHODS,
     MethodConfig,
     check_batch_sizes,
+    check_stream_counts,
     requested_conditions,
     run_defaults,
     window_tree,
@@ -213,6 +214,7 @@ class Measurement:
     backend: str
     batch_size: int
     pipe: Pipeline | None = None  # None for the baseline
+    streams: int = 1  # batches decoded at once (docs/method.md §15)
     seconds: list[float] = field(default_factory=list)  # decode loop per image, one per chunk
     end_to_end: list[float] = field(default_factory=list)  # with VQ decoding, per image, per chunk
     histogram: Counter[int] = field(default_factory=Counter)
@@ -226,7 +228,7 @@ class Measurement:
         def run(labels: Sequence[int], start: int) -> Generation:
             return generate_fn(pipe, labels, sampling, seed=seed, progress=False, start_index=start)
 
-        return cls(run, pipe.method, pipe.backend, pipe.batch_size, pipe)
+        return cls(run, pipe.method, pipe.backend, pipe.batch_size, pipe, len(pipe.streams))
 
     def add(self, gen: Generation) -> None:
         stats = gen.stats
@@ -251,13 +253,13 @@ def run_order(num_images: int, warmup: int, chunk: int = 1) -> list[tuple[int, i
 CHUNK_BATCHES = 4  # batches of the largest batch size per interleaved call
 
 
-def chunk_size(batch_sizes: Sequence[int], num_images: int) -> int:
-    """Images per interleaved call: four batches of the largest batch size, at most all the
-    images. A call ends by draining its batch (the last images decode with slots empty), so
+def chunk_size(batch_sizes: Sequence[int], num_images: int, streams: Sequence[int] = (1,)) -> int:
+    """Images per interleaved call: four batches of the largest batch size for each stream of
+    the largest stream count, at most all the images. A call ends by draining its batch (the last images decode with slots empty), so
     the fewer images per call, the more of that tail a speculative row pays (AR images finish
     together): at 16 images per batch, 32 images per call cost 30% more steps than full
     batches would."""
-    return max(1, min(num_images, CHUNK_BATCHES * max(batch_sizes)))
+    return max(1, min(num_images, CHUNK_BATCHES * max(batch_sizes) * max(streams)))
 
 
 def run_interleaved(
@@ -290,6 +292,7 @@ def speed_row(m: Measurement) -> dict[str, Any]:
         "tree": None if mc.method == "ar" else mc.tree,
         "params": mc.params(),
         "batch_size": m.batch_size,
+        "streams": m.streams,
         "num_images": sum(len(x) for x in m.images),
         "mean_accepted_length": mean_accepted_length(m.histogram),
         "verify_calls": sum(m.histogram.values()),
@@ -307,18 +310,23 @@ def speed_row(m: Measurement) -> dict[str, Any]:
 
 
 def add_speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with ``speedup_vs_ar``: the AR row's median seconds on its backend and batch
-    size / its own (None where that has no AR row: the baseline's)."""
-    ar = {(r["backend"], r["batch_size"]): r["seconds_per_image_all"] for r in rows if r["method"] == "ar"}
+    """Each row with ``speedup_vs_ar``: the AR row's median seconds on its backend, batch size
+    and stream count / its own (None where that has no AR row: the baseline's)."""
+    ar = {_setting(r): r["seconds_per_image_all"] for r in rows if r["method"] == "ar"}
     return [
         {
             **r,
             "speedup_vs_ar": speedup(ar[key], r["seconds_per_image_all"])
-            if (key := (r["backend"], r["batch_size"])) in ar
+            if (key := _setting(r)) in ar
             else None,
         }
         for r in rows
     ]
+
+
+def _setting(row: dict[str, Any]) -> tuple[str, int, int]:
+    """What a row's AR reference shares with it: backend, batch size, streams."""
+    return row["backend"], row["batch_size"], row.get("streams", 1)
 
 
 # --- quality -------------------------------------------------------------------------------
@@ -520,6 +528,7 @@ class BenchSettings:
     features: str | None = None  # --features spec: the user's extractor for FD and precision/recall
     reference: Path | None = None  # --reference .npz: the user's real images
     batch_sizes: tuple[int, ...] = (1,)  # images per decode step; every configuration runs at each
+    streams: tuple[int, ...] = (1,)  # batches decoded at once (onnxruntime rows; others run one)
     baseline: str | None = None  # "torch-batched": LlamaGen's sampler loop (eval.baseline) as rows
 
 
@@ -581,16 +590,12 @@ def with_quality(
         return [{**r, "quality_note": note} for r in rows]
     images = [m.all_images() for m in runs]
     features = [ref.features_of(x) for x in images]
-    ar = {
-        (r["backend"], r["batch_size"]): f for r, f in zip(rows, features, strict=True) if r["method"] == "ar"
-    }
+    ar = {_setting(r): f for r, f in zip(rows, features, strict=True) if r["method"] == "ar"}
     return [
         {
             **r,
             **quality_fields(ref, x, f, labels),
-            "fd_vs_ar": None
-            if r["method"] == "ar"
-            else frechet_distance(ar[(r["backend"], r["batch_size"])], f),
+            "fd_vs_ar": None if r["method"] == "ar" else frechet_distance(ar[_setting(r)], f),
         }
         for r, x, f in zip(rows, images, features, strict=True)
     ]
@@ -698,6 +703,9 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     feature_fn = None if s.features is None else load_features(s.features, shape)
     reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
     sizes = check_batch_sizes(list(s.batch_sizes))
+    stream_counts = check_stream_counts(list(s.streams))
+    if max(stream_counts) > 1 and "onnxruntime" not in backends:
+        raise ConfigError("--streams above 1 runs on onnxruntime: add --backend onnxruntime")
     baseline = None if s.baseline is None else baseline_model(s.baseline, source, s.model)
     for size in sizes if isinstance(source, Bundle) else ():
         source.batch(size)  # refused before any run
@@ -713,19 +721,28 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     runs = [
         Measurement.of_pipeline(
             make_pipeline(
-                sources[b, mc.tree], b, mc, "cpu", s.threads, batch_size=size, guided=sampling.guided
+                sources[b, mc.tree],
+                b,
+                mc,
+                "cpu",
+                s.threads,
+                batch_size=size,
+                guided=sampling.guided,
+                streams=streams,
             ),
             sampling,
             s.seed,
             generate,
         )
         for size in sizes
+        for streams in stream_counts
         for b in backends
+        if streams == 1 or b == "onnxruntime"
         for mc in configs
     ]
     if s.baseline is not None:
         runs += [baseline_measurement(s.baseline, baseline, sampling, s.seed, size) for size in sizes]
-    runs = run_interleaved(runs, labels, s.warmup, chunk_size(sizes, len(labels)))
+    runs = run_interleaved(runs, labels, s.warmup, chunk_size(sizes, len(labels), stream_counts))
     ref, note = quality_reference(
         info, classes, len(labels), s.quality, s.classifier, s.data_root, feature_fn, reference
     )
@@ -753,7 +770,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "ar_seeds": s.ar_seeds,
             "threads": s.threads,
             "batch_sizes": sizes,
-            "images_per_call": chunk_size(sizes, len(labels)),
+            "streams": stream_counts,
+            "images_per_call": chunk_size(sizes, len(labels), stream_counts),
             "baseline": s.baseline,
             "baseline_model": None if baseline is None else str(baseline.root),
             "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},

@@ -31,10 +31,15 @@ def params_text(params: dict[str, Any]) -> str:
 
 
 def row_label(row: Row) -> str:
-    """``lantern++ k=10 lambda=5 [naive_extend_57] / torch`` (`` B=16`` after a batch size above 1)."""
+    """``lantern++ k=10 lambda=5 [naive_extend_57] / torch`` (`` B=16`` after a batch size above 1,
+    `` x2`` after two or more decode streams)."""
     parts = [row["method"], params_text(row["params"]), f"[{row['tree']}]" if row["tree"] else ""]
-    batch = row.get("batch_size", 1)
-    return f"{' '.join(p for p in parts if p)} / {row['backend']}" + (f" B={batch}" if batch != 1 else "")
+    batch, streams = row.get("batch_size", 1), row.get("streams", 1)
+    return (
+        f"{' '.join(p for p in parts if p)} / {row['backend']}"
+        + (f" B={batch}" if batch != 1 else "")
+        + (f" x{streams}" if streams != 1 else "")
+    )
 
 
 def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
@@ -54,6 +59,7 @@ SPEED_COLUMNS: list[Column] = [
     ("tree", lambda r: r["tree"] or ""),
     ("backend", lambda r: r["backend"]),
     ("B", lambda r: str(r.get("batch_size", 1))),
+    ("streams", lambda r: str(r.get("streams", 1))),
     ("tau", lambda r: fmt(r["mean_accepted_length"], ".2f")),
     ("s/img", lambda r: fmt(r["seconds_per_image"], ".4f")),
     ("img/s", lambda r: fmt(r.get("images_per_second"), ".2f")),

@@ -49,14 +49,15 @@ def session_options(threads: int, config: dict[str, str] | None = None) -> ort.S
 
 
 class OrtGraph:
-    """One bundle graph in an onnxruntime session (a :class:`GraphRunner`).
+    """One bundle graph in an onnxruntime session (a :class:`GraphRunner`), with bindings of
+    its own: several runners may share a session and run it at once (decode streams).
 
     Small inputs are copied into buffers bound once; cache inputs (``past_*``), too large to
     copy, are bound where they lie and rebound only when a call passes other memory.
     """
 
-    def __init__(self, bundle: Bundle, entry: GraphEntry, options: ort.SessionOptions, providers: list[str]):
-        self.session = ort.InferenceSession(str(bundle.file(entry)), options, providers=providers)
+    def __init__(self, session: ort.InferenceSession, entry: GraphEntry):
+        self.session = session
         on_gpu = self.session.get_providers()[0] == CUDA
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         self.inputs, self.outputs = entry.inputs, entry.outputs
@@ -102,10 +103,16 @@ def ort_runner(
     """A :data:`RunnerFactory` making onnxruntime sessions (default providers: see above;
     ``config``: session config entries, see :func:`session_options`). Drafting graphs get one
     thread whatever ``threads`` says: their ops are too small to split, and waking a second
-    thread per op made LANTERN++ 8% slower on two cores."""
+    thread per op made LANTERN++ 8% slower on two cores. The factory opens each graph file once:
+    runners it makes for the same graph (one per decode stream) share its session and weights."""
     chosen = providers or default_providers()
+    sessions: dict[str, ort.InferenceSession] = {}
 
     def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
-        return OrtGraph(bundle, entry, session_options(1 if entry.drafting else threads, config), chosen)
+        path = str(bundle.file(entry))
+        if path not in sessions:
+            options = session_options(1 if entry.drafting else threads, config)
+            sessions[path] = ort.InferenceSession(path, options, providers=chosen)
+        return OrtGraph(sessions[path], entry)
 
     return make

@@ -1,0 +1,105 @@
+"""Decode streams: several batches decoding at once on one CPU, one thread each (docs/method.md §15).
+
+A stream is what :func:`~lantern_rt.runtime.decode.decode_images` needs (a target with its own
+cache, its speculation, its captured steps). Streams take their images from one shared queue,
+so the whole run is one list of jobs however it is split; an image's tokens depend only on its
+job (its condition and its random stream), never on the stream that decodes it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from lantern_rt.runtime.backends.base import TargetBackend
+from lantern_rt.runtime.decode import ImageResult, Job, Speculation, decode_images
+from lantern_rt.runtime.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One decode stream: a target (its KV cache is the stream's own), its speculation (with
+    the drafter's own cache) and the dict its captured CUDA graphs are kept in (None: none)."""
+
+    target: TargetBackend
+    spec: Speculation | None = None
+    step_graphs: dict | None = None
+
+
+_DONE = object()  # a stream's last message
+
+
+def decode_streams(
+    streams: Iterable[Stream], jobs: Iterable[Job], num_tokens: int, sampling: SamplingConfig
+) -> Iterator[tuple[int, ImageResult]]:
+    """:func:`~lantern_rt.runtime.decode.decode_images` of ``jobs`` over ``streams``, each in its
+    own thread, yielding (job index, result) as images finish in any stream.
+
+    A stream takes the next job whenever one of its slots frees, so the jobs are shared out as
+    the streams go; a single stream runs in the caller's thread. The first error in a stream
+    stops the others (each at its next finished image) and is raised here; so is a caller
+    that stops early. The threads overlap where the graphs release Python's lock (onnxruntime
+    does while it runs a graph)."""
+    streams = list(streams)
+    if len(streams) == 1:
+        s = streams[0]
+        yield from decode_images(s.target, jobs, num_tokens, sampling, s.spec, s.step_graphs)
+        return
+    shared = enumerate(jobs)
+    lock = threading.Lock()
+    stop = threading.Event()
+    results: queue.Queue = queue.Queue()
+
+    def taken(numbers: list[int]) -> Iterator[Job]:
+        """The shared jobs, one at a time, remembering each one's index in ``numbers``."""
+        while not stop.is_set():
+            with lock:
+                item = next(shared, None)
+            if item is None:
+                return
+            numbers.append(item[0])
+            yield item[1]
+
+    def run(stream: Stream) -> None:
+        numbers: list[int] = []
+        try:
+            decoded = decode_images(
+                stream.target, taken(numbers), num_tokens, sampling, stream.spec, stream.step_graphs
+            )
+            for local, result in decoded:
+                results.put((numbers[local], result))
+                if stop.is_set():
+                    break
+        except BaseException as error:  # re-raised in the caller's thread
+            stop.set()
+            results.put(error)
+        finally:
+            results.put(_DONE)
+
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in streams]
+    for thread in threads:
+        thread.start()
+    running = len(threads)
+    try:
+        while running:
+            item = results.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def stream_threads(threads: int, streams: int) -> int:
+    """Each stream's share of ``threads`` CPU threads (0, the library's choice, stays 0 for a
+    single stream and is one per stream for several)."""
+    if streams < 1:
+        raise ValueError(f"at least one stream, got {streams}")
+    return threads if streams == 1 else max(1, threads // streams)
