@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
 from lantern_rt.runtime.streams import Stream, decode_streams, stream_threads
@@ -78,7 +79,7 @@ def test_a_caller_that_stops_early_leaves_no_thread_running(trained_pair):
 
 
 def test_each_stream_gets_its_share_of_the_threads():
-    assert [stream_threads(t, s) for t, s in [(0, 1), (2, 1), (2, 2), (4, 2), (0, 2), (1, 3)]] == [
+    assert [stream_threads(t, s) for t, s in [(0, 1), (2, 1), (2, 2), (5, 2), (0, 2), (1, 1)]] == [
         0,
         2,
         1,
@@ -86,5 +87,6 @@ def test_each_stream_gets_its_share_of_the_threads():
         1,
         1,
     ]
-    with pytest.raises(ValueError):
-        stream_threads(2, 0)
+    for threads, streams in [(2, 0), (1, 2), (2, 3)]:
+        with pytest.raises(ConfigError):
+            stream_threads(threads, streams)

@@ -48,6 +48,7 @@ from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.streams import stream_threads
 from lantern_rt.runtime.tree import TreeError, load_tree
 from lantern_rt.settings import (
     JACOBI_METHODS,
@@ -706,6 +707,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     stream_counts = check_stream_counts(list(s.streams))
     if max(stream_counts) > 1 and "onnxruntime" not in backends:
         raise ConfigError("--streams above 1 runs on onnxruntime: add --backend onnxruntime")
+    stream_threads(s.threads, max(stream_counts))  # enough threads, checked before any work
     baseline = None if s.baseline is None else baseline_model(s.baseline, source, s.model)
     for size in sizes if isinstance(source, Bundle) else ():
         source.batch(size)  # refused before any run

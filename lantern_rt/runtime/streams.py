@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.decode import ImageResult, Job, Speculation, decode_images
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -99,7 +100,12 @@ def decode_streams(
 
 def stream_threads(threads: int, streams: int) -> int:
     """Each stream's share of ``threads`` CPU threads (0, the library's choice, stays 0 for a
-    single stream and is one per stream for several)."""
+    single stream and is one per stream for several); :class:`ConfigError` for fewer threads
+    than streams."""
     if streams < 1:
-        raise ValueError(f"at least one stream, got {streams}")
+        raise ConfigError(f"at least one stream, got {streams}")
+    if 0 < threads < streams:
+        raise ConfigError(
+            f"{streams} streams need a thread each: use --threads {streams} or more, or --threads 0"
+        )
     return threads if streams == 1 else max(1, threads // streams)
