@@ -277,11 +277,12 @@ def test_weight_only_graphs_quantize_exactly_the_weight_matmuls(fp32, weight_onl
 
 
 @pytest.mark.slow
-def test_folding_weight_transposes_is_exact(fp32):
+def test_folding_weight_transposes_is_exact(fp32, tmp_path):
     """The demo's drafting graph reads its large weights (shared by every tree level) through
     Transposes; stored transposed instead, they are weight MatMuls to quantize again, and the
-    graph computes exactly the same. Here the tiny drafter's weights are hidden that way first."""
-    from lantern_rt.calibration.calibrate import fold_weight_transposes, weight_nodes
+    graph computes exactly the same. Here the tiny drafter's weights are hidden that way first;
+    the Q/DQ path then puts an int8 weight on every one of them too."""
+    from lantern_rt.calibration.calibrate import fold_weight_transposes, quantize_graph, weight_nodes
 
     bundle = Bundle.open(fp32)
     entry, vocab = bundle.graph("draft_tree_0"), bundle.constants.vocab_size
@@ -298,6 +299,8 @@ def test_folding_weight_transposes_is_exact(fp32):
         model.graph.node.insert(0, transpose)
         node.input[1] = f"{node.name}_w"
     assert weight_nodes(model, vocab) == []
+    hidden = tmp_path / "hidden.onnx"
+    onnx.save(model, str(hidden))
     fold_weight_transposes(model)
     assert sorted(weight_nodes(model, vocab)) == sorted(weights)
     assert not [n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in consts]
@@ -312,6 +315,13 @@ def test_folding_weight_transposes_is_exact(fp32):
     got = ort.InferenceSession(model.SerializeToString()).run(None, inputs)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a, b)
+    quantize_graph(hidden, tmp_path / "int8.onnx", [inputs], vocab)
+    int8 = onnx.load(str(tmp_path / "int8.onnx"))
+    consts = {t.name for t in int8.graph.initializer}
+    weight_dqs = [n for n in int8.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in consts]
+    assert len(weight_dqs) == len(weights) and not [
+        n for n in int8.graph.node if n.op_type == "Transpose" and n.input[0] in consts
+    ]
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ import logging
 import math
 import random
 import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -252,17 +253,21 @@ def quantize_graph(
     ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`); raises
     :class:`CalibrationError` if it breaks a rule."""
     model = onnx.load(str(src))
-    if weight_bits is not None:
-        fold_weight_transposes(model)
-        quantize_weights(model, weight_nodes(model, vocab), weight_bits, dst)
-        return
-    nodes = weight_nodes(model, vocab)
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    folded = fold_weight_transposes(model)
+    nodes = weight_nodes(model, vocab)
+    if weight_bits is not None:
+        quantize_weights(model, nodes, weight_bits, dst)
+        return
     # its advice to run quant_pre_process goes to the root logger; that step adds nothing here
     # (static shapes, same ops) but opset imports of onnxruntime's own domains
     logging.disable(logging.WARNING)
     try:
-        _quantize(src, dst, samples, nodes, external)
+        with tempfile.TemporaryDirectory(dir=dst.parent) as folder:
+            if folded:  # the quantizer reads a file: the folded graph's
+                src = Path(folder) / src.name
+                onnx.save(model, str(src), save_as_external_data=external, location=f"{src.name}.data")
+            _quantize(src, dst, samples, nodes, external)
     finally:
         logging.disable(logging.NOTSET)
     if has_conditionals(model.graph):
@@ -282,10 +287,10 @@ def quantized_dtype(weight_bits: int | None) -> str:
     return WEIGHT_ONLY_DTYPE[weight_bits]
 
 
-def fold_weight_transposes(model: onnx.ModelProto) -> None:
+def fold_weight_transposes(model: onnx.ModelProto) -> int:
     """Store each weight that ``model`` transposes before its products transposed instead (an
-    exact rewrite): the exported drafting graphs read the drafter's weights, shared by every
-    tree level, through one Transpose each, which hides them from :func:`weight_nodes`."""
+    exact rewrite); -> how many. The exported drafting graphs read the drafter's weights, shared
+    by every tree level, through one Transpose each, which hides them from :func:`weight_nodes`."""
     graph = model.graph
     consts = {t.name: t for t in graph.initializer}
     kept = []
@@ -297,6 +302,7 @@ def fold_weight_transposes(model: onnx.ModelProto) -> None:
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
         weight = np.ascontiguousarray(onnx.numpy_helper.to_array(source).transpose(perm))
         graph.initializer.append(onnx.numpy_helper.from_array(weight, node.output[0]))
+    folded = len(graph.node) - len(kept)
     del graph.node[:]
     graph.node.extend(kept)
     read = {name for g in with_subgraphs(graph) for n in g.node for name in _reads(n)}
@@ -304,6 +310,7 @@ def fold_weight_transposes(model: onnx.ModelProto) -> None:
     unread = [t for t in graph.initializer if t.name not in read]
     for t in unread:
         graph.initializer.remove(t)
+    return folded
 
 
 def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: Path) -> None:
