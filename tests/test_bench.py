@@ -163,7 +163,10 @@ def test_run_is_chunk_major_with_warmup_first():
         )
         return Generation(labels, torch.zeros(n, 4), np.zeros((n, 2, 2, 1), np.uint8), stats)
 
-    pipes = [SimpleNamespace(name=n, backend="torch", method=MethodConfig(), batch_size=2) for n in "abc"]
+    pipes = [
+        SimpleNamespace(name=n, backend="torch", method=MethodConfig(), batch_size=2, streams=[n])
+        for n in "abc"
+    ]
     sampling = SamplingConfig(cfg_scale=3.0)
     runs = [Measurement.of_pipeline(p, sampling, 0, fake_generate) for p in pipes]
     run_interleaved(runs, [7, 8, 9], warmup=1, chunk=2)
@@ -172,7 +175,7 @@ def test_run_is_chunk_major_with_warmup_first():
     assert calls == warm + timed
     for m in runs:
         assert m.seconds == pytest.approx([0.1, 0.1]) and m.end_to_end == pytest.approx([0.2, 0.2])
-        assert m.histogram == {1: 9} and m.batch_size == 2
+        assert m.histogram == {1: 9} and m.batch_size == 2 and m.streams == 1
     assert [chunk_size(sizes, n) for sizes, n in (([1, 4, 16], 100), ([1], 3), ([16], 8))] == [64, 3, 8]
 
 

@@ -256,10 +256,10 @@ CHUNK_BATCHES = 4  # batches of the largest batch size per interleaved call
 
 def chunk_size(batch_sizes: Sequence[int], num_images: int, streams: Sequence[int] = (1,)) -> int:
     """Images per interleaved call: four batches of the largest batch size for each stream of
-    the largest stream count, at most all the images. A call ends by draining its batch (the last images decode with slots empty), so
-    the fewer images per call, the more of that tail a speculative row pays (AR images finish
-    together): at 16 images per batch, 32 images per call cost 30% more steps than full
-    batches would."""
+    the largest stream count, at most all the images. A call ends by draining its batch (the
+    last images decode with slots empty), so the fewer images per call, the more of that tail
+    a speculative row pays (AR images finish together): at 16 images per batch, 32 images per
+    call cost 30% more steps than full batches would."""
     return max(1, min(num_images, CHUNK_BATCHES * max(batch_sizes) * max(streams)))
 
 
