@@ -67,8 +67,7 @@ def test_qdq_graphs_follow_the_tensorrt_rules(calibrated):
         "target_ar_step_w16",  # the cache window below the tiny model's 17 slots
         "target_verify_0",
         "target_verify_0_w16",
-        "draft_tree_0",
-    }
+    }  # the drafter's graphs stay fp32: the next test
     for path in graphs.values():
         assert check_graph(path) == []  # opset 17..20, static shapes, no Scatter reduction, fp32 softmax
         assert qdq_problems(path) == []  # standard ops, int8 zero points that are all 0
@@ -106,7 +105,12 @@ def test_the_int8_bundle_is_complete(fp32, calibrated):
         assert raw[key] == want.manifest()[key]
     assert raw["calibration"]["source_manifest_sha256"] == want.manifest_sha256
     assert set(got.files) == set(want.files)
-    assert raw["graphs"]["vq_decode"]["precision"] == "fp32"
+    for name in ("vq_decode", "draft_tree_0"):  # kept fp32, node for node
+        assert raw["graphs"][name]["precision"] == "fp32"
+        nodes = [
+            onnx.load(str(b.file(b.graph(name))), load_external_data=False).graph.node for b in (want, got)
+        ]
+        assert [n.op_type for n in nodes[0]] == [n.op_type for n in nodes[1]]
     codes = torch.randint(want.gpt.vocab_size, want.graph("vq_decode").inputs[0].shape)
     decoded = [  # the fp32 graph kept as it was (its weights in the int8 bundle's shared file)
         ort.InferenceSession(str(b.file(b.graph("vq_decode")))).run(None, {"codes": codes.numpy()})[0]

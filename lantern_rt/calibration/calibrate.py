@@ -2,16 +2,16 @@
 (or, with ``weight_bits``, a weight-only bundle: the same MatMuls' weights in 4 or 8 bits).
 
 :func:`calibrate_bundle` generates images with the fp32 bundle on onnxruntime through a recording
-:data:`RunnerFactory` (the decode loop is unchanged), quantizes the target and drafter graphs with
+:data:`RunnerFactory` (the decode loop is unchanged), quantizes the target's graphs with
 onnxruntime's static QDQ quantizer (symmetric int8, zero points 0, per-channel weight scales, only
-the weight MatMul/Gemm inputs: attention products, softmax, the output head that makes the logits
-and the VQ decoder stay fp32), writes
-the new bundle as the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
+the weight MatMul/Gemm inputs: attention products, softmax, the output head that makes the logits,
+the drafter's graphs and the VQ decoder stay fp32, :func:`kept_fp32`), writes the new bundle as the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
 :func:`~lantern_rt.bundle.write_manifest`), and compares it with the fp32 bundle: accuracy with the
 Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime sessions.
 
 A weight-only bundle (docs/method.md §14) replaces each of those MatMuls by onnxruntime's
-``MatMulNBits`` (blockwise symmetric weights, products in int8 on CPUs with VNNI): no activation is
+``MatMulNBits`` (blockwise symmetric weights, products in int8 on CPUs with VNNI), in the target's
+and the drafter's graphs: no activation is
 quantized ahead of time, so the recorded inputs serve only the comparison with fp32. TensorRT
 cannot build it; it is an onnxruntime bundle.
 """
@@ -37,6 +37,7 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from torch import Tensor
 
 from lantern_rt.bundle import (
+    DRAFTER_PREFILL_GRAPH,
     VQ_DECODE_GRAPH,
     WEIGHTS,
     Bundle,
@@ -64,10 +65,14 @@ from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
 
 
-def kept_fp32(entry: GraphEntry) -> bool:
-    """Graphs left in fp32: the VQ decoder (convolutions that run once per image). A verify
-    graph's acceptance has no weights: only its target step's MatMuls are quantized."""
-    return entry.name == VQ_DECODE_GRAPH
+def kept_fp32(entry: GraphEntry, weight_bits: int | None = None) -> bool:
+    """Graphs left in fp32: the VQ decoder (convolutions that run once per image), and in a Q/DQ
+    bundle (``weight_bits`` None) the drafter's graphs: their products have a few rows each, where
+    onnxruntime's unfused Quantize/DequantizeLinear cost more than int8 saves, and the drafter's
+    accuracy is acceptance (docs/method.md §14). A verify graph's acceptance has no weights: only
+    its target step's MatMuls are quantized."""
+    drafter = entry.drafting or entry.name == DRAFTER_PREFILL_GRAPH
+    return entry.name == VQ_DECODE_GRAPH or (weight_bits is None and drafter)
 
 
 QUANTIZED_OPS = ("MatMul", "Gemm")
@@ -100,15 +105,17 @@ class Recorder:
         limit: int = MAX_SAMPLES_PER_GRAPH,
         seed: int = 0,
         max_bytes: int = MAX_RECORDED_BYTES_PER_GRAPH,
+        weight_bits: int | None = None,
     ):
         self.inner, self.limit, self.max_bytes, self._rng = inner, limit, max_bytes, random.Random(seed)
+        self.weight_bits = weight_bits  # which graphs are quantized, so recorded (kept_fp32)
         self.samples: dict[str, list[dict[str, np.ndarray]]] = {}
         self.calls: dict[str, int] = {}
         self.limits: dict[str, int] = {}  # per graph: calls kept
 
     def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
         runner = self.inner(bundle, entry)
-        if kept_fp32(entry):
+        if kept_fp32(entry, self.weight_bits):
             return runner
         self.samples.setdefault(entry.name, [])
         self.calls.setdefault(entry.name, 0)
@@ -227,11 +234,13 @@ def record_inputs(
     threads: int = 0,
     progress: bool = False,
     prompts: Sequence[str] = (),
+    weight_bits: int | None = None,
 ) -> Recorder:
     """Generate ``samples`` images (sampling, at :func:`bundle_cfg_scale`) with every pipeline of
-    :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder`; every
-    graph but the VQ decoder must see calls. A prompt-conditioned bundle takes ``prompts``."""
-    recorder = Recorder(ort_runner(threads, [CPU]), seed=seed)
+    :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder` of the
+    graphs to quantize with ``weight_bits`` (:func:`kept_fp32`); each of them must see calls. A
+    prompt-conditioned bundle takes ``prompts``."""
+    recorder = Recorder(ort_runner(threads, [CPU]), seed=seed, weight_bits=weight_bits)
     sampling = SamplingConfig(cfg_scale=bundle_cfg_scale(bundle))
     labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
@@ -498,7 +507,7 @@ def calibrate_bundle(
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
     method = method or default_method(bundle)
-    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts)
+    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, weight_bits)
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp, weight_bits)
         write_manifest(tmp, _quantized_manifest(bundle, graphs, recorder, method, samples, seed, weight_bits))
@@ -557,7 +566,7 @@ def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path, weight_bits: in
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
-        if kept_fp32(entry):
+        if kept_fp32(entry, weight_bits):
             onnx.save(onnx.load(str(src)), str(dst))  # its weights inline, until shared below
             graphs[name] = {**raw[name], "precision": "fp32"}
             continue
