@@ -229,7 +229,8 @@ def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tm
     precision = {name: entry["precision"] for name, entry in int8.manifest()["graphs"].items()}
     assert precision["target_verify_0_b3"] == precision["target_verify_0"] == "int8"
     assert precision["vq_decode"] == "fp32" and int8.constants.batch_sizes == (1, 3)
-    assert report["graphs"]["draft_tree_0_b3"]["calls"] > 0
+    assert report["graphs"]["target_verify_0_b3"]["calls"] > 0
+    assert precision["draft_tree_0_b3"] == precision["draft_tree_0"] == "fp32"  # the drafter stays fp32
     assert (int8.path / WEIGHTS).is_file() and not any(p.suffix == ".data" for p in int8.path.iterdir())
 
 
