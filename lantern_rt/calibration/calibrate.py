@@ -5,15 +5,15 @@
 :data:`RunnerFactory` (the decode loop is unchanged), quantizes the target's graphs with
 onnxruntime's static QDQ quantizer (symmetric int8, zero points 0, per-channel weight scales, only
 the weight MatMul/Gemm inputs: attention products, softmax, the output head that makes the logits,
-the drafter's graphs and the VQ decoder stay fp32, :func:`kept_fp32`), writes the new bundle as the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
+the drafter's graphs and the VQ decoder stay fp32, :func:`kept_fp32`), writes the new bundle as
+the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
 :func:`~lantern_rt.bundle.write_manifest`), and compares it with the fp32 bundle: accuracy with the
 Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime sessions.
 
 A weight-only bundle (docs/method.md §14) replaces each of those MatMuls by onnxruntime's
 ``MatMulNBits`` (blockwise symmetric weights, products in int8 on CPUs with VNNI), in the target's
-and the drafter's graphs: no activation is
-quantized ahead of time, so the recorded inputs serve only the comparison with fp32. TensorRT
-cannot build it; it is an onnxruntime bundle.
+and the drafter's graphs: no activation is quantized ahead of time, so the recorded inputs serve
+only the comparison with fp32. TensorRT cannot build it; it is an onnxruntime bundle.
 """
 
 from __future__ import annotations
