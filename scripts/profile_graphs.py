@@ -6,7 +6,8 @@ profiling on, and print each graph's median time per call with its share by oper
 
 Profiling slows every node, so the operator shares (onnxruntime's per-node kernel times, from
 ``enable_profiling``) are read as fractions of the profiled kernel time, and the milliseconds
-per call come from the unprofiled run.
+per call come from the unprofiled run, which also prints each graph's milliseconds per image
+and the host's rest.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def main() -> None:
         pipe = bundle_pipeline(
             bundle.batch(1), MethodConfig(method=args.method), runner(profile), "onnxruntime"
         )
+        t0 = time.perf_counter()
         generate(pipe, labels, SamplingConfig(cfg_scale=3.0), progress=False)
+        if not profile:
+            budget(calls, time.perf_counter() - t0, len(labels))
     for name, graph in profiled:
         if calls.get(name):
             report(name, calls[name], Path(graph.session.end_profiling()), args.top)
@@ -80,6 +84,17 @@ class Timed:
         out = self.graph(**inputs)
         self.seconds.append(time.perf_counter() - t0)
         return out
+
+
+def budget(calls: dict[str, list[float]], seconds: float, images: int) -> None:
+    """Print where an image's wall time went in the unprofiled run: each graph's calls and
+    milliseconds per image, and the rest (the host: Python, copies, the decode loop)."""
+    print(f"per image: {seconds / images * 1e3:.1f} ms over {images} images")
+    spent = 0.0
+    for name, times in sorted((n, t) for n, t in calls.items() if t):
+        spent += sum(times)
+        print(f"  {name:28s} {len(times) / images:6.1f} calls  {sum(times) / images * 1e3:7.1f} ms")
+    print(f"  {'host (the rest)':28s} {'':12s} {(seconds - spent) / images * 1e3:7.1f} ms")
 
 
 def report(name: str, seconds: list[float], path: Path, top: int) -> None:
