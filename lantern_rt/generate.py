@@ -50,9 +50,9 @@ from lantern_rt.runtime.decode import Condition, ImageResult, Speculation
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.streams import Stream, decode_streams, stream_threads
+from lantern_rt.runtime.streams import Stream, auto_streams, decode_streams, stream_threads
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
-from lantern_rt.settings import BACKENDS, CACHE_WINDOWS, MethodConfig, check_batch_sizes
+from lantern_rt.settings import AUTO_STREAMS_MAX, BACKENDS, CACHE_WINDOWS, MethodConfig, check_batch_sizes
 from lantern_rt.stats import GenerationStats
 from lantern_rt.version import package_version
 
@@ -190,7 +190,8 @@ def make_pipeline(
     cuda_graphs: bool = True,
     batch_size: int = 1,
     guided: bool = True,
-    streams: int = 1,
+    streams: int | None = 1,
+    images: int | None = None,
 ) -> Pipeline:
     """A pipeline for a model directory (torch) or an opened bundle (onnxruntime, tensorrt; a
     model directory is exported into the cache first, for ``method``'s tree, ``batch_size`` and
@@ -200,10 +201,11 @@ def make_pipeline(
     it was exported with. The batch size is checked by what builds the pipeline (the torch
     models, the export or the bundle's graphs). ``streams`` above 1 (onnxruntime on the CPU)
     decodes that many batches at once, each on its share of ``threads``
-    (:mod:`lantern_rt.runtime.streams`)."""
+    (:mod:`lantern_rt.runtime.streams`); None chooses (:func:`onnxruntime_pipeline`) for a run
+    of ``images`` images, and means one stream on the other backends."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    if streams > 1 and backend != "onnxruntime":
+    if streams is not None and streams > 1 and backend != "onnxruntime":
         raise ConfigError(
             f"--streams runs a bundle on onnxruntime on the CPU; the {backend} backend decodes one "
             "stream: use --backend onnxruntime or --streams 1"
@@ -230,7 +232,7 @@ def make_pipeline(
             )
         source = open_bundle(cached_bundle(source, method, batch_sizes=(batch_size,), guided=guided))
     if backend == "onnxruntime":
-        return onnxruntime_pipeline(source, method, threads, batch_size, streams)
+        return onnxruntime_pipeline(source, method, threads, batch_size, streams, images)
     from lantern_rt.engines.runner import trt_runner
 
     runner = trt_runner(source, cuda_graphs=cuda_graphs)
@@ -386,13 +388,21 @@ def onnxruntime_pipeline(
     method: MethodConfig = MethodConfig(),
     threads: int = 0,
     batch_size: int = 1,
-    streams: int = 1,
+    streams: int | None = 1,
+    images: int | None = None,
 ) -> Pipeline:
     """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu), decoding ``streams``
     batches at once on the CPU, each with its share of ``threads`` (the streams share one
-    session per graph, so the weights are loaded once)."""
-    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+    session per graph, so the weights are loaded once). ``streams`` None: one on a GPU, else
+    :func:`~lantern_rt.runtime.streams.auto_streams` for ``images`` images (None: a run of
+    any length)."""
+    from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, default_providers, ort_runner
 
+    if streams is None:
+        streams = 1
+        if default_providers()[0] != CUDA:
+            batches = AUTO_STREAMS_MAX if images is None else -(-images // batch_size)
+            streams, threads = auto_streams(threads, batches)
     graphs = bundle.batch(batch_size)
     runner = ort_runner(stream_threads(threads, streams))
     pipe = bundle_pipeline(graphs, method, runner, "onnxruntime")

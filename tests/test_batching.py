@@ -352,10 +352,22 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
         assert r.exit_code == 0, r.output
         return np.load(out)
 
-    one = tokens()
+    one = tokens("--streams", "1")
     assert np.array_equal(tokens("--streams", "2", "--threads", "2"), one)
     assert np.array_equal(tokens("--streams", "3", "--batch-size", "3"), one)
+    stats = tmp_path / "auto.json"  # the default, auto: one stream per thread here
+    assert np.array_equal(tokens("--threads", "2", "--stats-json", str(stats)), one)
+    assert json.loads(stats.read_text())["streams"] == 2
     model = batched_bundle.path.parent / "model"
+    for source in (
+        f"--model {model} --backend torch --threads 2",
+        f"--bundle {batched_bundle.path} --threads 1",
+    ):
+        args = f"generate {source} --method ar -n 2"
+        out = ["-q", "-o", str(tmp_path / "one.png"), "--stats-json", str(stats)]
+        r = CliRunner().invoke(main, [*args.split(), *out])
+        assert r.exit_code == 0, r.output  # auto is one stream on torch, and on one thread
+        assert json.loads(stats.read_text())["streams"] == 1
     refused = {
         f"generate --model {model} --backend torch --streams 2": "--backend onnxruntime",
         f"bench --model {model} --backend torch --streams 1,2": "--backend onnxruntime",

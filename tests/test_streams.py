@@ -11,7 +11,8 @@ import torch
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
-from lantern_rt.runtime.streams import Stream, decode_streams, stream_threads
+from lantern_rt.runtime.streams import Stream, auto_streams, available_cores, decode_streams, stream_threads
+from lantern_rt.settings import AUTO_STREAMS_MAX
 from tests.test_batching import LABELS, SAMPLED, jobs, torch_spec
 
 MORE_LABELS = LABELS + [4, 1, 3]  # 10 images, all classes, in no order a stream could guess
@@ -90,3 +91,22 @@ def test_each_stream_gets_its_share_of_the_threads():
     for threads, streams in [(2, 0), (1, 2), (2, 3)]:
         with pytest.raises(ConfigError):
             stream_threads(threads, streams)
+
+
+def test_auto_streams_run_one_per_thread_within_the_batches_and_the_ceiling():
+    """``--streams auto``: (threads, batches, cores) -> (streams, threads); the threads handed
+    on always give each stream at least one (stream_threads accepts them)."""
+    cases = {
+        (0, 10, 2): (2, 2),  # the library's threads: every core, one stream each
+        (0, 1, 2): (1, 0),  # one batch: one stream on the library's threads, as before
+        (1, 10, 2): (1, 1),  # one thread: one stream
+        (2, 3, 8): (2, 2),  # the threads asked for, not the cores
+        (0, 3, 16): (3, 16),  # no more streams than batches; the cores shared out
+        (0, 100, 16): (AUTO_STREAMS_MAX, 16),  # the ceiling
+        (6, 100, 2): (AUTO_STREAMS_MAX, 6),
+    }
+    for (threads, batches, cores), want in cases.items():
+        got = auto_streams(threads, batches, cores)
+        assert got == want, (threads, batches, cores, got)
+        assert stream_threads(got[1], got[0]) >= (1 if got[0] > 1 else 0)
+    assert auto_streams(0, 10)[0] == min(available_cores(), AUTO_STREAMS_MAX)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from lantern_rt.cli.options import (
+    StreamCount,
     model_option,
     open_run_source,
     prompt_options,
@@ -18,7 +19,7 @@ from lantern_rt.cli.options import (
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.fileio import check_writable
 from lantern_rt.prompt_files import read_prompts
-from lantern_rt.settings import MAX_STREAMS
+from lantern_rt.settings import AUTO_STREAMS_MAX
 
 
 @click.command("generate")
@@ -61,11 +62,13 @@ from lantern_rt.settings import MAX_STREAMS
 )
 @click.option(
     "--streams",
-    type=click.IntRange(min=1, max=MAX_STREAMS),
-    default=1,
+    type=StreamCount(),
+    default="auto",
     show_default=True,
     help="Batches decoded at once on the CPU (onnxruntime), each on its share of --threads: more "
-    "images per second when there are several to make; one image's time is unchanged.",
+    "images per second when there are several to make; one image's time is unchanged. auto: one "
+    f"per thread (--threads 0: per core), at most {AUTO_STREAMS_MAX} and the batches to make; one "
+    "on a GPU or another backend.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
@@ -138,6 +141,7 @@ def generate(
         batch_size,
         sampling.guided,
         streams,
+        len(labels),
     )
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))
@@ -156,8 +160,9 @@ def generate(
     if stats_json is not None and stats_out is None:
         click.echo(body, nl=False)
     per_image = stats.decode_seconds / max(1, stats.num_images)
+    streams_note = f", {len(pipe.streams)} streams" if len(pipe.streams) > 1 else ""
     click.echo(
-        f"{stats.num_images} images ({mc.method}, {pipe.backend}) in {stats.total_seconds:.1f}s: "
+        f"{stats.num_images} images ({mc.method}, {pipe.backend}{streams_note}) in {stats.total_seconds:.1f}s: "
         f"{per_image:.3f}s/image decode, mean accepted length {stats.mean_accepted_length:.2f} -> {output}",
         err=True,
     )

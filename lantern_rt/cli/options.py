@@ -18,6 +18,7 @@ from lantern_rt.settings import (
     MAX_BATCH_SIZE,
     MAX_IMAGES_PER_CLASS,
     MAX_SEED,
+    MAX_STREAMS,
     METHODS,
     RunRequest,
     run_request,
@@ -29,6 +30,25 @@ if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
 
 SEED = click.IntRange(min=0, max=MAX_SEED)
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
+
+
+class StreamCount(click.ParamType):
+    """``--streams``: ``auto`` (None: the pipeline chooses) or a count in 1..MAX_STREAMS."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        if value is None or value == "auto":
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str) and value.strip().isdigit():
+            number = int(value)
+        else:
+            self.fail(f"{value!r} is neither 'auto' nor a whole number", param, ctx)
+        if not 1 <= number <= MAX_STREAMS:
+            self.fail(f"{number} is not in 1..{MAX_STREAMS} (or 'auto')", param, ctx)
+        return number
 
 
 def open_run_source(

@@ -8,6 +8,7 @@ job (its condition and its random stream), never on the stream that decodes it.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -17,6 +18,7 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.decode import ImageResult, Job, Speculation, decode_images
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.settings import AUTO_STREAMS_MAX
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,26 @@ class Stream:
 
 
 _DONE = object()  # a stream's last message
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_streams(threads: int, batches: int, cores: int | None = None) -> tuple[int, int]:
+    """``--streams auto`` on the CPU: (streams, threads) for a run of ``batches`` batches on
+    ``threads`` CPU threads (0: the library's choice, i.e. every one of ``cores``, default
+    :func:`available_cores`). One stream per thread, at most :data:`AUTO_STREAMS_MAX` and
+    ``batches``; with several streams, threads 0 becomes the cores, shared out among them. On
+    two cores two one-thread streams made 1.4-2.2x the images/s of one two-thread stream at
+    every batch size measured (BENCHMARKS.md, "Decode streams")."""
+    budget = threads or (cores or available_cores())
+    streams = max(1, min(budget, batches, AUTO_STREAMS_MAX))
+    return streams, threads if streams == 1 else budget
 
 
 def decode_streams(
