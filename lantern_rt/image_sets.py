@@ -79,8 +79,10 @@ class SetJob:
     cuda_graphs: bool = True
     batch_size: int = 1
 
-    def pipeline(self):
-        """Build this job's pipeline (loads the model or opens the bundle)."""
+    def pipeline(self, streams: int | None = 1, images: int | None = None):
+        """Build this job's pipeline (loads the model or opens the bundle), decoding ``streams``
+        batches at once (None: chosen for ``images`` images per call, as ``lantern generate
+        --streams auto``)."""
         from lantern_rt.families.loading import open_bundle, open_model_dir
         from lantern_rt.generate import make_pipeline
 
@@ -97,6 +99,8 @@ class SetJob:
             self.cuda_graphs,
             self.batch_size,
             self.sampling.guided,
+            streams,
+            images,
         )
 
 
@@ -233,14 +237,15 @@ def _claim(marker: Path) -> bool:
 
 def run_local(job: SetJob, units: list[Unit], out: Path, advance: Callable[[int], object]) -> None:
     """Make ``units`` in this process, one pipeline for all (on ``job.threads`` CPU threads
-    when set, as ``lantern generate --threads``)."""
+    when set, as ``lantern generate --threads``), in the decode streams ``lantern generate``
+    would choose for the largest unit."""
     if not units:
         return
     if job.threads:
         import torch
 
         torch.set_num_threads(job.threads)
-    pipe = job.pipeline()
+    pipe = job.pipeline(streams=None, images=max(unit.count for unit in units))
     for unit in units:
         make_unit(pipe, job, unit, out)
         advance(unit.count)

@@ -206,3 +206,30 @@ def test_units_cover_each_class_in_order():
         (0, 7, 2),
         (0, 9, 1),
     ]
+
+
+@pytest.mark.slow
+def test_local_onnxruntime_set_decodes_in_streams_with_generate_s_tokens(tiny_dir, tmp_path, monkeypatch):
+    """A local set on onnxruntime chooses its decode streams as ``lantern generate`` does (two
+    on two threads for units of three images) and makes the tokens of one stream."""
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    common = ["-q", "--backend", "onnxruntime", "--model", str(tiny_dir), "--classes", CLASSES]
+    common += ["-n", str(N), "--threads", "2"]
+    path = tmp_path / "tokens.npy"
+    r = cli(
+        "generate", *common, "--streams", "1", "-o", str(tmp_path / "one.png"), "--save-tokens", str(path)
+    )
+    assert r.exit_code == 0, r.output
+    built = []
+    pipeline = SetJob.pipeline
+
+    def recorded(job, *args, **kwargs):
+        pipe = pipeline(job, *args, **kwargs)
+        built.append(len(pipe.streams))
+        return pipe
+
+    monkeypatch.setattr(SetJob, "pipeline", recorded)
+    r = cli("generate-set", *common, "--unit-size", "3", "--out", str(tmp_path / "set"))
+    assert r.exit_code == 0, r.output
+    assert built == [2]
+    assert np.array_equal(shards(tmp_path / "set")["codes"], np.load(path))
