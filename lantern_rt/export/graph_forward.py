@@ -44,7 +44,8 @@ class Rope(nn.Module):
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin rows [S, 1, D] for ``positions`` [S], or [B, S, 1, D] for [B, S]."""
-        return self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
+        # embedding() exports as one Gather; table[positions] as Unsqueeze + GatherND
+        return F.embedding(positions, self.cos).unsqueeze(-2), F.embedding(positions, self.sin).unsqueeze(-2)
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotate ``x`` [B, S, heads, D] (computed in fp32)."""

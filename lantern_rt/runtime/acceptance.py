@@ -261,13 +261,13 @@ def _slot(
     batch, rows, vocab = state.r.shape
     child = plan.children[:, slot]  # [P], static
     c = child.clamp_min(0)
-    x = tokens[:, c]  # [B, P]
+    x = tokens.index_select(1, c)  # [B, P]; index_select exports as one Gather, [:, c] as three nodes
     t = _test(
         state.r.reshape(-1, vocab),
         state.qq.reshape(-1, vocab),
         x.reshape(-1),
-        valid[:, c].reshape(-1),
-        noise[:, c].reshape(-1),
+        valid.index_select(1, c).reshape(-1),
+        noise.index_select(1, c).reshape(-1),
         relax,
     )
     open_ = (child >= 0) & (state.chosen < 0)  # [B, P]
@@ -301,7 +301,7 @@ def _walk(plan: TreePlan, state: _Parents, nodes: int) -> tuple[Tensor, Tensor, 
     ancestors; the path holds at most one node per depth. -> the accepted length [B], the kept
     node ids [B, D + 1] (root first, 0 past the path) and each accepted test's credit [B, D, 3]."""
     device = state.chosen.device
-    hit = state.chosen[:, plan.parent_row] == torch.arange(1, nodes, device=device)  # [B, N]
+    hit = state.chosen.index_select(1, plan.parent_row) == torch.arange(1, nodes, device=device)  # [B, N]
     on_path = ~((~hit)[:, None, :] & plan.above).any(-1)  # [B, N]
     at_depth = on_path[:, None, :] & plan.levels  # [B, D, N]
     accepted = at_depth.any(-1)  # [B, D], a prefix

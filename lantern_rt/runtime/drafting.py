@@ -262,9 +262,9 @@ def draft_tree(
     drawn, drawn_ok = draw_distinct(q, noise[:, :1], plan.width)
     drawing = 1
     for depth, level in enumerate(plan.levels, start=1):
-        level_tokens = drawn.flatten(1)[:, level.pick]
+        level_tokens = drawn.flatten(1).index_select(1, level.pick)
         node_tokens.append(level_tokens)
-        valid.append(drawn_ok.flatten(1)[:, level.pick])
+        valid.append(drawn_ok.flatten(1).index_select(1, level.pick))
         n = level_tokens.shape[1]
         if depth == len(plan.levels):
             q_rows.append(q.new_zeros(batch, n, vocab))
@@ -273,7 +273,7 @@ def draft_tree(
         level_mask = torch.cat([seen.expand(-1, 1, n, -1), visible], dim=-1)
         level_positions = (positions[:, -1:] + depth).expand(-1, n)
         level_hidden, k, v = step(
-            level_tokens, level_hidden[:, level.parents], level_positions, level_mask, context
+            level_tokens, level_hidden.index_select(1, level.parents), level_positions, level_mask, context
         )
         context = context.plus(k, v)
         q = probabilities(level_hidden, level_positions)
