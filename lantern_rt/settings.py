@@ -34,7 +34,9 @@ CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
 MAX_BATCH_SIZE = 256  # images per decode step
 MAX_STREAMS = 64  # batches decoded at once, one thread each at least (docs/method.md §15)
-AUTO_STREAMS_MAX = 4  # --streams auto's ceiling: each stream holds its own KV caches
+# --streams auto's ceiling: each stream holds its own KV caches, and beyond it the streams' host
+# work queues on Python's interpreter lock (16 cores: 4 streams made the most images/s, 8 fewer)
+AUTO_STREAMS_MAX = 4
 # Target step graphs per batch size, each reading a window of the KV cache's first slots
 # (docs/method.md §12); measured on the demo (BENCHMARKS.md, issue 27): an AR step at B = 16
 # reading 80 of 257 slots costs half the whole cache's step. 1 reads the whole cache only.
