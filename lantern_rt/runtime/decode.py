@@ -67,9 +67,9 @@ class DecodeStep:
     Called with each image's pending pairs (tokens [B, R] left-aligned, the target's hidden
     states before them [2B, R, D], their count m [B]), which images are ``active`` [B] (an
     inactive one, a slot with no image, commits nothing), the drafter's noise [B, noise_rows,
-    V] and the verify noise [B, N+1] and bonus noise [B, V]; returns the accepted lengths [B],
-    the committed tokens [B, R] (bonus included) and their hidden states [2B, R, D]: the next
-    step's pending pairs."""
+    V] and the verify noise [B, N+1] and bonus noise [B, V]; returns the count of tokens
+    committed [B] (the accepted ones and the bonus), the committed tokens [B, R] and their hidden
+    states [2B, R, D]: the next step's pending pairs."""
 
     target: TargetBackend
     spec: Speculation | None
@@ -108,15 +108,16 @@ class DecodeStep:
                     active,
                 )
         else:
-            drafted = Draft(pending.gather(1, (m - 1)[:, None]), self.ar_valid, self.ar_q)
+            drafted = Draft(pending[:, :1], self.ar_valid, self.ar_q)  # AR's one pending token (m = 1)
         with span("verify"):
             out = target.verify(self.tree, drafted, noise, bonus_noise, self.filters, self.relax)
         if jacobi:
             with span("draft"):
                 jacobi.record(out.probs, active)
         with span("kv_compaction"):
-            target.cache.write(out.new_k, out.new_v, (out.length + 1) * active)
-        return out.length, out.tokens, out.hidden
+            m = out.length + 1  # the pairs committed: the accepted tokens and the bonus
+            target.cache.write(out.new_k, out.new_v, m * active)
+        return m, out.tokens, out.hidden
 
 
 class Condition(NamedTuple):
@@ -221,14 +222,14 @@ def decode_images(
         step = steps.get(cache.window) or steps.setdefault(
             cache.window, _step(target, spec, tree, state, step_graphs)
         )
-        length, pending, hidden = step(
+        m, pending, hidden = step(
             state.pending, state.hidden, state.m, state.active(slots), draft_noise, noise, bonus_noise
         )
-        state.pending, state.hidden, state.m = pending, hidden, length + 1
-        read = torch.cat([length[:, None], pending], 1).tolist()  # the step's one read
+        state.pending, state.hidden, state.m = pending, hidden, m
+        read = torch.cat([m[:, None], pending], 1).tolist()  # the step's one read
         for slot, (n, *committed) in zip(slots, read, strict=True):
             if slot is not None:
-                emitted = committed[: min(n + 1, num_tokens - len(slot.tokens))]
+                emitted = committed[: min(n, num_tokens - len(slot.tokens))]
                 slot.tokens.extend(emitted)
                 slot.accepted.append(len(emitted))
 
@@ -329,20 +330,21 @@ def _step_noise(
     if sampling.greedy:
         draft_noise = draw_noise(batch * rows, vocab, True, None, device).view(batch, rows, vocab)
         uniform = _zeros(batch * (noises + vocab), device).view(batch, -1)
-        return draft_noise, *uniform.split([noises, vocab], 1)
-    drafts, uniforms = [], []
+        return draft_noise, uniform[:, :noises], uniform[:, noises:]
+    uniforms = []
+    drafts = [] if drafting else None  # AR's drafter noise is never read: zeros, no draw
     for slot in slots:
         if slot is None:
-            drafts.append(_zeros(rows * vocab, device).view(rows, vocab))
             uniforms.append(_zeros(noises + vocab, device))
+            if drafting:
+                drafts.append(_zeros(rows * vocab, device).view(rows, vocab))
             continue
-        drafts.append(
-            draw_noise(rows, vocab, False, slot.generator, device)
-            if drafting
-            else _zeros(vocab, device)[None]
-        )
+        if drafting:
+            drafts.append(draw_noise(rows, vocab, False, slot.generator, device))
         uniforms.append(_uniform(noises + vocab, sampling, slot.generator, device))
-    return torch.stack(drafts), *torch.stack(uniforms).split([noises, vocab], 1)
+    uniform = torch.stack(uniforms)
+    draft_noise = torch.stack(drafts) if drafting else _zeros(batch * vocab, device).view(batch, 1, vocab)
+    return draft_noise, uniform[:, :noises], uniform[:, noises:]
 
 
 def _step(

@@ -49,14 +49,6 @@ def prefill_mask(prefix: Tensor) -> Tensor:
     return ((causal & prefix[:, None, :]) | (r[None, :] == r[:, None]))[:, None]
 
 
-def cache_slots(length: Tensor, count: int, capacity: int, rows: int) -> Tensor:
-    """The slots [rows, S] (2B, or B without guidance) that S new entries per image take after
-    ``length`` [B] (clamped to the last slot, which never holds a committed entry: see
-    :meth:`KVCache.write`)."""
-    slots = length[:, None] + torch.arange(count, device=length.device)
-    return cfg_rows(slots.clamp_max(capacity - 1), rows)
-
-
 def gather_rows(t: Tensor, index: Tensor, rows_dim: int, dim: int) -> Tensor:
     """``t`` (its 2B CFG rows along ``rows_dim``, or B without guidance) indexed along ``dim``
     by per-image ``index`` [B, K], the same for an image's two rows: what ``index_select`` is
@@ -120,6 +112,9 @@ class KVCache:
         size = self.rows * heads * capacity * head_dim
         self._k = torch.zeros(n_layer, size, dtype=dtype, device=device)
         self._v = torch.zeros(n_layer, size, dtype=dtype, device=device)
+        # The storage as rows of head_dim values: a commit copies whole rows (see write).
+        self._k_rows, self._v_rows = self._k.view(-1, head_dim), self._v.view(-1, head_dim)
+        self._slots = torch.arange(capacity, device=device)
         self.capacity = capacity
         self.windows = tuple(sorted({w for w in windows if 0 < w < capacity} | {capacity}))
         self._views(capacity)
@@ -131,10 +126,17 @@ class KVCache:
 
     def _views(self, window: int) -> None:
         self.window = window
-        shape = (self._k.shape[0], *self._rows, window, self._head_dim)
+        layers, (rows, heads), device = self._k.shape[0], self._rows, self._k.device
+        shape = (layers, rows, heads, window, self._head_dim)
         count = math.prod(shape[1:])
         self.k, self.v = self._k[:, :count].view(shape), self._v[:, :count].view(shape)
         self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
+        # [n_layer, rows / B, B, heads, 1]: the storage row (of head_dim values) of each layer,
+        # CFG row and head's slot 0 in this window; slot s is s rows further.
+        per_layer = self._k.shape[1] // self._head_dim
+        layer = torch.arange(layers, device=device)[:, None, None, None] * per_layer
+        row_head = torch.arange(rows * heads, device=device).view(-1, self.images, heads) * window
+        self._slot0 = (layer + row_head)[..., None]
 
     def fit(self, needed: int) -> None:
         """Read the cache through its smallest window of at least ``needed`` slots (the whole
@@ -185,8 +187,8 @@ class KVCache:
         holds a committed entry (capacities have one to spare: a decode commits at most capacity
         - 1, and a window is chosen with :func:`~lantern_rt.bundle.window_needed`), so clamped copies only overwrite
         stale data; a count of 0 leaves an image as it was."""
-        slots = cache_slots(self.length, new_k.shape[3], self.window, self.rows)
-        index = slots[None, :, None, :, None].expand_as(new_k)
-        self.k.scatter_(3, index, new_k)
-        self.v.scatter_(3, index, new_v)
+        slots = (self.length[:, None] + self._slots[: new_k.shape[3]]).clamp_max_(self.window - 1)  # [B, S]
+        storage_rows = (self._slot0 + slots[:, None, :]).view(-1)  # in new_k's order
+        self._k_rows.index_copy_(0, storage_rows, new_k.reshape(-1, self._head_dim))
+        self._v_rows.index_copy_(0, storage_rows, new_v.reshape(-1, self._head_dim))
         self.length += count

@@ -67,14 +67,15 @@ def bound_by_pointer(spec: TensorSpec) -> bool:
 def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[Tensor, ...]:
     """The tensors ``named`` by a graph's declared ``inputs``, in their order; ``ValueError``
     unless there is exactly one per input, each of its shape."""
-    missing, unknown = [s.name for s in inputs if s.name not in named], set(named) - {s.name for s in inputs}
-    if missing or unknown:
+    args = tuple(named.get(spec.name) for spec in inputs)
+    if len(named) != len(inputs) or any(arg is None for arg in args):
+        missing = [s.name for s in inputs if s.name not in named]
+        unknown = set(named) - {s.name for s in inputs}
         raise ValueError(
             f"the graph's inputs are {[s.name for s in inputs]}: missing {missing}, unknown {sorted(unknown)}"
         )
-    args = tuple(named[spec.name] for spec in inputs)
     for spec, arg in zip(inputs, args, strict=True):
-        if tuple(arg.shape) != spec.shape:
+        if arg.shape != spec.shape:  # a torch.Size equals the tuple of its sizes
             raise ValueError(
                 f"input {spec.name} has shape {list(arg.shape)}, the graph wants {list(spec.shape)}"
             )
