@@ -404,7 +404,9 @@ def onnxruntime_pipeline(
             batches = AUTO_STREAMS_MAX if images is None else -(-images // batch_size)
             streams, threads = auto_streams(threads, batches)
     graphs = bundle.batch(batch_size)
-    runner = ort_runner(stream_threads(threads, streams))
+    # one stream calls its sessions alone: their pools may spin within a call (not measured
+    # shared by several streams)
+    runner = ort_runner(stream_threads(threads, streams), spin=streams == 1)
     pipe = bundle_pipeline(graphs, method, runner, "onnxruntime")
     if streams > 1 and pipe.device != "cpu":
         raise ConfigError(

@@ -389,6 +389,33 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
     assert not (tmp_path / "b").exists()
 
 
+def test_one_stream_s_pools_spin_only_within_a_call(batched_bundle):
+    """A session one stream calls alone may spin its pool within a call and stops as the call
+    returns; sessions shared by several streams never spin; the tokens are one stream's."""
+    from lantern_rt.generate import generate, onnxruntime_pipeline
+    from lantern_rt.settings import MethodConfig
+
+    def entry(options, key: str) -> str:
+        try:
+            return options.get_session_config_entry(key)
+        except RuntimeError:  # not set
+            return ""
+
+    def spinning(pipe) -> set[tuple[str, str]]:
+        verify = pipe.streams[0].target._verify.values()
+        options = [graph.session.get_session_options() for graph in verify]
+        keys = ("session.intra_op.allow_spinning", "session.force_spinning_stop")
+        return {tuple(entry(o, k) for k in keys) for o in options}
+
+    method = MethodConfig("lantern++", tree="chain-5")
+    one = onnxruntime_pipeline(batched_bundle, method, 2, 1, streams=1)
+    two = onnxruntime_pipeline(batched_bundle, method, 2, 1, streams=2)
+    assert spinning(one) == {("1", "1")} and spinning(two) == {("0", "")}
+    sampling = SamplingConfig(cfg_scale=3.0)
+    tokens = [generate(p, [0, 3, 1], sampling, progress=False).tokens for p in (one, two)]
+    assert torch.equal(tokens[0], tokens[1])
+
+
 def test_bench_rows_at_each_stream_count(batched_bundle, tmp_path):
     """``lantern bench --streams 1,2``: one row per configuration and stream count, each row's
     speedup against the AR row of its own stream count."""

@@ -34,15 +34,22 @@ def default_providers() -> list[str]:
     return [CPU]
 
 
-def session_options(threads: int, config: dict[str, str] | None = None) -> ort.SessionOptions:
-    """One intra-op pool of ``threads`` (0: onnxruntime's choice) that does not spin, all graph
-    optimisations, and session ``config`` entries (e.g. ``{"session.disable_quant_qdq": "1"}``)."""
+def session_options(
+    threads: int, config: dict[str, str] | None = None, spin: bool = False
+) -> ort.SessionOptions:
+    """One intra-op pool of ``threads`` (0: onnxruntime's choice), all graph optimisations, and
+    session ``config`` entries (e.g. ``{"session.disable_quant_qdq": "1"}``). The pool's threads
+    never spin between calls: the runtime works in Python there, and spinning threads would take
+    its core (measured: LANTERN++ 2.5x slower on two cores). With ``spin`` they spin within a
+    call, handing each op to a thread that is awake, and stop as the call returns (onnxruntime's
+    ``session.force_spinning_stop``): for a session one decode stream calls alone (BENCHMARKS.md,
+    "Pool threads that spin only within a call")."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Between graph calls the runtime works in Python; spinning pool threads would steal its
-    # core (measured: LANTERN++ 2.5x slower on two cores with spinning on).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     return options
@@ -98,10 +105,13 @@ class OrtGraph:
 
 
 def ort_runner(
-    threads: int = 0, providers: list[str] | None = None, config: dict[str, str] | None = None
+    threads: int = 0,
+    providers: list[str] | None = None,
+    config: dict[str, str] | None = None,
+    spin: bool = False,
 ) -> RunnerFactory:
     """A :data:`RunnerFactory` making onnxruntime sessions (default providers: see above;
-    ``config``: session config entries, see :func:`session_options`). Drafting graphs get one
+    ``config`` and ``spin``: see :func:`session_options`). Drafting graphs get one
     thread whatever ``threads`` says: their ops are too small to split, and waking a second
     thread per op made LANTERN++ 8% slower on two cores. The factory opens each graph file once:
     runners it makes for the same graph (one per decode stream) share its session and weights."""
@@ -111,7 +121,7 @@ def ort_runner(
     def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
         path = str(bundle.file(entry))
         if path not in sessions:
-            options = session_options(1 if entry.drafting else threads, config)
+            options = session_options(1 if entry.drafting else threads, config, spin)
             sessions[path] = ort.InferenceSession(path, options, providers=chosen)
         return OrtGraph(sessions[path], entry)
 
