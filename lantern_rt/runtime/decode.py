@@ -115,9 +115,9 @@ class DecodeStep:
             with span("draft"):
                 jacobi.record(out.probs, active)
         with span("kv_compaction"):
-            m = out.length + 1  # the pairs committed: the accepted tokens and the bonus
-            target.cache.write(out.new_k, out.new_v, m * active)
-        return m, out.tokens, out.hidden
+            committed = out.length + 1  # the accepted tokens and the bonus
+            target.cache.write(out.new_k, out.new_v, committed * active)
+        return committed, out.tokens, out.hidden
 
 
 class Condition(NamedTuple):
