@@ -331,18 +331,21 @@ def _step_noise(
         draft_noise = draw_noise(batch * rows, vocab, True, None, device).view(batch, rows, vocab)
         uniform = _zeros(batch * (noises + vocab), device).view(batch, -1)
         return draft_noise, uniform[:, :noises], uniform[:, noises:]
-    uniforms = []
-    drafts = [] if drafting else None  # AR's drafter noise is never read: zeros, no draw
+    drafts, uniforms = [], []  # per slot, the drafter's draw first (one image's order)
     for slot in slots:
-        if slot is None:
-            uniforms.append(_zeros(noises + vocab, device))
-            if drafting:
-                drafts.append(_zeros(rows * vocab, device).view(rows, vocab))
-            continue
         if drafting:
-            drafts.append(draw_noise(rows, vocab, False, slot.generator, device))
-        uniforms.append(_uniform(noises + vocab, sampling, slot.generator, device))
+            drafts.append(
+                _zeros(rows * vocab, device).view(rows, vocab)
+                if slot is None
+                else draw_noise(rows, vocab, False, slot.generator, device)
+            )
+        uniforms.append(
+            _zeros(noises + vocab, device)
+            if slot is None
+            else _uniform(noises + vocab, sampling, slot.generator, device)
+        )
     uniform = torch.stack(uniforms)
+    # AR's drafter noise is never read: one zero tensor, no draw
     draft_noise = torch.stack(drafts) if drafting else _zeros(batch * vocab, device).view(batch, 1, vocab)
     return draft_noise, uniform[:, :noises], uniform[:, noises:]
 
