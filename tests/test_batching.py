@@ -92,6 +92,38 @@ def test_inactive_slots_commit_nothing(trained_pair):
     assert (backend.cache.length[:2] > target.config.block_size // 2).all()
 
 
+@pytest.mark.parametrize("drafting", [True, False])
+def test_each_image_draws_its_step_noise_in_the_documented_order(drafting):
+    """docs/method.md §5.1 and §9: per step, each image draws from its own generator the
+    drafter's uniforms (noise_rows x V, drafting methods), then N + 1 test uniforms and V bonus
+    uniforms; an empty slot draws nothing and gets zeros; greedy draws nothing at all. Written
+    out here with plain torch.rand calls, not the runtime's helpers."""
+    from types import SimpleNamespace
+
+    from lantern_rt.runtime.decode import _step_noise
+
+    tree, vocab, rows = load_tree("chain-3", 4), 16, 3  # chain-3: 4 nodes, 3 of them draw children
+    state = SimpleNamespace(vocab=vocab, device=torch.device("cpu"))
+    slots = [SimpleNamespace(generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
+    draft, noise, bonus = _step_noise([slots[0], None, slots[1]], tree, drafting, SAMPLED, state)
+    for got_slot, seed in ((0, 7), (2, 8)):
+        g = torch.Generator().manual_seed(seed)
+        if drafting:
+            assert torch.equal(draft[got_slot], torch.rand(rows, vocab, generator=g))
+        expected = torch.rand(tree.num_nodes + 1 + vocab, generator=g)
+        assert torch.equal(noise[got_slot], expected[: tree.num_nodes + 1])
+        assert torch.equal(bonus[got_slot], expected[tree.num_nodes + 1 :])
+    for slot, seed in zip(slots, (7, 8), strict=True):  # nothing else was drawn
+        g = torch.Generator().manual_seed(seed)
+        torch.rand(rows * vocab * drafting + tree.num_nodes + 1 + vocab, generator=g)
+        assert torch.equal(torch.rand(4, generator=slot.generator), torch.rand(4, generator=g))
+    assert not draft[1].any() and not noise[1].any() and not bonus[1].any()
+    assert draft.shape == (3, rows if drafting else 1, vocab)
+    before = slots[0].generator.get_state()
+    _step_noise([slots[0]], tree, drafting, GREEDY, state)
+    assert torch.equal(slots[0].generator.get_state(), before)
+
+
 def test_per_image_cache_masks_and_writes():
     """cache_mask and KVCache.write per image, against the one-image functions row by row."""
     length = torch.tensor([3, 0, 5])
