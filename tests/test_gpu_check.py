@@ -52,3 +52,25 @@ def test_a_demo_path_runs_on_a_cpu():
     row = gpu_check.run_path("torch", False, gpu_check.MethodConfig("ar"), "cpu", [3])
     assert row["s_per_image"] > 0 and row["tau"] == 1.0
     assert row["greedy_tokens"].shape == (1, 256)
+
+
+def test_each_demo_path_drafts_its_device_s_tree_and_is_compared_on_it(monkeypatch):
+    """On a GPU machine the onnxruntime CPU path runs the CPU's tree, not the GPU's, and its
+    greedy tokens are compared with paths of the same method and tree only."""
+    ran = []
+
+    def fake_run_path(backend, graphs, method, device, labels):
+        ran.append((backend, graphs, method.method, method.tree))
+        tokens = torch.full((1, 4), len(method.tree) if method.method == "lantern++" else 0)
+        return {"s_per_image": 1.0, "tau": 1.0, "greedy_tokens": tokens}
+
+    monkeypatch.setattr(gpu_check, "run_path", fake_run_path)
+    rows = gpu_check.demo_rows("cuda", [0])
+    trees = {(backend, graphs, tree) for backend, graphs, method, tree in ran if method == "lantern++"}
+    cpu, gpu = gpu_check.CPU_DEFAULT_TREE, gpu_check.GPU_DEFAULT_TREE
+    assert trees == {("torch", False, gpu), ("torch", True, gpu), ("onnxruntime", False, cpu)}
+    assert all(r["greedy_agreement_vs_first_path"] == 1.0 for r in rows)
+    text = gpu_check.report({"device_name": "x", "demo": rows, "projection_tau": 1.0, "step_costs": []})
+    assert (
+        f"| onnxruntime-cpu | lantern++ | {cpu} |" in text and f"| torch-eager | lantern++ | {gpu} |" in text
+    )

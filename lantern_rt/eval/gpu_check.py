@@ -1,9 +1,10 @@
 """One GPU check in one command (``scripts/gpu_check.sh``): what the device machine measures.
 
 1. The demo on every available path: torch eager and torch CUDA graphs on the GPU, onnxruntime
-   on the CPU (and TensorRT where installed and its plans can be built): AR and LANTERN++,
-   seconds per image, mean accepted length, speedup over AR on the same path, and greedy token
-   agreement between paths.
+   on the CPU (and TensorRT where installed and its plans can be built): AR and LANTERN++ (on
+   the tree its device runs by default: ``GPU_DEFAULT_TREE`` on the GPU, ``CPU_DEFAULT_TREE``
+   on the CPU), seconds per image, mean accepted length, speedup over AR on the same path, and
+   greedy token agreement between the paths that run the same method and tree.
 2. Per-step costs for LlamaGen-B and -XL shaped targets with random weights (fp16, CUDA
    graphs) at batch sizes 1, 4 and 16, for LlamaGen-XL T2I Stage I's shape (a 120-slot
    caption prefix, partly padding) and, on a GPU, Anole-7B's (14 GB of fp16 weights, a 64-slot
@@ -40,18 +41,23 @@ from lantern_rt.runtime.decode import Condition, Speculation, decode_images
 from lantern_rt.runtime.drafting import drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
 GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
 RELAX = Relaxation("lantern++", k=10, lam=5.0)
 
 
-def paths(device: str) -> list[tuple[str, str, bool]]:
-    """(name, backend, cuda_graphs) for every path this machine can run."""
-    found = [("onnxruntime-cpu", "onnxruntime", False)]
+def paths(device: str) -> list[tuple[str, str, bool, str]]:
+    """(name, backend, cuda_graphs, LANTERN++ tree) for every path this machine can run: a path
+    on the GPU drafts its default tree, the onnxruntime CPU path the CPU's."""
+    found = [("onnxruntime-cpu", "onnxruntime", False, CPU_DEFAULT_TREE)]
     if device.startswith("cuda"):
-        found = [("torch-eager", "torch", False), ("torch-cudagraphs", "torch", True), *found]
+        gpu = [
+            ("torch-eager", "torch", False, GPU_DEFAULT_TREE),
+            ("torch-cudagraphs", "torch", True, GPU_DEFAULT_TREE),
+        ]
+        found = [*gpu, *found]
     return found
 
 
@@ -72,11 +78,12 @@ def run_path(
     }
 
 
-def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]:
-    """Every path x (ar, lantern++, sjd over a window of 5): speed, tau, speedup vs AR on that
-    path, greedy agreement (sjd's greedy tokens are AR's)."""
+def demo_rows(device: str, labels: list[int]) -> list[dict[str, Any]]:
+    """Every path x (ar, lantern++ on the path's tree, sjd over a window of 5): speed, tau,
+    speedup vs AR on that path, greedy agreement with the first path of the same method and tree
+    (sjd's greedy tokens are AR's)."""
     rows, reference = [], {}
-    for name, backend, graphs in paths(device):
+    for name, backend, graphs, tree in paths(device):
         ar = None
         for method in (
             MethodConfig("ar"),
@@ -86,11 +93,12 @@ def demo_rows(device: str, tree: str, labels: list[int]) -> list[dict[str, Any]]
             r = run_path(backend, graphs, method, device, labels)
             ar = ar or r["s_per_image"]
             tokens = r.pop("greedy_tokens")
-            first = reference.setdefault(method.method, tokens)
+            first = reference.setdefault((method.method, method.tree), tokens)
             rows.append(
                 {
                     "path": name,
                     "method": method.method,
+                    "tree": None if method.method == "ar" else method.tree,
                     **r,
                     "speedup_vs_ar": ar / r["s_per_image"],
                     "greedy_agreement_vs_first_path": float((tokens == first).float().mean()),
@@ -241,12 +249,12 @@ def _timed(fn: Any, repeats: int, cuda: bool) -> float:
 def report(result: dict[str, Any]) -> str:
     lines = [f"# GPU check ({result['device_name']})", "", "## Demo", ""]
     lines += [
-        "| path | method | s/img | tau | speedup vs AR | greedy agreement |",
-        "|---|---|---|---|---|---|",
+        "| path | method | tree | s/img | tau | speedup vs AR | greedy agreement |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["demo"]:
         lines.append(
-            f"| {r['path']} | {r['method']} | {r['s_per_image']:.4f} | {r['tau']:.2f} | "
+            f"| {r['path']} | {r['method']} | {r['tree'] or ''} | {r['s_per_image']:.4f} | {r['tau']:.2f} | "
             f"{r['speedup_vs_ar']:.2f}x | {r['greedy_agreement_vs_first_path']:.3f} |"
         )
     lines += ["", "## Step costs, acceptance included (random weights, sampled LANTERN++)", ""]
@@ -297,16 +305,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     labels = [0, 1] if args.quick else list(range(10))
     presets = ["GPT-B"] if args.quick else ["GPT-B", "GPT-XL"]
     batches = [1, 2] if args.quick else [1, 4, 16]
-    demo = demo_rows(args.device, "naive_extend_57" if cuda else "chain-4", labels)
-    tau = next(r["tau"] for r in demo if r["method"] == "lantern++")
+    demo = demo_rows(args.device, labels)
+    tau = next(r["tau"] for r in demo if r["method"] == "lantern++")  # the first path's: the GPU's on a GPU
     dtype = torch.float16 if cuda else torch.float32
     repeats = 2 if args.quick else 50
     costs = [
-        step_costs(p, "naive_extend_57", args.device, dtype, repeats, b) for p in presets for b in batches
+        step_costs(p, GPU_DEFAULT_TREE, args.device, dtype, repeats, b) for p in presets for b in batches
     ]
-    costs += [step_costs(presets[-1], "naive_extend_57", args.device, dtype, repeats, 1, text=True)]
+    costs += [step_costs(presets[-1], GPU_DEFAULT_TREE, args.device, dtype, repeats, 1, text=True)]
     if cuda and not args.quick:  # 14 GB of fp16 weights: a GPU row only
-        costs += [step_costs("", "naive_extend_57", args.device, dtype, repeats, 1, kind="chameleon")]
+        costs += [step_costs("", GPU_DEFAULT_TREE, args.device, dtype, repeats, 1, kind="chameleon")]
     result = {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
