@@ -1,8 +1,9 @@
 """bf16 against fp32 on this CPU: whether onnxruntime's CPU provider runs a bf16 MatMul, and the
 torch backend's AR step and chain-5 verify (``TorchTarget.verify``: the target's step and the
-acceptance, one call) in fp32 and in bf16, random weights, B = 1 with guidance, a half-full
-cache, the two dtypes alternated in rounds. onnxruntime's fp32 and int8 steps of the same shape:
-``scripts/drafting_step_cost.py`` and ``scripts/int8_step_cost.py``. A benchmark, not a test.
+acceptance, one call, as ``gpu_check.verify_call`` sets it up) in fp32 and in bf16, random
+weights, B = 1 with guidance, a half-full cache, the two dtypes alternated in rounds.
+onnxruntime's fp32 and int8 steps of the same shape: ``scripts/drafting_step_cost.py`` and
+``scripts/int8_step_cost.py``. A benchmark, not a test.
 
     .venv/bin/python scripts/bf16_step_cost.py [--preset GPT-B|demo] [--threads 1] [--calls 10]
 """
@@ -12,18 +13,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from lantern_rt.eval.gpu_check import RELAX, SAMPLING, _config
+from lantern_rt.eval.gpu_check import RELAX, SAMPLING, _config, verify_call
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import relax_inputs
-from lantern_rt.runtime.backends.torch_backend import TorchTarget
-from lantern_rt.runtime.drafting import Draft
 from lantern_rt.runtime.sampling import filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, chain_tree
 
@@ -66,19 +66,8 @@ def main() -> None:
     calls = {}
     for dtype, model in models.items():
         for name, tree in (("AR step", ROOT_ONLY), ("verify chain-5", chain_tree(5))):
-            target = TorchTarget(model, 1)
-            target.prefill(cond)
-            target.cache.length.fill_(config.block_size // 2)  # a half-full cache
-            s = tree.num_nodes + 1
-            draft = Draft(
-                torch.zeros(1, s, dtype=torch.long),
-                torch.ones(1, s, dtype=torch.bool),
-                torch.softmax(torch.randn(1, s, vocab), -1),
-            )
-            noise, bonus = torch.rand(1, s), torch.rand(1, vocab)
-            calls[dtype, name] = lambda t=target, tr=tree, d=draft, n=noise, b=bonus: t.verify(
-                tr, d, n, b, filters, relax
-            )
+            call, inputs = verify_call(model, tree, 1, cond, None, filters, relax)
+            calls[dtype, name] = partial(call, *inputs)
     ms: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
     for _ in range(ROUNDS):
         for key, call in calls.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,14 @@ from lantern_rt.models.config import gpt_config
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
-from lantern_rt.runtime.backends.base import Draft
+from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, relax_inputs
+from lantern_rt.runtime.backends.base import Draft, FilterInputs
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, decode_images
 from lantern_rt.runtime.drafting import drafter_capacity
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
-from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
+from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, load_tree
 from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
@@ -180,22 +181,8 @@ def step_costs(
         cond = torch.cat([labels, torch.full_like(labels, config.num_classes)])
         prefix = None
     for name, t in (("ar_step", ROOT_ONLY), ("verify", verify)):
-        target = TorchTarget(model, batch)
-        target.prefill(cond, prefix)
-        target.cache.length.fill_(128)  # a half-full cache
-        s = t.num_nodes + 1
-
-        def call(*a: torch.Tensor, tree=t, target=target) -> tuple[torch.Tensor, ...]:
-            return tuple(target.verify(tree, Draft(*a[:3]), a[3], a[4], filters, relax))
-
+        call, args = verify_call(model, t, batch, cond, prefix, filters, relax)
         run = CudaGraphed(call) if graphs else call
-        args = (
-            torch.zeros(batch, s, dtype=torch.long, device=device),
-            torch.ones(batch, s, dtype=torch.bool, device=device),
-            torch.softmax(torch.randn(batch, s, vocab, device=device), -1),
-            torch.rand(batch, s, device=device),
-            torch.rand(batch, vocab, device=device),
-        )
         out[f"ms_{name}"] = _timed(partial(run, *args), repeats, graphs)
     with torch.device(device):
         drafter = Drafter(DrafterConfig.for_target(config), config).to(dtype).eval()
@@ -225,6 +212,38 @@ def step_costs(
     out["verify_over_ar_step"] = out["ms_verify"] / out["ms_ar_step"]
     out["whole_step_over_verify"] = out["ms_whole_step"] / out["ms_verify"]
     return out
+
+
+def verify_call(
+    model: Transformer,
+    tree: StaticTree,
+    batch: int,
+    cond: torch.Tensor,
+    prefix: torch.Tensor | None,
+    filters: FilterInputs,
+    relax: RelaxInputs,
+) -> tuple[Callable[..., tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """(call, args): one ``TorchTarget.verify`` of ``tree`` (``ROOT_ONLY``: an AR step) over
+    ``model``, ``batch`` images prefilled with ``cond``/``prefix`` and their caches filled to 128
+    entries, and random draft and noise inputs on the model's device."""
+    device = model.output.weight.device
+    vocab = model.config.vocab_size
+    target = TorchTarget(model, batch)
+    target.prefill(cond, prefix)
+    target.cache.length.fill_(128)  # half of LlamaGen's 256 image tokens
+
+    def call(*a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(target.verify(tree, Draft(*a[:3]), a[3], a[4], filters, relax))
+
+    s = tree.num_nodes + 1
+    args = (
+        torch.zeros(batch, s, dtype=torch.long, device=device),
+        torch.ones(batch, s, dtype=torch.bool, device=device),
+        torch.softmax(torch.randn(batch, s, vocab, device=device), -1),
+        torch.rand(batch, s, device=device),
+        torch.rand(batch, vocab, device=device),
+    )
+    return call, args
 
 
 def _rows(prefix: torch.Tensor, b: int, batch: int) -> torch.Tensor:
