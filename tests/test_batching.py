@@ -4,6 +4,7 @@ positions, finished images replaced by the next job; the same tokens as one imag
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import onnx
 import pytest
@@ -19,7 +20,7 @@ from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, bundle_trees
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import Speculation, decode_images
+from lantern_rt.runtime.decode import Speculation, _step_noise, decode_images
 from lantern_rt.runtime.kv_cache import KVCache, cache_mask
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
@@ -98,10 +99,6 @@ def test_each_image_draws_its_step_noise_in_the_documented_order(drafting):
     drafter's uniforms (noise_rows x V, drafting methods), then N + 1 test uniforms and V bonus
     uniforms; an empty slot draws nothing and gets zeros; greedy draws nothing at all. Written
     out here with plain torch.rand calls, not the runtime's helpers."""
-    from types import SimpleNamespace
-
-    from lantern_rt.runtime.decode import _step_noise
-
     tree, vocab, rows = load_tree("chain-3", 4), 16, 3  # chain-3: 4 nodes, 3 of them draw children
     state = SimpleNamespace(vocab=vocab, device=torch.device("cpu"))
     slots = [SimpleNamespace(generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
