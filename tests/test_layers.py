@@ -1,5 +1,8 @@
 """Import layering: which parts of ``lantern_rt`` may import which, no import cycles, no eager TensorRT.
 
+Which parts may import which is one table of layers, read from docs/architecture.md ("Layers"): a
+module imports only from its own layer or below, but for the upward imports the doc allows by name.
+
 The checks read the source with :mod:`ast` (nothing is imported), so they see every import, including
 the ones inside functions and methods: a lazy import still ties the layers together and can still
 close a cycle at run time. Only imports under ``if TYPE_CHECKING:`` are left out (their ``else:``
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -296,6 +300,114 @@ def describe_cycles(graph: dict[str, dict[str, list[Edge]]], cycles: list[list[s
 
 
 # --------------------------------------------------------------------------------------------------
+# The table of layers (docs/architecture.md, "Layers")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """A table of layers: each entry (a module, or a package and every module under it) with its
+    layer, 0 at the bottom; and the upward imports allowed by name, (importing module, imported)."""
+
+    entries: dict[str, int]  # dotted name -> layer
+    packages: frozenset[str]  # the entries that are packages
+    allowed: frozenset[tuple[str, str]]
+
+    def layer_of(self, module: str) -> int | None:
+        """The layer of the most specific entry that holds ``module`` (None: no entry does)."""
+        holding = [
+            entry
+            for entry in self.entries
+            if module == entry or (entry in self.packages and module.startswith(entry + "."))
+        ]
+        return self.entries[max(holding, key=len)] if holding else None
+
+
+def entry_name(path: str, package: str) -> tuple[str, bool]:
+    """A table entry as a dotted name, and whether it is a package: ``cli/`` is ``package.cli``
+    and every module under it, ``engines/cli.py`` the module ``package.engines.cli``,
+    ``__init__.py`` the package's own ``__init__``."""
+    if path.endswith("/"):
+        return ".".join([package, *path.rstrip("/").split("/")]), True
+    if not path.endswith(".py"):
+        raise ValueError(f"layer table: {path!r} is neither a module (name.py) nor a package (name/)")
+    parts = path.removesuffix(".py").split("/")
+    return ".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)]), False
+
+
+_LAYER_ROW = re.compile(r"^\|\s*(\d+)\s*\|([^|]*)\|")
+_ALLOWED = re.compile(r"^- Allowed upward: `([^`]+)` imports `([^`]+)`")
+
+
+def parse_layers(text: str, package: str, heading: str = "## Layers") -> Layers:
+    """The table of the section ``heading`` of a Markdown text: rows ``| N | `entry` ... | what |``,
+    the top layer first, N counting down to 0; and its lines ``- Allowed upward: `a.py` imports
+    `b.py` ...``, each one upward import allowed by name."""
+    lines = text.splitlines()
+    if heading not in lines:
+        raise ValueError(f"no section {heading!r}")
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    entries: dict[str, int] = {}
+    packages: set[str] = set()
+    allowed: set[tuple[str, str]] = set()
+    numbers = []
+    for line in lines[start:end]:
+        if row := _LAYER_ROW.match(line):
+            number = int(row.group(1))
+            numbers.append(number)
+            for path in re.findall(r"`([^`]+)`", row.group(2)):
+                name, is_package = entry_name(path, package)
+                if name in entries:
+                    raise ValueError(f"layer table: {path} is in two rows")
+                entries[name] = number
+                if is_package:
+                    packages.add(name)
+        elif match := _ALLOWED.match(line):
+            importer, imported = (entry_name(path, package) for path in match.groups())
+            if importer[1] or imported[1]:
+                raise ValueError(f"layer table: an allowed import names two modules, not {line!r}")
+            allowed.add((importer[0], imported[0]))
+    if not numbers or numbers != list(range(len(numbers) - 1, -1, -1)):
+        raise ValueError(f"layer table: the rows must count down to 0, not {numbers}")
+    return Layers(entries, frozenset(packages), frozenset(allowed))
+
+
+def layer_violations(scan: Scan, prefix: str, layers: Layers) -> list[str]:
+    """What breaks the table in the package ``prefix``: a module in no layer, an entry that holds
+    no module, an import of a higher layer (function-level ones too) that is not allowed by name,
+    and an allowed import that no module makes."""
+    modules = [m for m in scan.files if _under(m, prefix)]
+    problems = [
+        f"{scan.where(m, 1).removesuffix(':1')}: in no layer of the table (add it to a row)"
+        for m in modules
+        if layers.layer_of(m) is None
+    ]
+    problems += [
+        f"the table's entry {entry} holds no module (renamed or removed?)"
+        for entry in layers.entries
+        if not any(m == entry or (entry in layers.packages and _under(m, entry)) for m in modules)
+    ]
+    used = set()
+    for module in modules:
+        own = layers.layer_of(module)
+        for edge in scan.edges(module, prefix):
+            theirs = layers.layer_of(edge.target)
+            if edge.target == module or own is None or (theirs is not None and theirs <= own):
+                continue
+            if (module, edge.target) in layers.allowed:
+                used.add((module, edge.target))
+            elif theirs is None:
+                problems.append(f"{edge}  (a module in no layer of the table)")
+            else:
+                problems.append(f"{edge}  (layer {own} imports layer {theirs})")
+    problems += [
+        f"{a} -> {b} is allowed upward but no longer imported: remove the line"
+        for a, b in sorted(layers.allowed - used)
+    ]
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------
 # The analyser on synthetic sources
 
 
@@ -458,96 +570,104 @@ def test_layer_violations_are_found_with_their_lines(tmp_path):
     assert [str(e) for e in scan.edges("pkg.high.cli", "pkg")] == ["pkg/high/cli.py:1 -> pkg.low"]
 
 
+_TABLE = """
+# A package
+
+## Layers
+
+| layer | modules | what |
+| ---: | --- | --- |
+| 2 | `high/cli.py` | the command |
+| 1 | `high/` `mid.py` | the rest of high; mid |
+| 0 | `__init__.py` `low.py` `gone.py` | the bottom |
+
+- Allowed upward: `low.py` imports `mid.py` (a reason)
+- Allowed upward: `mid.py` imports `high/cli.py` (no longer imported)
+
+## Next section
+
+| 9 | `ignored.py` | outside the section |
+"""
+
+
+def test_the_table_of_layers_is_read_from_its_section():
+    layers = parse_layers(_TABLE, "pkg")
+    assert layers.entries == {
+        "pkg.high.cli": 2,
+        "pkg.high": 1,
+        "pkg.mid": 1,
+        "pkg": 0,
+        "pkg.low": 0,
+        "pkg.gone": 0,
+    }
+    assert layers.packages == {"pkg.high"}
+    assert layers.allowed == {("pkg.low", "pkg.mid"), ("pkg.mid", "pkg.high.cli")}
+    # the most specific entry: high/cli.py, not high/; the package's __init__ alone, not all of it
+    assert [
+        layers.layer_of(m) for m in ("pkg.high.cli", "pkg.high.core", "pkg.high", "pkg", "pkg.other")
+    ] == [2, 1, 1, 0, None]
+    with pytest.raises(ValueError, match="count down to 0"):
+        parse_layers(_TABLE.replace("| 1 |", "| 3 |"), "pkg")
+    with pytest.raises(ValueError, match="in two rows"):
+        parse_layers(_TABLE.replace("`gone.py`", "`mid.py`"), "pkg")
+    with pytest.raises(ValueError, match="no section"):
+        parse_layers(_TABLE.replace("## Layers", "## Strata"), "pkg")
+
+
+def test_imports_against_the_table_of_layers(tmp_path):
+    package = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low.py": "def f():\n    from pkg.high import core\n    from pkg import mid\n",
+            "pkg/mid.py": "from pkg import low\nfrom pkg.high import core\n",  # same layer and below: fine
+            "pkg/high/__init__.py": "",
+            "pkg/high/core.py": "import pkg.high.cli\n",
+            "pkg/high/cli.py": "from pkg.high import core\nfrom pkg import low, stray\n",
+            "pkg/stray.py": "",
+        },
+    )
+    problems = layer_violations(scan_package(package), "pkg", parse_layers(_TABLE, "pkg"))
+    assert problems == [
+        "pkg/stray.py: in no layer of the table (add it to a row)",
+        "the table's entry pkg.gone holds no module (renamed or removed?)",
+        "pkg/high/cli.py:2 -> pkg.stray  (a module in no layer of the table)",
+        "pkg/high/core.py:1 -> pkg.high.cli  (layer 1 imports layer 2)",
+        # low -> high.core is function-level and still counts; low -> mid is allowed by name
+        "pkg/low.py:2 -> pkg.high.core  (function-level)  (layer 0 imports layer 1)",
+        "pkg.mid -> pkg.high.cli is allowed upward but no longer imported: remove the line",
+    ]
+
+
 # --------------------------------------------------------------------------------------------------
 # The rules, on the real package
 
-
-def _is_cli(name: str) -> bool:
-    return "cli" in name.split(".")[1:]
+ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
 
 
-def _forbidding(*layers: str) -> Callable[[str], bool]:
-    """Imports of these top-level parts of the package, and of any ``*.cli`` module."""
-    names = tuple(f"{PKG}.{layer}" for layer in layers)
-    return lambda target: any(_under(target, n) for n in names) or _is_cli(target)
+def test_every_import_keeps_to_the_table_of_layers():
+    layers = parse_layers(ARCHITECTURE.read_text(encoding="utf-8"), PKG)
+    problems = layer_violations(real_package(), PKG, layers)
+    if problems:
+        message = f"{len(problems)} break(s) of the table of layers in docs/architecture.md:\n"
+        pytest.fail(message + "\n".join(problems), pytrace=False)
 
 
-def _anything(target: str) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    sources: Callable[[str], bool]  # which modules the rule applies to
-    forbidden: Callable[[str], bool]  # which imported modules they must not name
-    required: str | None = None  # a module that must exist for the rule (else skipped)
-
-    def __str__(self) -> str:
-        return self.name
-
-
-RULES = [
-    Rule(
-        "runtime-is-lean",
-        lambda m: _under(m, f"{PKG}.runtime"),
-        _forbidding("export", "training", "eval", "calibration", "cli", "generate", "families"),
-    ),
-    Rule(
-        "models-are-a-leaf",
-        lambda m: _under(m, f"{PKG}.models"),
-        _forbidding("runtime", "export", "engines", "eval", "calibration", "generate", "cli", "families"),
-    ),
-    Rule(  # export and training ask a family for its graphs (declared with graph_spec) and rows
-        "families-sit-below-export-training-and-the-commands",
-        lambda m: _under(m, f"{PKG}.families"),
-        _forbidding(
-            "export",
-            "engines",
-            "eval",
-            "calibration",
-            "training",
-            "generate",
-            "cli",
-            "settings",
-            "image_sets",
-        ),
-    ),
-    Rule("errors-imports-nothing", lambda m: m == f"{PKG}.errors", _anything),
-    Rule(  # but the errors module, which imports nothing itself: a failed write is one line
-        "fileio-imports-only-errors", lambda m: m == f"{PKG}.fileio", lambda t: t != f"{PKG}.errors"
-    ),
-    Rule(  # prompts are cleaned and tokenised the same way for torch and bundles, below both
-        "captions-import-only-errors",
-        lambda m: m == f"{PKG}.families.llamagen.captions",
-        lambda t: t != f"{PKG}.errors",
-    ),
-    Rule(
-        "bundle-is-lean",
-        lambda m: m == f"{PKG}.bundle",
-        _forbidding(
-            "runtime", "export", "engines", "calibration", "eval", "training", "generate", "cli", "families"
-        ),
-        required=f"{PKG}.bundle",
-    ),
-    Rule(
-        "only-the-cli-and-generate-export",  # calibration writes through lantern_rt.bundle
-        lambda m: not _under(m, f"{PKG}.export") and not _under(m, f"{PKG}.cli") and m != f"{PKG}.generate",
-        lambda target: _under(target, f"{PKG}.export"),
-    ),
-]
-
-
-@pytest.mark.parametrize("rule", RULES, ids=str)
-def test_layering(rule: Rule):
+def test_only_the_command_line_and_generate_import_export():
+    """Bundles are written by ``export/`` (called by the command line and ``generate``'s first-use
+    export) and by ``calibration/``, which writes through ``lantern_rt.bundle``."""
     scan = real_package()
-    if rule.required and rule.required not in scan.files:
-        pytest.skip(f"{rule.required} does not exist yet")
-    sources = [m for m in scan.files if rule.sources(m)]
-    assert sources, f"{rule}: no module of the package is subject to it (renamed?)"
-    bad = [str(e) for m in sources for e in scan.edges(m, PKG) if e.target != m and rule.forbidden(e.target)]
+    callers = (f"{PKG}.export", f"{PKG}.cli", f"{PKG}.generate")
+    bad = [
+        str(e)
+        for m in scan.files
+        if not any(_under(m, c) for c in callers)
+        for e in scan.edges(m, f"{PKG}.export")
+    ]
     if bad:
-        pytest.fail(f"{rule}: {len(bad)} forbidden import(s):\n" + "\n".join(bad), pytrace=False)
+        pytest.fail(
+            f"{len(bad)} import(s) of {PKG}.export outside its callers:\n" + "\n".join(bad), pytrace=False
+        )
 
 
 def test_no_module_level_tensorrt_import():
