@@ -28,8 +28,10 @@ DEFAULT_WINDOW = 5
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 # Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
 # on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
-# verify and drafting cost grow with its size there. GPUs, memory-bound at these sizes, should
-# favour the wide tree (not measured: no GPU yet).
+# verify and drafting cost grow with its size there. On a GPU the wide tree: in one H200 run
+# (BENCHMARKS.md, "GPU") LANTERN++ on it made 1.35x AR on the demo (torch CUDA graphs, tau 5.24)
+# and its verify cost 1.4-1.6 AR steps at LlamaGen-B and XL sizes at B = 1; no other tree has
+# been measured on a GPU.
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
 MAX_BATCH_SIZE = 256  # images per decode step
