@@ -175,8 +175,9 @@ def default_sampling(
 
     model = info.raw.get("sampling_defaults", {})
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    kinds = {"temperature": float, "top_k": int, "top_p": float}  # JSON's 1 is a temperature of 1.0
     chosen = {
-        key: model[key] if value is None else value
+        key: kinds[key](model[key]) if value is None else value
         for key, value in given.items()
         if key in model or value is not None
     }

@@ -125,7 +125,8 @@ def test_a_top_k_that_is_not_an_integer_is_refused(tmp_path):
 @pytest.mark.slow
 def test_a_bundle_carries_the_model_s_sampling_and_the_device_s_tree(sampled_dir, tmp_path):
     """``lantern export`` with no --tree on a CPU writes chain-5 (the tree generate runs there),
-    and ``generate --bundle`` samples as the model's config said."""
+    ``generate --bundle`` samples as the model's config said, with an explicit flag winning, and
+    a manifest whose sampling_defaults are not the model's kind is refused in one line."""
     bundle = tmp_path / "bundle"
     r = cli("export", "-q", "--model", str(sampled_dir), "--device", "cpu", "--out", str(bundle))
     assert r.exit_code == 0, r.output
@@ -139,6 +140,18 @@ def test_a_bundle_carries_the_model_s_sampling_and_the_device_s_tree(sampled_dir
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert json.loads(stats.read_text())["sampling"] == MODEL_SAMPLING
+    r = cli(
+        "generate", "-q", "--bundle", str(bundle), "--class", "0", "-n", "1", "--top-k", "0",
+        "-o", str(tmp_path / "g.png"), "--stats-json", str(stats),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads(stats.read_text())["sampling"] == {**MODEL_SAMPLING, "top_k": 0}
+    manifest["sampling_defaults"]["top_k"] = 2.5
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    r = cli("generate", "-q", "--bundle", str(bundle), "-o", str(tmp_path / "never.png"))
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "sampling_defaults.top_k must be an integer, got 2.5" in r.output
+    assert not (tmp_path / "never.png").exists()
 
 
 # --- the export's tree ----------------------------------------------------------------------------
