@@ -50,14 +50,17 @@ MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no neg
 MAX_IMAGES_PER_CLASS = 1_000_000
 
 
-def check_device(device: str) -> None:
-    """:class:`ConfigError` unless ``device`` names a torch device this machine has."""
+def check_device(device: str, here: bool = True) -> None:
+    """:class:`ConfigError` unless ``device`` names a torch device (that this machine has, when
+    ``here``)."""
     import torch
 
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if not here:
+        return
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"--device {device}: this machine has no CUDA device (torch sees none); use --device cpu"
@@ -222,10 +225,11 @@ def machine_device() -> str:
 
 def export_tree(device: str | None = None) -> str:
     """The tree ``lantern export`` writes when given none: the one ``lantern generate`` chooses
-    for a model on ``device`` (default: :func:`machine_device`) and its default backend, so that
-    the bundle runs on that device with the tree a run there would have."""
+    for a model on ``device`` (default: :func:`machine_device`; one this machine lacks too, as a
+    bundle may be exported for another) and its default backend, so that the bundle runs on that
+    device with the tree a run there would have."""
     device = machine_device() if device is None else device
-    check_device(device)
+    check_device(device, here=False)
     return default_tree(default_backend(device, bundle=False, drafter_override=False), device)
 
 

@@ -169,6 +169,7 @@ def test_the_export_s_tree_is_generate_s_on_the_cpu(tiny_model_dir):
     assert export_tree("cpu") == run_defaults(md, device="cpu").tree == CPU_DEFAULT_TREE
     if not torch.cuda.is_available():
         assert export_tree() == CPU_DEFAULT_TREE  # this machine
+        assert export_tree("cuda:1") == GPU_DEFAULT_TREE  # a bundle for another machine's GPU
 
 
 def test_the_export_s_tree_is_generate_s_on_a_gpu(tiny_model_dir, has_cuda):

@@ -32,9 +32,9 @@ from lantern_rt.settings import (
 @click.option(
     "--device",
     default=None,
-    help="The device the bundle is for (cpu, cuda or cuda:N); it picks the default --tree (the "
-    "export itself and its checks run on the CPU). Default: this machine's (cuda when torch sees "
-    "a CUDA device, else cpu).",
+    help="The device the bundle is for (cpu, cuda or cuda:N; this machine need not have it); it "
+    "picks the default --tree (the export itself and its checks run on the CPU). Default: this "
+    "machine's (cuda when torch sees a CUDA device, else cpu).",
 )
 @click.option(
     "--out",
