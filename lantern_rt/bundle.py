@@ -28,6 +28,7 @@ from lantern_rt.errors import LanternError
 from lantern_rt.fileio import sha256, staged_folder
 from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.models.config import ConfigError, GPTConfig, config_from_dict
+from lantern_rt.models.model_dir import check_sampling_defaults
 from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
@@ -384,6 +385,10 @@ def parse_manifest(manifest: Any, where: Path | str = "the manifest") -> dict[st
     check(manifest, _TOP, "")
     if manifest["dtype"] not in DTYPES:
         raise BundleError(f"{where}: dtype {manifest['dtype']!r} is none of {', '.join(DTYPES)}")
+    try:
+        check_sampling_defaults(where, manifest)
+    except ConfigError as exc:
+        raise BundleError(str(exc)) from None
     check(manifest["constants"], _CONSTANTS, "constants.")
     c = manifest["constants"]
     check(c["neighbors"], {"file": _STR, "k": _INT}, "constants.neighbors.")

@@ -52,7 +52,14 @@ from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import Stream, auto_streams, decode_streams, stream_threads
 from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
-from lantern_rt.settings import AUTO_STREAMS_MAX, BACKENDS, CACHE_WINDOWS, MethodConfig, check_batch_sizes
+from lantern_rt.settings import (
+    AUTO_STREAMS_MAX,
+    BACKENDS,
+    CACHE_WINDOWS,
+    MethodConfig,
+    check_batch_sizes,
+    default_sampling,
+)
 from lantern_rt.stats import GenerationStats
 from lantern_rt.version import package_version
 
@@ -428,14 +435,15 @@ class Generation:
 def generate(
     pipe: Pipeline,
     labels: Iterable[int | str],
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | None = None,
     seed: int = 0,
     progress: bool = True,
     start_index: int = 0,
     profile: bool = False,
 ) -> Generation:
     """Generate one image per entry of ``labels`` (class ids, or prompts for a text-conditional
-    model); timings and acceptance stats in ``stats``.
+    model); timings and acceptance stats in ``stats``. ``sampling`` None samples as the model's
+    ``sampling_defaults`` say (:func:`~lantern_rt.settings.default_sampling`).
 
     Image ``i`` draws from the random stream ``(seed, start_index + i)``, so a run split into
     pieces gives the same images as one run. ``profile`` records NVTX ranges (see
@@ -443,6 +451,7 @@ def generate(
     and the VQ decode with cudaProfilerStart/Stop.
     """
     t_start = time.perf_counter()
+    sampling = default_sampling(pipe.info) if sampling is None else sampling
     if sampling.guided and not pipe.guided:
         raise ConfigError(
             f"CFG scale {sampling.cfg_scale} needs each image's unconditional row, and this pipeline "

@@ -1,17 +1,21 @@
 """What a run is asked to do, and the application defaults, in one place.
 
 The method and backend lists, :class:`MethodConfig`, and :func:`run_defaults`: the backend, method,
-tree and CFG scale a run gets for what it left unset. ``lantern generate``, ``lantern bench`` and
-``lantern calibrate`` (and the Python API) all resolve their settings here, so they agree.
+tree and sampling (CFG scale, temperature, top-k, top-p) a run gets for what it left unset; the
+tree ``lantern export`` writes when given none (:func:`export_tree`); the CPU threads a run may
+take (:func:`capped_threads`). ``lantern generate``, ``generate-set``, ``bench``, ``export`` and
+``calibrate`` (and the Python API) all resolve their settings here, so they agree.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lantern_rt.errors import warn
 from lantern_rt.models.config import ConfigError
 
 if TYPE_CHECKING:  # torch-free at import: the command line reads the lists above for its --help
@@ -48,14 +52,17 @@ MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no neg
 MAX_IMAGES_PER_CLASS = 1_000_000
 
 
-def check_device(device: str) -> None:
-    """:class:`ConfigError` unless ``device`` names a torch device this machine has."""
+def check_device(device: str, here: bool = True) -> None:
+    """:class:`ConfigError` unless ``device`` names a torch device (that this machine has, when
+    ``here``)."""
     import torch
 
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if not here:
+        return
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"--device {device}: this machine has no CUDA device (torch sees none); use --device cpu"
@@ -144,7 +151,7 @@ class RunDefaults:
     backend: str
     method: str
     tree: str
-    cfg_scale: float
+    sampling: SamplingConfig
 
 
 def default_cfg_scale(info: ModelDir) -> float:
@@ -153,6 +160,36 @@ def default_cfg_scale(info: ModelDir) -> float:
 
     scale = info.raw.get("sampling_defaults", {}).get("cfg_scale")
     return float(scale) if scale is not None else family_named(info.family).default_cfg_scale(info.gpt)
+
+
+def default_sampling(
+    info: ModelDir,
+    *,
+    cfg_scale: float | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+) -> SamplingConfig:
+    """The sampling of a run over ``info`` (a model directory, or a bundle's
+    :func:`~lantern_rt.families.loading.bundle_info`, which carries the model's defaults): each
+    setting given (not None), else the model's ``sampling_defaults``, else the library's (the CFG
+    scale: :func:`default_cfg_scale`; temperature 1, top-k 0 (off), top-p 1); temperature 0 when
+    ``greedy``. :class:`~lantern_rt.runtime.sampling.SamplingError` for a value out of range."""
+    from lantern_rt.runtime.sampling import SamplingConfig
+
+    model = info.raw.get("sampling_defaults", {})
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    kinds = {"temperature": float, "top_k": int, "top_p": float}  # JSON's 1 is a temperature of 1.0
+    chosen = {
+        key: kinds[key](model[key]) if value is None else value
+        for key, value in given.items()
+        if key in model or value is not None
+    }
+    if greedy:
+        chosen["temperature"] = 0.0
+    scale = default_cfg_scale(info) if cfg_scale is None else float(cfg_scale)
+    return SamplingConfig(cfg_scale=scale, **chosen)
 
 
 def default_backend(device: str, bundle: bool, drafter_override: bool) -> str:
@@ -173,6 +210,48 @@ def default_backend(device: str, bundle: bool, drafter_override: bool) -> str:
 def runs_on_gpu(backend: str, device: str) -> bool:
     """Whether a run on ``backend`` computes on a GPU (TensorRT always; the others by ``device``)."""
     return backend == "tensorrt" or not device.startswith("cpu")
+
+
+def default_tree(backend: str, device: str) -> str:
+    """The tree of a run that names none (and has no bundle's to take): :data:`GPU_DEFAULT_TREE`
+    when ``backend`` computes on a GPU (:func:`runs_on_gpu`), else :data:`CPU_DEFAULT_TREE`."""
+    return GPU_DEFAULT_TREE if runs_on_gpu(backend, device) else CPU_DEFAULT_TREE
+
+
+def machine_device() -> str:
+    """This machine's device: ``cuda`` when torch sees a CUDA device, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def export_tree(device: str | None = None) -> str:
+    """The tree ``lantern export`` writes when given none: the one ``lantern generate`` chooses
+    for a model on ``device`` (default: :func:`machine_device`; one this machine lacks too, as a
+    bundle may be exported for another) and its default backend, so that the bundle runs on that
+    device with the tree a run there would have."""
+    device = machine_device() if device is None else device
+    check_device(device, here=False)
+    return default_tree(default_backend(device, bundle=False, drafter_override=False), device)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def capped_threads(threads: int | None) -> int | None:
+    """``threads`` CPU threads (0 or None: the library's choice, kept) at most the
+    :func:`available_cores`, with a one-line warning when it asked for more: threads beyond the
+    cores only queue on them (``--threads 64`` on two cores ran 5-8x slower than ``--threads 2``)."""
+    cores = available_cores()
+    if threads and threads > cores:
+        warn(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
+        return cores
+    return threads
 
 
 def window_tree(method: str, tree: str | None, window: int | None, image_tokens: int | None) -> str:
@@ -199,6 +278,10 @@ def run_defaults(
     method: str | None = None,
     tree: str | None = None,
     cfg_scale: float | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
     device: str = "cpu",
     drafter_override: bool = False,
     window: int | None = None,
@@ -206,9 +289,9 @@ def run_defaults(
     """Fill in what the caller left as None for a run over a model directory or a bundle: the
     backend from the device and what is installed (:func:`default_backend`), the method from
     whether there is a drafter (lantern++, else ar), the tree from the bundle (its first) or
-    the backend's device (:data:`GPU_DEFAULT_TREE` on a GPU, :data:`CPU_DEFAULT_TREE` on a CPU;
-    a Jacobi method's: the chain of its ``window``, :data:`DEFAULT_WINDOW` positions unless
-    given), and the CFG scale from the model (:func:`default_cfg_scale`)."""
+    the backend's device (:func:`default_tree`; a Jacobi method's: the chain of its ``window``,
+    :data:`DEFAULT_WINDOW` positions unless given), and the sampling from the model
+    (:func:`default_sampling`)."""
     from lantern_rt.bundle import Bundle
     from lantern_rt.families.loading import bundle_info
 
@@ -227,10 +310,11 @@ def run_defaults(
         )
     if tree is None:
         exported = list(source.trees) if is_bundle else []
-        on_gpu = runs_on_gpu(backend, device)
-        tree = exported[0] if exported else GPU_DEFAULT_TREE if on_gpu else CPU_DEFAULT_TREE
-    scale = default_cfg_scale(info) if cfg_scale is None else float(cfg_scale)
-    return RunDefaults(backend, method, tree, scale)
+        tree = exported[0] if exported else default_tree(backend, device)
+    sampling = default_sampling(
+        info, cfg_scale=cfg_scale, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
+    )
+    return RunDefaults(backend, method, tree, sampling)
 
 
 def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:
@@ -271,15 +355,15 @@ def run_request(
     *,
     classes: Sequence[str],
     prompts: Sequence[str],
-    temperature: float,
-    top_k: int,
-    top_p: float,
     greedy: bool,
     device: str,
     k: int,
     delta: float,
     lam: float,
     cfg_scale: float | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     method: str | None = None,
     tree: str | None = None,
     window: int | None = None,
@@ -290,8 +374,6 @@ def run_request(
     directory or the opened bundle), validated before any work: the conditions
     (:func:`requested_conditions`), the sampling (temperature 0 when ``greedy``), the method and
     its acceptance parameters; what is None :func:`run_defaults` fills in."""
-    from lantern_rt.runtime.sampling import SamplingConfig
-
     check_device(device)
     settings = run_defaults(
         source,
@@ -299,14 +381,15 @@ def run_request(
         method=method,
         tree=tree,
         cfg_scale=cfg_scale,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        greedy=greedy,
         device=device,
         drafter_override=drafter is not None,
         window=window,
     )
     conditions = requested_conditions(md, classes, prompts)
-    sampling = SamplingConfig(
-        cfg_scale=settings.cfg_scale, temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p
-    )
     mc = MethodConfig(settings.method, settings.tree, k, delta, lam, drafter)
     mc.relaxation()  # validates k, delta and lambda before any work
-    return RunRequest(conditions, sampling, mc, settings)
+    return RunRequest(conditions, settings.sampling, mc, settings)

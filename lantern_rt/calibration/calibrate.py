@@ -60,7 +60,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 )
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig, default_cfg_scale, run_defaults
+from lantern_rt.settings import MethodConfig, default_sampling, run_defaults
 from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
 
@@ -219,11 +219,14 @@ def pipelines(
     } | {"ar": ar}
 
 
-def bundle_cfg_scale(bundle: Bundle) -> float:
-    """The CFG scale calibration and its comparison run a bundle at: the model's, at most 1 for
-    a bundle of one row per image (exported without guidance: docs/method.md §13)."""
-    scale = default_cfg_scale(bundle_info(bundle))
-    return scale if bundle.constants.guided else min(scale, 1.0)
+def bundle_sampling(bundle: Bundle) -> SamplingConfig:
+    """The sampling calibration and its comparison run a bundle at: the model's
+    (``settings.default_sampling``), its CFG scale at most 1 for a bundle of one row per image
+    (exported without guidance: docs/method.md §13)."""
+    sampling = default_sampling(bundle_info(bundle))
+    if bundle.constants.guided:
+        return sampling
+    return dataclasses.replace(sampling, cfg_scale=min(sampling.cfg_scale, 1.0))
 
 
 def record_inputs(
@@ -236,12 +239,12 @@ def record_inputs(
     prompts: Sequence[str] = (),
     weight_bits: int | None = None,
 ) -> Recorder:
-    """Generate ``samples`` images (sampling, at :func:`bundle_cfg_scale`) with every pipeline of
+    """Generate ``samples`` images (sampling as :func:`bundle_sampling` says) with every pipeline of
     :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder` of the
     graphs to quantize with ``weight_bits`` (:func:`kept_fp32`); each of them must see calls. A
     prompt-conditioned bundle takes ``prompts``."""
     recorder = Recorder(ort_runner(threads, [CPU]), seed=seed, weight_bits=weight_bits)
-    sampling = SamplingConfig(cfg_scale=bundle_cfg_scale(bundle))
+    sampling = bundle_sampling(bundle)
     labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
     for i, pipe in enumerate(every):  # the graphs of every batch size see calls
@@ -644,8 +647,8 @@ def validation(
     difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
     onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
     """
-    cfg = bundle_cfg_scale(fp32)
-    modes = {"greedy": SamplingConfig(cfg, temperature=0.0), "sampling": SamplingConfig(cfg)}
+    sampled = bundle_sampling(fp32)
+    modes = {"greedy": dataclasses.replace(sampled, temperature=0.0), "sampling": sampled}
     bundles = {"fp32": fp32, quantized.dtype: quantized}
     batch = min(fp32.constants.batch_sizes)
     reference = {

@@ -10,7 +10,7 @@ import click
 
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.prompt_files import read_prompts
-from lantern_rt.settings import MAX_SEED, METHODS
+from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
 
 
 @click.command("calibrate")
@@ -64,7 +64,12 @@ from lantern_rt.settings import MAX_SEED, METHODS
     "Chameleon-family bundle on (used in turn).",
 )
 @click.option(
-    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
+    "--threads",
+    type=click.IntRange(min=0),
+    default=0,
+    callback=lambda ctx, param, value: capped_threads(value),
+    help="CPU threads (0: the library default). More than the CPU cores this process may use (its "
+    "CPU affinity) is capped to them, with a warning.",
 )
 @click.option(
     "--report-json", type=click.Path(path_type=Path), default=None, help="Also write the report as JSON."

@@ -14,6 +14,7 @@ from lantern_rt.cli.options import (
     parse_batch_sizes,
     parse_stream_counts,
     prompt_options,
+    threads_option,
 )
 from lantern_rt.errors import reports_errors
 from lantern_rt.prompt_files import read_prompts
@@ -89,10 +90,25 @@ from lantern_rt.prompt_files import read_prompts
     "With --bundle it runs --model (default: the demo), the model the bundle was exported from.",
 )
 @click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
-@click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option(
-    "--threads", type=click.IntRange(min=0), default=0, help="CPU threads (0: the library default)."
+    "--temperature",
+    type=float,
+    default=None,
+    help="Sampling temperature. Default: the model's sampling_defaults, else 1.0.",
 )
+@click.option(
+    "--top-k",
+    type=int,
+    default=None,
+    help="Keep the k most likely tokens (0 = off). Default: the model's sampling_defaults, else 0.",
+)
+@click.option(
+    "--top-p",
+    type=float,
+    default=None,
+    help="Nucleus sampling mass in (0, 1]. Default: the model's sampling_defaults, else 1.0.",
+)
+@threads_option("CPU threads (0: the library default).")
 @click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
 @click.option(
     "--ar-seeds",
@@ -139,6 +155,8 @@ def bench_cmd(
     baseline,
     cfg_scale,
     temperature,
+    top_k,
+    top_p,
     threads,
     no_quality,
     ar_seeds,
@@ -166,6 +184,8 @@ def bench_cmd(
         warmup=warmup,
         cfg_scale=cfg_scale,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         threads=threads,
         quality=not no_quality,
         ar_seeds=ar_seeds,

@@ -14,6 +14,7 @@ from lantern_rt.cli.options import (
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.settings import (
     CACHE_WINDOWS,
+    CPU_DEFAULT_TREE,
     GPU_DEFAULT_TREE,
 )
 
@@ -24,9 +25,16 @@ from lantern_rt.settings import (
     "--tree",
     "trees",
     multiple=True,
-    default=(GPU_DEFAULT_TREE,),
-    show_default=True,
-    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N or JSON file.",
+    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N or JSON file. "
+    f"Default: the tree 'lantern generate' chooses on --device: {CPU_DEFAULT_TREE} on a CPU, "
+    f"{GPU_DEFAULT_TREE} on a GPU.",
+)
+@click.option(
+    "--device",
+    default=None,
+    help="The device the bundle is for (cpu, cuda or cuda:N; this machine need not have it); it "
+    "picks the default --tree (the export itself and its checks run on the CPU). Default: this "
+    "machine's (cuda when torch sees a CUDA device, else cpu).",
 )
 @click.option(
     "--out",
@@ -62,14 +70,17 @@ from lantern_rt.settings import (
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
-def export_cmd(model_path, trees, out, dtype, opset, batch_sizes, windows, no_guidance, force, quiet):
+def export_cmd(model_path, trees, device, out, dtype, opset, batch_sizes, windows, no_guidance, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.bundle import export_bundle
     from lantern_rt.families.loading import open_model_dir
     from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
     from lantern_rt.runtime.tree import load_tree
+    from lantern_rt.settings import export_tree
 
     t0 = time.perf_counter()
+    default_tree = export_tree(device)  # checks --device, given or not a --tree
+    trees = trees or (default_tree,)
     md = open_model_dir(model_path)
     parsed = [load_tree(t, max_width=MAX_DRAFT_WIDTH) for t in trees]
     sizes = parse_batch_sizes(batch_sizes)

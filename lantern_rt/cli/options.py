@@ -21,6 +21,7 @@ from lantern_rt.settings import (
     MAX_STREAMS,
     METHODS,
     RunRequest,
+    capped_threads,
     run_request,
 )
 
@@ -49,6 +50,19 @@ class StreamCount(click.ParamType):
         if not 1 <= number <= MAX_STREAMS:
             self.fail(f"{number} is not in 1..{MAX_STREAMS} (or 'auto')", param, ctx)
         return number
+
+
+def threads_option(help: str, minimum: int = 0, default: int | None = 0) -> Callable:
+    """``--threads`` (``help`` first): capped at the cores the process may use, with a warning
+    (``settings.capped_threads``)."""
+    return click.option(
+        "--threads",
+        type=click.IntRange(min=minimum),
+        default=default,
+        callback=lambda ctx, param, value: capped_threads(value),
+        help=f"{help} More than the CPU cores this process may use (its CPU affinity) is capped "
+        "to them, with a warning.",
+    )
 
 
 def open_run_source(
@@ -106,15 +120,20 @@ _RUN_OPTIONS = [
     click.option(
         "--temperature",
         type=float,
-        default=1.0,
-        show_default=True,
-        help="Sampling temperature; 0 means greedy.",
+        default=None,
+        help="Sampling temperature; 0 means greedy. Default: the model's sampling_defaults, else 1.0.",
     ),
     click.option(
-        "--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off)."
+        "--top-k",
+        type=int,
+        default=None,
+        help="Keep the k most likely tokens (0 = off). Default: the model's sampling_defaults, else 0.",
     ),
     click.option(
-        "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1]."
+        "--top-p",
+        type=float,
+        default=None,
+        help="Nucleus sampling mass in (0, 1]. Default: the model's sampling_defaults, else 1.0.",
     ),
     click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
     click.option(
@@ -173,14 +192,18 @@ _RUN_OPTIONS = [
         "--bundle",
         type=click.Path(path_type=Path),
         default=None,
-        help="Run an exported bundle (from 'lantern export') on onnxruntime instead of a model directory.",
+        help="Run an exported bundle (from 'lantern export') instead of a model directory, on onnxruntime "
+        "or tensorrt (--backend).",
     ),
-    click.option("--device", default="cpu", show_default=True, help="torch device for the torch backend."),
     click.option(
-        "--threads",
-        type=click.IntRange(min=0),
-        default=0,
-        help="CPU threads (0: the library default; generate-set: per worker, 1 per Ray actor by default).",
+        "--device",
+        default="cpu",
+        show_default=True,
+        help="Where the run computes (cpu, cuda or cuda:N): the torch backend's device, and what the "
+        "default --backend and --tree are chosen for.",
+    ),
+    threads_option(
+        "CPU threads (0: the library default; generate-set: per worker, 1 per Ray actor by default)."
     ),
     click.option(
         "--batch-size",

@@ -13,6 +13,7 @@ import click
 from lantern_rt.cli.options import (
     SEED,
     model_option,
+    threads_option,
 )
 from lantern_rt.errors import UserError, reports_errors, warn
 
@@ -56,7 +57,7 @@ from lantern_rt.errors import UserError, reports_errors, warn
     "predictions d - 1 levels deep, as it drafts a tree (HASS/EAGLE-3 training-time test; "
     "each level costs about one more drafter forward).",
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads.")
+@threads_option("torch CPU threads. Default: the library's.", minimum=1, default=None)
 @reports_errors
 def train_drafter_cmd(model_path, out, codes, steps, batch, lr, seed, cfg_scale, unroll, threads):
     """Train the EAGLE drafter of a model (resumes from OUT/train_state.pt).

@@ -11,6 +11,7 @@ user's feature extractor and real images (``lantern_rt/eval/features.py``), for 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import os
 import platform
@@ -518,8 +519,10 @@ class BenchSettings:
     prompts: tuple[str, ...] = ()  # a text-to-image model's prompts (instead of classes)
     seed: int = 0
     warmup: int = 1
-    cfg_scale: float | None = None  # None = the model's default
-    temperature: float = 1.0
+    cfg_scale: float | None = None  # None (here and below) = the model's default
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     threads: int = 0
     quality: bool = True
     ar_seeds: int = 2
@@ -569,10 +572,10 @@ def machine_info() -> dict[str, Any]:
 
 
 def sampling_config(source: ModelDir | Bundle, s: BenchSettings) -> SamplingConfig:
-    """The settings' sampling, with the CFG scale ``lantern generate`` would use unless one is given."""
-    return SamplingConfig(
-        cfg_scale=run_defaults(source, cfg_scale=s.cfg_scale).cfg_scale, temperature=s.temperature
-    )
+    """The settings' sampling, with what ``lantern generate`` would use for what they leave unset."""
+    return run_defaults(
+        source, cfg_scale=s.cfg_scale, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p
+    ).sampling
 
 
 def with_quality(
@@ -776,7 +779,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "images_per_call": chunk_size(sizes, len(labels), stream_counts),
             "baseline": s.baseline,
             "baseline_model": None if baseline is None else str(baseline.root),
-            "sampling": {"cfg_scale": sampling.cfg_scale, "temperature": sampling.temperature},
+            "sampling": dataclasses.asdict(sampling),
             # 2: CFG rows; 1: one row per image (guidance off, docs/method.md §13)
             "rows_per_image": sorted({2 if r.pipe.guided else 1 for r in runs if r.pipe is not None}),
             "features": s.features,

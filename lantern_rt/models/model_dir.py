@@ -90,8 +90,9 @@ def files_section(file: Path, files: dict[str, Any]) -> dict[str, str]:
 SAMPLING_KEYS = {"cfg_scale", "temperature", "top_k", "top_p"}
 
 
-def check_sampling_defaults(file: Path, raw: dict[str, Any]) -> None:
-    """The optional ``sampling_defaults``: an object of finite numbers under SAMPLING_KEYS."""
+def check_sampling_defaults(file: Path | str, raw: dict[str, Any]) -> None:
+    """The optional ``sampling_defaults``: an object of finite numbers under SAMPLING_KEYS (top_k
+    an integer); their ranges are :class:`~lantern_rt.runtime.sampling.SamplingConfig`'s."""
     values = raw.get("sampling_defaults", {})
     if not isinstance(values, dict):
         raise ConfigError(f"{file}: sampling_defaults must be an object, got {values!r}"[:300])
@@ -102,6 +103,8 @@ def check_sampling_defaults(file: Path, raw: dict[str, Any]) -> None:
             )
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ConfigError(f"{file}: sampling_defaults.{key} must be a finite number, got {value!r}"[:300])
+        if key == "top_k" and not is_int(value):
+            raise ConfigError(f"{file}: sampling_defaults.top_k must be an integer, got {value!r}"[:300])
 
 
 def class_names_section(file: Path, raw: dict[str, Any], gpt: GPTConfig) -> list[str]:

@@ -8,7 +8,6 @@ job (its condition and its random stream), never on the stream that decodes it.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -18,7 +17,7 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.decode import ImageResult, Job, Speculation, decode_images
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import AUTO_STREAMS_MAX
+from lantern_rt.settings import AUTO_STREAMS_MAX, available_cores
 
 
 @dataclass(frozen=True)
@@ -32,14 +31,6 @@ class Stream:
 
 
 _DONE = object()  # a stream's last message
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def auto_streams(threads: int, batches: int, cores: int | None = None) -> tuple[int, int]:
