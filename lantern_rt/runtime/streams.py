@@ -119,6 +119,7 @@ def stream_threads(threads: int, streams: int) -> int:
         raise ConfigError(f"at least one stream, got {streams}")
     if 0 < threads < streams:
         raise ConfigError(
-            f"{streams} streams need a thread each: use --threads {streams} or more, or --threads 0"
+            f"{streams} streams need a thread each and have {threads} to share (--threads, at most the "
+            f"cores this process may use): use --streams {threads} or fewer, or --threads 0"
         )
     return threads if streams == 1 else max(1, threads // streams)
