@@ -107,6 +107,7 @@ LEVEL = 1 / 127.5  # an 8-bit level of an image in [-1, 1]
         (6e-4, 0.0, None),
         (2.5 * LEVEL, 0.0, "differs from torch by"),  # a level and more: visible
         (0.0, 0.2 * LEVEL, "on average"),  # every pixel a fifth of a level off: a wrong decoder
+        (float("nan"), 0.0, "differs from torch by nan"),
     ],
 )
 def test_the_image_rule(decoders, sigma, shift, refused, tmp_path):
