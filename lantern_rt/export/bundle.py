@@ -90,14 +90,15 @@ def check_inputs(spec: GraphSpec) -> int:
     return IMAGE_CHECK_INPUTS if spec.name == VQ_DECODE_GRAPH else 1
 
 
-def disagreement(spec: GraphSpec, name: str, d: Differences) -> str | None:
-    """Why output ``name`` of ``spec``'s graph is refused, or None when it keeps to torch's: an
-    image within a fraction of an 8-bit level (:data:`IMAGE_MEAN_LEVELS` on average, one level at
-    most), any other output within :data:`TOLERANCE` of its compute dtype (NaN is refused)."""
+def disagreement(spec: GraphSpec, d: Differences) -> str | None:
+    """Why an output of ``spec``'s graph that differs from torch's by ``d`` is refused, or None
+    when it is not. An image must keep within one 8-bit level at every pixel and within
+    :data:`IMAGE_MEAN_LEVELS` of one on average; any other output within :data:`TOLERANCE` of its
+    compute dtype. NaN is refused."""
     if spec.name == VQ_DECODE_GRAPH:
         level = IMAGE_LEVEL * max(1.0, d.peak)
         if not d.max_abs < level:
-            return f"differs from torch by {d.max_abs:.3g} (one 8-bit level: {level:.3g})"
+            return f"differs from torch by {d.max_abs:.3g} (tolerance {level:.3g}, one 8-bit level)"
         if not d.mean_abs <= IMAGE_MEAN_LEVELS * level:
             return (
                 f"differs from torch by {d.mean_abs:.3g} on average "
@@ -292,7 +293,7 @@ def export_graph(
     seeds = range(1, 1 + check_inputs(spec))
     differences = compare_with_torch(path, module, reference, threads, seeds)
     for name, d in differences.items():
-        if (why := disagreement(spec, name, d)) is not None:
+        if (why := disagreement(spec, d)) is not None:
             raise ExportError(f"{spec.name}: output {name} {why}")
     entry = {"file": path.name, **spec.to_dict()}
     entry["max_abs_err"] = {name: d.max_abs for name, d in differences.items()}
