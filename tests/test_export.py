@@ -27,7 +27,14 @@ from lantern_rt.bundle import (
     verify_graph_name,
 )
 from lantern_rt.export import bundle as bundle_module
-from lantern_rt.export.bundle import ExportError, compare_with_torch, export_bundle, tolerance
+from lantern_rt.export.bundle import (
+    Differences,
+    ExportError,
+    check_inputs,
+    compare_with_torch,
+    disagreement,
+    export_bundle,
+)
 from lantern_rt.export.graphs import DrafterTree, TargetPrefill, TargetVerify, VQDecode
 from lantern_rt.families.llamagen.conditions import null_caption
 from lantern_rt.families.loading import (
@@ -179,9 +186,9 @@ def test_every_graph_matches_torch(bundles, opened, name):
         ]
     for module, reference in pairs:
         path = bundles[name] / f"{module.spec.name}.onnx"
-        errors = compare_with_torch(path, module, reference, threads=1, seed=11)
-        atol, rtol = tolerance(module.spec)
-        assert all(err <= atol + rtol * scale for err, scale in errors.values()), (module.spec.name, errors)
+        seeds = range(11, 11 + check_inputs(module.spec))
+        differences = compare_with_torch(path, module, reference, threads=1, seeds=seeds)
+        assert not [n for n, d in differences.items() if disagreement(module.spec, d)], differences
 
 
 @pytest.mark.slow
@@ -490,7 +497,9 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
 
 
 def test_failed_check_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(bundle_module, "compare_with_torch", lambda *a, **k: {"logits": (1.0, 1.0)})
+    monkeypatch.setattr(
+        bundle_module, "compare_with_torch", lambda *a, **k: {"logits": Differences(1.0, 1.0, 1.0)}
+    )
     out = tmp_path / "exports" / "bundle"
     with pytest.raises(ExportError, match=r"^target_prefill: output logits differs from torch by 1 "):
         export_bundle(open_model_dir(tiny_model_dir), out, threads=1)

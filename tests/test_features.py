@@ -48,6 +48,10 @@ def make_fails():
     return lambda x: x.view(7, -1)
 
 
+def make_raises():
+    raise ValueError("needs a checkpoint")
+
+
 NOT_CALLABLE = 3
 """
 
@@ -111,7 +115,24 @@ def bad_inputs(feats: Path, tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "junk.pt").write_bytes(b"not a zip")
     (tmp / "junk.npz").write_bytes(b"not a zip")
     np.savez(tmp / "keys.npz", pictures=np.zeros((2, 8, 8), np.uint8))
+    (tmp / "syntax.py").write_text("import torch\n\n\ndef make(:\n    return None\n")
+    (tmp / "raises.py").write_text("import torch\n\nraise RuntimeError('no weights here')\n")
+    (tmp / "imports.py").write_text("import no_such_module_xyz\n")
+    raises_line = FEATURES_PY.splitlines().index('    raise ValueError("needs a checkpoint")') + 1
     return [
+        (["--features", f"{tmp}/syntax.py:make"], f"{tmp}/syntax.py, line 4: SyntaxError"),
+        (
+            ["--features", f"{tmp}/raises.py:make"],
+            f"{tmp}/raises.py, line 3: RuntimeError: no weights here",
+        ),
+        (
+            ["--features", f"{tmp}/imports.py:make"],
+            f"{tmp}/imports.py, line 1: ModuleNotFoundError: No module named 'no_such_module_xyz'",
+        ),
+        (
+            ["--features", f"{feats}:make_raises"],
+            f"make_raises() fails: {feats}, line {raises_line}: ValueError: needs a checkpoint",
+        ),
         (
             ["--features", f"{tmp}/missing.py:make"],
             f"--features {tmp}/missing.py:make: {tmp}/missing.py not found",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import traceback
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.training.data import to_model_range
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".ts")
+IMPORTLIB_DIR = Path(importlib.__file__).parent
 SPEC_FORMS = "use path/to/file.py:NAME, package.module:NAME or a TorchScript .pt/.ts file"
 
 
@@ -35,16 +37,37 @@ def _import(target: str, spec: str) -> ModuleType:
     if not target.endswith(".py"):
         try:
             return importlib.import_module(target)
-        except ImportError as exc:
-            raise ConfigError(f"--features {spec}: cannot import {target}: {first_line(exc)}") from None
+        except Exception as exc:  # the user's module: a syntax error or any failure while it runs
+            raise ConfigError(f"--features {spec}: cannot import {target}: {_where(exc)}") from None
     path = Path(target)
     if not path.is_file():
         raise ConfigError(f"--features {spec}: {path} not found")
     loader_spec = importlib.util.spec_from_file_location(f"lantern_user_features_{path.stem}", path)
     assert loader_spec is not None and loader_spec.loader is not None  # always, for a .py file
     module = importlib.util.module_from_spec(loader_spec)
-    loader_spec.loader.exec_module(module)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: a syntax error or any failure while it runs
+        raise ConfigError(f"--features {spec}: {_where(exc, path)}") from None
     return module
+
+
+def _where(exc: BaseException, path: Path | None = None) -> str:
+    """``FILE, line N: TYPE: MESSAGE`` for an exception the user's code raised: the line a syntax
+    error is on, else the innermost line of ``path`` in the traceback (of any file without one)."""
+    if isinstance(exc, SyntaxError):
+        return f"{exc.filename}, line {exc.lineno}: {type(exc).__name__}: {exc.msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_users(f.filename)]
+    if path is not None:
+        frames = [f for f in frames if Path(f.filename).resolve() == path.resolve()] or frames
+    where = f"{frames[-1].filename}, line {frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(exc).__name__}: {first_line(exc)}"
+
+
+def _is_users(filename: str) -> bool:
+    """Whether a traceback's file is outside this module and Python's import machinery."""
+    here = Path(filename)
+    return not (filename.startswith("<") or here == Path(__file__) or IMPORTLIB_DIR in here.parents)
 
 
 def _extractor(spec: str) -> Any:
@@ -60,14 +83,19 @@ def _extractor(spec: str) -> Any:
     target, sep, name = spec.rpartition(":")
     if not (sep and target and name.isidentifier()):
         raise ConfigError(f"--features {spec!r}: {SPEC_FORMS}")
-    factory = getattr(_import(target, spec), name, None)
+    module = _import(target, spec)
+    factory = getattr(module, name, None)
     if factory is None:
         raise ConfigError(f"--features {spec}: {target} has no attribute {name!r}")
     if isinstance(factory, nn.Module):
         return factory
     if not callable(factory):
         raise ConfigError(f"--features {spec}: {name} is not callable ({type(factory).__name__})")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as exc:  # the user's code
+        origin = Path(module.__file__) if getattr(module, "__file__", None) else None
+        raise ConfigError(f"--features {spec}: {name}() fails: {_where(exc, origin)}") from None
     if not callable(made):
         raise ConfigError(
             f"--features {spec}: {name}() returned {type(made).__name__}, not a module or callable"
