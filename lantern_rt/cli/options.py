@@ -29,6 +29,13 @@ if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
     from lantern_rt.models.model_dir import ModelDir
 
 SEED = click.IntRange(min=0, max=MAX_SEED)
+COMPILE_HELP = (
+    "Compile each whole decode step with torch.compile (inductor, fullgraph: a graph break is an "
+    "error; torch backend only), once per run: the compile time is reported once (stats "
+    "compile_seconds). Off by default: measured no faster than eager on a CPU at demo size "
+    "(BENCHMARKS.md, 'Issue 47: compiled torch path'); unmeasured on a GPU. Needs a C++ compiler "
+    "(CPU) or Triton (GPU)."
+)
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
 
 
@@ -168,6 +175,9 @@ _RUN_OPTIONS = [
         default=True,
         show_default=True,
         help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
+    ),
+    click.option(
+        "--compile/--no-compile", "compile_step", default=False, show_default=True, help=COMPILE_HELP
     ),
     click.option(
         "--bundle",

@@ -1,4 +1,5 @@
-"""The reference backend: the torch model itself, eager, or replayed from CUDA graphs on a GPU."""
+"""The reference backend: the torch model itself, eager or compiled (``torch.compile``), and
+replayed from CUDA graphs on a GPU (whole decode steps: ``runtime.decode.StepCache``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lantern_rt.runtime.acceptance import (
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.drafting import (
     Context,
+    DraftPlan,
     DraftStep,
     Head,
     cfg_pairs,
@@ -34,8 +36,8 @@ from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 class TorchTarget:
     """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's own
-    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly (a CUDA graph
-    captures whole decode steps: ``runtime.decode.decode_image``'s ``step_graphs``). Its cache is
+    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree` (``torch.compile`` and
+    CUDA graphs take whole decode steps: ``runtime.decode.StepCache``). Its cache is
     read through ``windows`` windows (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default:
     the whole cache alone); ``guided`` False runs one row per image (docs/method.md §13)."""
 
@@ -178,6 +180,15 @@ class TorchDrafter:
             guided=guided,
         )
         self._step, self._head = drafter_step(drafter), lm_head(head, layout or GPTConfig())
+        self._plans: dict[tuple, DraftPlan] = {}  # by tree paths, built on first use
+
+    def plan(self, tree: StaticTree) -> DraftPlan:
+        """``tree``'s drafting tables on the cache's device (a compiled step reads them built:
+        ``runtime.backends.compiled``)."""
+        found = self._plans.get(tree.paths)
+        if found is None:
+            found = self._plans[tree.paths] = draft_plan(tree, self.cache.k.device)
+        return found
 
     @torch.no_grad()
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
@@ -192,5 +203,4 @@ class TorchDrafter:
     @torch.no_grad()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
-        plan = draft_plan(tree, self.cache.k.device)
-        return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
+        return draft_tree(self._step, self._head, self.plan(tree), rows, context, noise, sampling)
