@@ -22,7 +22,7 @@ runtime's AR tokens exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,12 +76,39 @@ def cfg_mixed(logits: Tensor, cfg_scale: float) -> Tensor:
     return uncond + (cond - uncond) * cfg_scale
 
 
+def decode_one_token(
+    model: Transformer,
+    token: Tensor,
+    pos: Tensor,
+    cache_k: Tensor,
+    cache_v: Tensor,
+    step_masks: Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """One step of LlamaGen's loop (its ``decode_one_token``): the b tokens [b] at position
+    ``pos`` ([1] int64, a tensor as LlamaGen's ``input_pos``, so that one compiled graph serves
+    every position) over the static caches, their K/V written at ``pos``, and the next b tokens."""
+    guided = sampling.guided
+    h = model.tok_embeddings(torch.cat([token, token]) if guided else token).unsqueeze(1)
+    logits, _, k, v = model.step(h, pos, step_masks[pos].view(1, 1, 1, -1), cache_k, cache_v)
+    cache_k.index_copy_(3, pos, k)
+    cache_v.index_copy_(3, pos, v)
+    last = logits[:, -1]
+    return sample(cfg_mixed(last, sampling.cfg_scale) if guided else last, sampling, generator)
+
+
 def decode_chunk(
-    model: Transformer, labels: Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    model: Transformer,
+    labels: Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    step: Callable[..., Tensor] = decode_one_token,
 ) -> Tensor:
     """Tokens [b, block_size] for class ids ``labels`` [b]: prefill the condition prefix of 2b
     rows (b when ``cfg_scale <= 1``: LlamaGen runs no unconditional row then), then one token
-    per row per step into a static KV cache of cls_token_num + block_size."""
+    per row per step (``step``: :func:`decode_one_token`, or it compiled) into a static KV cache
+    of cls_token_num + block_size."""
     cfg = model.config
     b, t, n = len(labels), cfg.cls_token_num, cfg.block_size
     guided = sampling.guided
@@ -104,13 +131,12 @@ def decode_chunk(
     mix = (lambda x: cfg_mixed(x, sampling.cfg_scale)) if guided else (lambda x: x)
     token = sample(mix(logits[:, -1]), sampling, generator)
     tokens = [token]
-    for pos in range(t, t + n - 1):
-        h = model.tok_embeddings(torch.cat([token, token]) if guided else token).unsqueeze(1)
-        mask = step_masks[pos].view(1, 1, 1, -1)
-        logits, _, k, v = model.step(h, positions[pos : pos + 1], mask, cache_k, cache_v)
-        cache_k[:, :, :, pos], cache_v[:, :, :, pos] = k[:, :, :, 0], v[:, :, :, 0]
-        token = sample(mix(logits[:, -1]), sampling, generator)
+    pos = torch.tensor([t], device=device)  # LlamaGen's input_pos, advanced in place
+    for _ in range(n - 1):
+        # a copy: a step compiled with CUDA graphs overwrites its output at the next call
+        token = step(model, token, pos, cache_k, cache_v, step_masks, sampling, generator).clone()
         tokens.append(token)
+        pos += 1
     return torch.stack(tokens, dim=1)
 
 
@@ -129,12 +155,26 @@ def check_runnable(cfg: GPTConfig) -> None:
         )
 
 
-@torch.inference_mode()
+def compiled_step() -> Callable[..., Tensor]:
+    """:func:`decode_one_token` compiled as LlamaGen's ``--compile`` compiles its own:
+    ``torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs
+    of inductor's kernels on a GPU); draws come from the global generator, as LlamaGen's do."""
+    compiled = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    return lambda *args: compiled(*args[:-1], None)
+
+
+@torch.no_grad()
 def torch_batched_ar(
-    model: Transformer, labels: Sequence[int], sampling: SamplingConfig, batch_size: int, seed: int
+    model: Transformer,
+    labels: Sequence[int],
+    sampling: SamplingConfig,
+    batch_size: int,
+    seed: int,
+    step: Callable[..., Tensor] = decode_one_token,
 ) -> BaselineRun:
     """LlamaGen-style batched AR decoding of class ``labels`` (c2i), ``batch_size`` images at a
-    time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops."""
+    time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops.
+    ``step``: :func:`decode_one_token`, or :func:`compiled_step` (its first call compiles)."""
     cfg = model.config
     check_runnable(cfg)
     if batch_size < 1:
@@ -150,7 +190,7 @@ def torch_batched_ar(
         generator = None if sampling.greedy else chunk_generator(seed, index, device)
         _synchronize(device)
         t0 = time.perf_counter()
-        chunks.append(decode_chunk(model, ids, sampling, generator))
+        chunks.append(decode_chunk(model, ids, sampling, generator, step))
         _synchronize(device)
         seconds += time.perf_counter() - t0
     tokens = torch.cat(chunks).cpu() if chunks else torch.zeros(0, cfg.block_size, dtype=torch.long)
