@@ -22,7 +22,7 @@ runtime's AR tokens exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,19 +103,19 @@ def decode_chunk(
     labels: Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-    step: Callable[..., Tensor] = decode_one_token,
+    step: LoopStep | None = None,
 ) -> Tensor:
     """Tokens [b, block_size] for class ids ``labels`` [b]: prefill the condition prefix of 2b
     rows (b when ``cfg_scale <= 1``: LlamaGen runs no unconditional row then), then one token
-    per row per step (``step``: :func:`decode_one_token`, or it compiled) into a static KV cache
-    of cls_token_num + block_size."""
+    per row per step (``step``: :class:`LoopStep`, eager by default, or :class:`CompiledLoopStep`)
+    into a static KV cache of cls_token_num + block_size."""
+    step = step or LoopStep()
     cfg = model.config
     b, t, n = len(labels), cfg.cls_token_num, cfg.block_size
     guided = sampling.guided
     device, capacity = labels.device, cfg.cls_token_num + cfg.block_size
     shape = (cfg.n_layer, 2 * b if guided else b, cfg.kv_heads, capacity, cfg.head_dim)
-    cache_k = torch.zeros(shape, dtype=model.output.weight.dtype, device=device)
-    cache_v = torch.zeros_like(cache_k)
+    cache_k, cache_v = step.caches(shape, model.output.weight.dtype, device)
     # Row p: the slots committed before position p, then the new token itself (LlamaGen's causal_mask).
     step_masks = torch.ones(capacity, capacity + 1, dtype=torch.bool, device=device).tril(-1)
     step_masks[:, -1] = True
@@ -155,12 +155,44 @@ def check_runnable(cfg: GPTConfig) -> None:
         )
 
 
-def compiled_step() -> Callable[..., Tensor]:
+class LoopStep:
+    """:func:`decode_one_token` eager, with fresh zero caches for each chunk."""
+
+    def __call__(self, *args) -> Tensor:
+        return decode_one_token(*args)
+
+    def caches(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """The K and V caches of a chunk, zeros."""
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+class CompiledLoopStep(LoopStep):
     """:func:`decode_one_token` compiled as LlamaGen's ``--compile`` compiles its own:
-    ``torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs
-    of inductor's kernels on a GPU); draws come from the global generator, as LlamaGen's do."""
-    compiled = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    return lambda *args: compiled(*args[:-1], None)
+    ``torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs of
+    inductor's kernels on a GPU). As LlamaGen's cache buffers, the caches stay at one address
+    (static inputs, which the CUDA graphs may update in place): one pair per shape, zeroed for
+    each chunk. Draws come from the global generator, as LlamaGen's do."""
+
+    def __init__(self) -> None:
+        self.compiled = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        self.buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, *args) -> Tensor:
+        return self.compiled(*args[:-1], None)
+
+    def caches(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        pair = self.buffers.get((shape, dtype, device))
+        if pair is None:
+            pair = self.buffers[shape, dtype, device] = super().caches(shape, dtype, device)
+            for t in pair:
+                torch._dynamo.mark_static_address(t)
+        for t in pair:
+            t.zero_()
+        return pair
 
 
 @torch.no_grad()
@@ -170,11 +202,11 @@ def torch_batched_ar(
     sampling: SamplingConfig,
     batch_size: int,
     seed: int,
-    step: Callable[..., Tensor] = decode_one_token,
+    step: LoopStep | None = None,
 ) -> BaselineRun:
     """LlamaGen-style batched AR decoding of class ``labels`` (c2i), ``batch_size`` images at a
     time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops.
-    ``step``: :func:`decode_one_token`, or :func:`compiled_step` (its first call compiles)."""
+    ``step``: :class:`LoopStep` (the default) or :class:`CompiledLoopStep` (its first call compiles)."""
     cfg = model.config
     check_runnable(cfg)
     if batch_size < 1:
