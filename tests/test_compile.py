@@ -116,3 +116,51 @@ def test_compile_refusals_are_one_line(extra, words, tiny_model_dir, tmp_path, m
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert all(w in r.stderr for w in words), r.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_llamagen_loop_compiled_as_its_compile_gives_eager_greedy_tokens():
+    """The GPU check's peer: LlamaGen's loop with its step compiled (mode reduce-overhead,
+    fullgraph) decodes eager's greedy tokens, two chunks through the same static caches."""
+    from lantern_rt.eval.baseline import CompiledLoopStep, torch_batched_ar
+
+    model = tiny_gpt()
+    torch._dynamo.reset()
+    eager = torch_batched_ar(model, [1, 2, 3], GREEDY, 2, 0)
+    got = torch_batched_ar(model, [1, 2, 3], GREEDY, 2, 0, CompiledLoopStep())
+    assert torch.equal(eager.tokens, got.tokens)
+
+
+@pytest.mark.slow
+def test_generate_compile_reports_its_compile_time_once(tiny_model_dir, tmp_path):
+    """``lantern generate --backend torch --compile``: eager's greedy tokens, the compile time
+    in the stats and in one message, paid by the first image only."""
+    import json
+
+    import numpy as np
+
+    runs = {}
+    for flag in ("--no-compile", "--compile"):
+        tokens, stats = tmp_path / f"{flag}.npy", tmp_path / f"{flag}.json"
+        args = [
+            "generate",
+            "-q",
+            "--backend",
+            "torch",
+            "--model",
+            str(tiny_model_dir),
+            "--class",
+            "1",
+            "-n",
+            "3",
+        ]
+        args += ["--greedy", "-o", str(tmp_path / f"{flag}.png"), "--save-tokens", str(tokens)]
+        r = CliRunner().invoke(main, [*args, "--stats-json", str(stats), flag])
+        assert r.exit_code == 0, r.output
+        runs[flag] = (np.load(tokens), json.loads(stats.read_text()), r.stderr)
+    np.testing.assert_array_equal(runs["--no-compile"][0], runs["--compile"][0])
+    compiled_stats, message = runs["--compile"][1], runs["--compile"][2]
+    assert "compile_seconds" not in runs["--no-compile"][1]
+    assert compiled_stats["compile_seconds"] > 0 and message.count("compiled the decode step in") == 1
+    first, *later = compiled_stats["seconds_per_image"]
+    assert first > compiled_stats["compile_seconds"] > max(later)
