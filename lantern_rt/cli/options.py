@@ -32,9 +32,9 @@ SEED = click.IntRange(min=0, max=MAX_SEED)
 COMPILE_HELP = (
     "Compile each whole decode step with torch.compile (inductor, fullgraph: a graph break is an "
     "error; torch backend only), once per run: the compile time is reported once (stats "
-    "compile_seconds). Off by default: measured no faster than eager on a CPU at demo size "
-    "(BENCHMARKS.md, 'Issue 47: compiled torch path'); unmeasured on a GPU. Needs a C++ compiler "
-    "(CPU) or Triton (GPU)."
+    "compile_seconds). Off by default: on a CPU at demo size the compiled step is 1.2-1.6x faster "
+    "per call, but its compile (minutes) outweighs that below hundreds of images (BENCHMARKS.md, "
+    "'Issue 47: compiled torch path'); unmeasured on a GPU. Needs a C++ compiler (CPU) or Triton (GPU)."
 )
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
 
