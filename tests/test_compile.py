@@ -164,3 +164,21 @@ def test_generate_compile_reports_its_compile_time_once(tiny_model_dir, tmp_path
     assert compiled_stats["compile_seconds"] > 0 and message.count("compiled the decode step in") == 1
     first, *later = compiled_stats["seconds_per_image"]
     assert first > compiled_stats["compile_seconds"] > max(later)
+
+
+@pytest.mark.slow
+def test_compiled_jacobi_steps_give_eager_tokens():
+    """sjd (a Jacobi window, no drafter) compiles whole too: eager's greedy tokens."""
+    from lantern_rt.generate import jacobi_speculation
+    from lantern_rt.settings import MethodConfig
+
+    model = tiny_gpt()
+    cond = torch.tensor([1, model.config.num_classes])
+    results = []
+    for steps in (None, StepCache(compile=True)):
+        target = TorchTarget(model)
+        method = MethodConfig("sjd", tree="chain-3")
+        spec = jacobi_speculation(target, model.config, load_tree("chain-3"), method, lambda k: None)
+        results.append(decode_image(target, cond, model.config.block_size, GREEDY, None, spec, steps))
+    assert torch.equal(results[0].tokens, results[1].tokens)
+    assert results[0].accepted == results[1].accepted
