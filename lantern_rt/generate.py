@@ -45,8 +45,9 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     bundle_trees,
     bundle_windows,
 )
+from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
-from lantern_rt.runtime.decode import Condition, ImageResult, Speculation
+from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -117,7 +118,7 @@ class Pipeline:
     decode_codes: Callable[[torch.Tensor], torch.Tensor]  # codes [N, T] -> images [N, C, H, W]
     method: MethodConfig
     device: str = "cpu"
-    step_graphs: dict | None = None  # CUDA graphs of whole decode steps (torch on a GPU), kept here
+    step_graphs: StepCache | None = None  # whole decode steps compiled or captured (torch), kept here
     more_streams: tuple[Stream, ...] = ()  # decode streams beside the first (docs/method.md §15)
 
     @property
@@ -144,12 +145,16 @@ def torch_pipeline(
     cuda_graphs: bool = False,
     batch_size: int = 1,
     guided: bool = True,
+    compile: bool = False,
 ) -> Pipeline:
     """The reference pipeline: the torch models of a model directory, ``batch_size`` images per
-    decode step, eager or (``cuda_graphs``, on a CUDA device) with every decode step replayed
-    from one captured CUDA graph; ``guided`` False runs one row per image (for CFG scales of at
-    most 1, :attr:`SamplingConfig.guided`)."""
+    decode step, eager or compiled (``compile``: ``torch.compile`` of each whole decode step,
+    :mod:`lantern_rt.runtime.backends.compiled`), and (``cuda_graphs``, on a CUDA device) with
+    every decode step replayed from one captured CUDA graph; ``guided`` False runs one row per
+    image (for CFG scales of at most 1, :attr:`SamplingConfig.guided`)."""
     check_batch_sizes([batch_size])
+    if compile:
+        require_compiler(device)
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
@@ -184,7 +189,7 @@ def torch_pipeline(
         decode_codes=decode_codes,
         method=method,
         device=device,
-        step_graphs={} if cuda_graphs else None,
+        step_graphs=StepCache(cuda_graphs, compile) if cuda_graphs or compile else None,
     )
 
 
@@ -199,6 +204,7 @@ def make_pipeline(
     guided: bool = True,
     streams: int | None = 1,
     images: int | None = None,
+    compile: bool = False,
 ) -> Pipeline:
     """A pipeline for a model directory (torch) or an opened bundle (onnxruntime, tensorrt; a
     model directory is exported into the cache first, for ``method``'s tree, ``batch_size`` and
@@ -209,9 +215,15 @@ def make_pipeline(
     models, the export or the bundle's graphs). ``streams`` above 1 (onnxruntime on the CPU)
     decodes that many batches at once, each on its share of ``threads``
     (:mod:`lantern_rt.runtime.streams`); None chooses (:func:`onnxruntime_pipeline`) for a run
-    of ``images`` images, and means one stream on the other backends."""
+    of ``images`` images, and means one stream on the other backends. ``compile`` (torch only)
+    compiles each whole decode step with ``torch.compile``."""
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if compile and backend != "torch":
+        raise CompileError(
+            f"--compile compiles the torch backend's decode step; {backend} runs its own graphs: "
+            "use --backend torch or --no-compile"
+        )
     if streams is not None and streams > 1 and backend != "onnxruntime":
         raise ConfigError(
             f"--streams runs a bundle on onnxruntime on the CPU; the {backend} backend decodes one "
@@ -223,7 +235,7 @@ def make_pipeline(
                 "the torch backend runs a model directory, not a bundle: use --backend onnxruntime"
             )
         graphs = cuda_graphs and device.startswith("cuda")
-        return torch_pipeline(source, method, device, graphs, batch_size, guided)
+        return torch_pipeline(source, method, device, graphs, batch_size, guided, compile)
     if backend == "tensorrt":
         from lantern_rt.engines.compat import require_tensorrt
 
@@ -397,6 +409,7 @@ def onnxruntime_pipeline(
     batch_size: int = 1,
     streams: int | None = 1,
     images: int | None = None,
+    compile: bool = False,
 ) -> Pipeline:
     """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu), decoding ``streams``
     batches at once on the CPU, each with its share of ``threads`` (the streams share one
@@ -467,6 +480,7 @@ def generate(
     )
     results: dict[int, ImageResult] = {}
     per_image = []
+    compiled_before = pipe.step_graphs.compile_seconds if pipe.step_graphs else 0.0
     desc = f"{method.method}/{pipe.backend}"
     steady = contextlib.ExitStack()
     with (
@@ -517,4 +531,13 @@ def generate(
         batch_size=pipe.batch_size,
         streams=len(pipe.streams),
     )
+    if pipe.step_graphs and pipe.step_graphs.compile:
+        compile_seconds = pipe.step_graphs.compile_seconds - compiled_before
+        stats.extra["compile_seconds"] = compile_seconds  # 0 when every step was compiled before
+        if compile_seconds:
+            print(
+                f"compiled the decode step in {compile_seconds:.1f} s (torch.compile, inductor); "
+                "later images reuse it",
+                file=sys.stderr,
+            )
     return Generation(labels, tokens, images, stats)

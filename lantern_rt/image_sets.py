@@ -78,6 +78,7 @@ class SetJob:
     threads: int = 0
     cuda_graphs: bool = True
     batch_size: int = 1
+    compile: bool = False  # torch.compile of each decode step (torch backend)
 
     def pipeline(self, streams: int | None = 1, images: int | None = None):
         """Build this job's pipeline (loads the model or opens the bundle), decoding ``streams``
@@ -101,6 +102,7 @@ class SetJob:
             self.sampling.guided,
             streams,
             images,
+            self.compile,
         )
 
 
@@ -113,6 +115,7 @@ def set_job(
     threads: int = 0,
     cuda_graphs: bool = True,
     batch_size: int = 1,
+    compile: bool = False,
 ) -> tuple[SetJob, str]:
     """The job of a set ``request``ed over ``source`` (the model directory ``model``, or an
     opened bundle), and the digest of what it runs. A model directory on a backend other than
@@ -142,6 +145,7 @@ def set_job(
         threads=threads,
         cuda_graphs=cuda_graphs,
         batch_size=batch_size,
+        compile=compile,
     )
     return job, digest
 

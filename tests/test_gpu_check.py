@@ -3,11 +3,12 @@ one try: a crash there costs the whole check)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lantern_rt.eval import gpu_check
 from lantern_rt.models.config import GPTConfig
-from tests.conftest import TINY_GPT
+from tests.conftest import TINY_GPT, tiny_gpt
 
 
 def test_step_costs_and_report_run_on_a_cpu(monkeypatch):
@@ -15,7 +16,7 @@ def test_step_costs_and_report_run_on_a_cpu(monkeypatch):
     monkeypatch.setattr(gpu_check, "gpt_config", lambda preset, **kw: tiny)
     for batch in (1, 3):
         costs = gpu_check.with_projection(
-            gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, batch), 4.0
+            gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, batch, compile=False), 4.0
         )
         assert all(costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")), costs
         assert costs["whole_step_over_verify"] == costs["ms_whole_step"] / costs["ms_verify"]
@@ -31,7 +32,7 @@ def test_text_conditional_step_costs_run_on_a_cpu(monkeypatch):
     """The T2I row: a caption prefix (mostly padding) and the drafter's caption pairs."""
     tiny = {**TINY_GPT, "block_size": 256, "model_type": "t2i", "cls_token_num": 12, "caption_dim": 16}
     monkeypatch.setattr(gpu_check, "gpt_config", lambda preset, **kw: GPTConfig(**tiny))
-    costs = gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, 1, text=True)
+    costs = gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, 1, text=True, compile=False)
     assert costs["preset"] == "tiny T2I" and all(
         costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")
     )
@@ -41,7 +42,9 @@ def test_chameleon_shaped_step_costs_run_on_a_cpu():
     """The Anole-7B row, scaled down: prompt-token prefix with per-row padding, q/k norms, 1D
     RoPE, the drafter's prompt pairs."""
     shape = dict(dim=64, n_layer=2, n_head=4, ffn_hidden_size=96, vocab_size=64, text_vocab_size=100)
-    costs = gpu_check.step_costs("", "chain-3", "cpu", torch.float32, 2, 2, kind="chameleon", shape=shape)
+    costs = gpu_check.step_costs(
+        "", "chain-3", "cpu", torch.float32, 2, 2, kind="chameleon", shape=shape, compile=False
+    )
     assert costs["preset"] == "Anole-7B shape" and all(
         costs[k] > 0 for k in ("ms_ar_step", "ms_verify", "ms_whole_step")
     )
@@ -74,3 +77,57 @@ def test_each_demo_path_drafts_its_device_s_tree_and_is_compared_on_it(monkeypat
     assert (
         f"| onnxruntime-cpu | lantern++ | {cpu} |" in text and f"| torch-eager | lantern++ | {gpu} |" in text
     )
+
+
+def test_peak_bandwidth_is_read_by_device_name():
+    names = {
+        "NVIDIA H200": ("H200", 4.8e12),
+        "NVIDIA H100 80GB HBM3": ("H100 SXM", 3.35e12),
+        "NVIDIA A100-SXM4-80GB": ("A100 80GB", 2.0e12),
+        "NVIDIA L4": ("L4", 0.3e12),
+        "NVIDIA L40S": ("L40S", 0.864e12),
+        "Orin (nvgpu)": ("Jetson Orin AGX", 0.2048e12),
+    }
+    for name, want in names.items():
+        assert gpu_check.peak_bandwidth(name) == want, name
+    assert gpu_check.peak_bandwidth("Tesla T4") is None
+
+
+def test_memory_floor_counts_layer_head_and_kv_bytes_not_embeddings():
+    model = tiny_gpt()
+    c = model.config  # dim 32, 2 layers, vocab 64, fp32
+    embeddings = sum(p.numel() for m in (model.tok_embeddings, model.cls_embedding) for p in m.parameters())
+    weights = (sum(p.numel() for p in model.parameters()) - embeddings) * 4
+    kv = 2 * c.n_layer * (2 * 3) * c.kv_heads * (c.cls_token_num + 10) * c.head_dim * 4  # K and V, 2B rows
+    assert gpu_check.step_bytes(model, 3, 10) == weights + kv
+    assert gpu_check.memory_floor_ms(model, 3, 10, 1e9) == (weights + kv) / 1e9 * 1e3
+
+
+def test_cpu_kernels_count_compute_ops_not_views():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    assert gpu_check.kernels_per_call(lambda a: (a * 2 + 1).view(-1).t(), (x,)) == 2  # mul, add
+    assert gpu_check.kernels_per_call(lambda a: torch.nn.functional.linear(a, w).float(), (x,)) == 1
+
+
+def test_llamagen_loop_runs_on_a_cpu():
+    model = tiny_gpt()
+    row = gpu_check.llamagen_loop(model, 2, compiled=False)
+    assert row["ms_per_step"] > 0 and row["images_per_s"] > 0 and row["first_batch_s"] > 0
+    text = "\n".join(gpu_check.llamagen_report([{"model": "tiny", "batch": 2, "compiled": False, **row}]))
+    assert "| tiny | 2 | no |" in text
+
+
+@pytest.mark.slow
+def test_compiled_step_modes_and_their_kernels_on_a_cpu(monkeypatch):
+    """The compiled modes of a step-cost row (tiny, B = 1): timed, inductor's kernels counted,
+    the floor at a given bandwidth, and the step-mode table."""
+    tiny = GPTConfig(**{**TINY_GPT, "block_size": 256, "num_classes": 10})
+    monkeypatch.setattr(gpu_check, "gpt_config", lambda preset, **kw: tiny)
+    costs = gpu_check.step_costs("tiny", "chain-3", "cpu", torch.float32, 2, 1, bandwidth=1e11)
+    for step in ("ar_step", "verify"):
+        assert costs[f"ms_{step}_compiled"] > 0 and costs[f"inductor_kernels_{step}"] > 0
+        assert costs[f"kernels_{step}"] > costs[f"inductor_kernels_{step}"] / 4
+        assert costs[f"floor_ms_{step}"] > 0
+    result = {"step_costs": [costs], "bandwidth": {"label": "x", "bytes_per_s": 1e11}}
+    text = "\n".join(gpu_check.step_mode_report(result))
+    assert "| tiny | 1 | ar_step |" in text and "| tiny | 1 | verify |" in text

@@ -15,7 +15,7 @@ from lantern_rt.cli import main
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime import profiling
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
-from lantern_rt.runtime.decode import decode_image
+from lantern_rt.runtime.decode import StepCache, decode_image
 from lantern_rt.runtime.sampling import SamplingConfig
 from tests.conftest import tiny_gpt
 
@@ -74,7 +74,7 @@ def test_cuda_graphs_need_a_cuda_device():
     cond = torch.tensor([1, model.config.num_classes])
     greedy = SamplingConfig(cfg_scale=2.0, temperature=0.0)
     with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device"):
-        decode_image(TorchTarget(model), cond, 4, greedy, None, step_graphs={})
+        decode_image(TorchTarget(model), cond, 4, greedy, None, step_graphs=StepCache(cuda_graphs=True))
 
 
 def test_tensorrt_backend_without_tensorrt_is_one_line(tiny_model_dir, tmp_path):
@@ -114,10 +114,10 @@ def test_cuda_graph_replay_gives_eager_tokens():
     greedy = SamplingConfig(cfg_scale=2.0, temperature=0.0)
     n = model.config.block_size
     eager = decode_image(TorchTarget(model), cond, n, greedy, None)
-    graphs: dict = {}
+    graphs = StepCache(cuda_graphs=True)
     replayed = decode_image(TorchTarget(model), cond, n, greedy, None, step_graphs=graphs)
     assert torch.equal(eager.tokens, replayed.tokens)
-    (step,) = graphs.values()
+    (step,) = graphs.steps.values()
     assert len(step.graphs) == 1  # the whole step captured once, replayed n - 2 times
 
 
@@ -138,10 +138,10 @@ def test_whole_speculative_step_replays_from_one_cuda_graph(temperature):
     sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
     n, relax = model.config.block_size, Relaxation("lantern++", k=3, lam=2.0)
     neighbors = torch.stack([torch.roll(torch.arange(64), -i) for i in range(1, 4)], dim=1).cuda()
-    results, graphs = [], {}
+    results, graphs = [], StepCache(cuda_graphs=True)
     for step_graphs in (None, graphs):
         spec = Speculation(TorchDrafter(drafter, model.output, n), load_tree("chain-3"), relax, neighbors)
         g = torch.Generator(device="cuda").manual_seed(0)
         results.append(decode_image(TorchTarget(model), cond, n, sampling, g, spec, step_graphs))
     assert torch.equal(results[0].tokens, results[1].tokens)
-    assert results[0].accepted == results[1].accepted and len(graphs) == 1
+    assert results[0].accepted == results[1].accepted and len(graphs.steps) == 1

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from lantern_rt.cli.options import (
+    COMPILE_HELP,
     IMAGES_PER_CLASS,
     SEED,
     model_option,
@@ -109,6 +110,7 @@ from lantern_rt.prompt_files import read_prompts
     help="Nucleus sampling mass in (0, 1]. Default: the model's sampling_defaults, else 1.0.",
 )
 @threads_option("CPU threads (0: the library default).")
+@click.option("--compile/--no-compile", "compile_step", default=False, show_default=True, help=COMPILE_HELP)
 @click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
 @click.option(
     "--ar-seeds",
@@ -158,6 +160,7 @@ def bench_cmd(
     top_k,
     top_p,
     threads,
+    compile_step,
     no_quality,
     ar_seeds,
     features,
@@ -195,6 +198,7 @@ def bench_cmd(
         batch_sizes=tuple(parse_batch_sizes(batch_sizes)),
         streams=tuple(parse_stream_counts(stream_counts)),
         baseline=baseline,
+        compile=compile_step,
     )
     results = run_bench(settings)
     click.echo(speed_table(results["rows"]))

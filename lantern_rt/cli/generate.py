@@ -93,6 +93,7 @@ def generate(
     drafter_path,
     backend,
     cuda_graphs,
+    compile_step,
     profile,
     bundle,
     device,
@@ -142,6 +143,7 @@ def generate(
         sampling.guided,
         streams,
         len(labels),
+        compile_step,
     )
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))
@@ -229,6 +231,7 @@ def generate_set_cmd(
     device,
     threads,
     cuda_graphs,
+    compile_step,
     batch_size,
     unit_size,
     ray_address,
@@ -258,7 +261,9 @@ def generate_set_cmd(
             "generate-set makes class-conditional image sets; for prompts use 'lantern generate --prompts'"
         )
     request = requested_run(md, source, ())
-    job, digest = set_job(model_path, source, request, seed, device, threads, cuda_graphs, batch_size)
+    job, digest = set_job(
+        model_path, source, request, seed, device, threads, cuda_graphs, batch_size, compile_step
+    )
     summary = generate_set(
         out, job, digest, request.conditions, num_images, unit_size, ray_address, actors, fid_npz, not quiet
     )

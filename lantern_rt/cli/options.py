@@ -30,6 +30,13 @@ if TYPE_CHECKING:  # the command line imports its work lazily, for a fast --help
     from lantern_rt.models.model_dir import ModelDir
 
 SEED = click.IntRange(min=0, max=MAX_SEED)
+COMPILE_HELP = (
+    "Compile each whole decode step with torch.compile (inductor, fullgraph: a graph break is an "
+    "error; torch backend only), once per run: the compile time is reported once (stats "
+    "compile_seconds). Off by default: on a CPU at demo size the compiled step is 1.2-1.6x faster "
+    "per call, but its compile (minutes) outweighs that below hundreds of images (BENCHMARKS.md, "
+    "'Issue 47: compiled torch path'); unmeasured on a GPU. Needs a C++ compiler (CPU) or Triton (GPU)."
+)
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
 
 
@@ -187,6 +194,9 @@ _RUN_OPTIONS = [
         default=True,
         show_default=True,
         help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
+    ),
+    click.option(
+        "--compile/--no-compile", "compile_step", default=False, show_default=True, help=COMPILE_HELP
     ),
     click.option(
         "--bundle",

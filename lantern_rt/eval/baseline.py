@@ -76,19 +76,46 @@ def cfg_mixed(logits: Tensor, cfg_scale: float) -> Tensor:
     return uncond + (cond - uncond) * cfg_scale
 
 
+def decode_one_token(
+    model: Transformer,
+    token: Tensor,
+    pos: Tensor,
+    cache_k: Tensor,
+    cache_v: Tensor,
+    step_masks: Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """One step of LlamaGen's loop (its ``decode_one_token``): the b tokens [b] at position
+    ``pos`` ([1] int64, a tensor as LlamaGen's ``input_pos``, so that one compiled graph serves
+    every position) over the static caches, their K/V written at ``pos``, and the next b tokens."""
+    guided = sampling.guided
+    h = model.tok_embeddings(torch.cat([token, token]) if guided else token).unsqueeze(1)
+    logits, _, k, v = model.step(h, pos, step_masks[pos].view(1, 1, 1, -1), cache_k, cache_v)
+    cache_k.index_copy_(3, pos, k)
+    cache_v.index_copy_(3, pos, v)
+    last = logits[:, -1]
+    return sample(cfg_mixed(last, sampling.cfg_scale) if guided else last, sampling, generator)
+
+
 def decode_chunk(
-    model: Transformer, labels: Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+    model: Transformer,
+    labels: Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    step: LoopStep | None = None,
 ) -> Tensor:
     """Tokens [b, block_size] for class ids ``labels`` [b]: prefill the condition prefix of 2b
     rows (b when ``cfg_scale <= 1``: LlamaGen runs no unconditional row then), then one token
-    per row per step into a static KV cache of cls_token_num + block_size."""
+    per row per step (``step``: :class:`LoopStep`, eager by default, or :class:`CompiledLoopStep`)
+    into a static KV cache of cls_token_num + block_size."""
+    step = step or LoopStep()
     cfg = model.config
     b, t, n = len(labels), cfg.cls_token_num, cfg.block_size
     guided = sampling.guided
     device, capacity = labels.device, cfg.cls_token_num + cfg.block_size
     shape = (cfg.n_layer, 2 * b if guided else b, cfg.kv_heads, capacity, cfg.head_dim)
-    cache_k = torch.zeros(shape, dtype=model.output.weight.dtype, device=device)
-    cache_v = torch.zeros_like(cache_k)
+    cache_k, cache_v = step.caches(shape, model.output.weight.dtype, device)
     # Row p: the slots committed before position p, then the new token itself (LlamaGen's causal_mask).
     step_masks = torch.ones(capacity, capacity + 1, dtype=torch.bool, device=device).tril(-1)
     step_masks[:, -1] = True
@@ -104,13 +131,12 @@ def decode_chunk(
     mix = (lambda x: cfg_mixed(x, sampling.cfg_scale)) if guided else (lambda x: x)
     token = sample(mix(logits[:, -1]), sampling, generator)
     tokens = [token]
-    for pos in range(t, t + n - 1):
-        h = model.tok_embeddings(torch.cat([token, token]) if guided else token).unsqueeze(1)
-        mask = step_masks[pos].view(1, 1, 1, -1)
-        logits, _, k, v = model.step(h, positions[pos : pos + 1], mask, cache_k, cache_v)
-        cache_k[:, :, :, pos], cache_v[:, :, :, pos] = k[:, :, :, 0], v[:, :, :, 0]
-        token = sample(mix(logits[:, -1]), sampling, generator)
+    pos = torch.tensor([t], device=device)  # LlamaGen's input_pos, advanced in place
+    for _ in range(n - 1):
+        # a copy: a step compiled with CUDA graphs overwrites its output at the next call
+        token = step(model, token, pos, cache_k, cache_v, step_masks, sampling, generator).clone()
         tokens.append(token)
+        pos += 1
     return torch.stack(tokens, dim=1)
 
 
@@ -129,12 +155,58 @@ def check_runnable(cfg: GPTConfig) -> None:
         )
 
 
-@torch.inference_mode()
+class LoopStep:
+    """:func:`decode_one_token` eager, with fresh zero caches for each chunk."""
+
+    def __call__(self, *args) -> Tensor:
+        return decode_one_token(*args)
+
+    def caches(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """The K and V caches of a chunk, zeros."""
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+class CompiledLoopStep(LoopStep):
+    """:func:`decode_one_token` compiled as LlamaGen's ``--compile`` compiles its own:
+    ``torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs of
+    inductor's kernels on a GPU). As LlamaGen's cache buffers, the caches stay at one address
+    (static inputs, which the CUDA graphs may update in place): one pair per shape, zeroed for
+    each chunk. Draws come from the global generator, as LlamaGen's do."""
+
+    def __init__(self) -> None:
+        self.compiled = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        self.buffers: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, *args) -> Tensor:
+        return self.compiled(*args[:-1], None)
+
+    def caches(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        pair = self.buffers.get((shape, dtype, device))
+        if pair is None:
+            pair = self.buffers[shape, dtype, device] = super().caches(shape, dtype, device)
+            for t in pair:
+                torch._dynamo.mark_static_address(t)
+        for t in pair:
+            t.zero_()
+        return pair
+
+
+@torch.no_grad()
 def torch_batched_ar(
-    model: Transformer, labels: Sequence[int], sampling: SamplingConfig, batch_size: int, seed: int
+    model: Transformer,
+    labels: Sequence[int],
+    sampling: SamplingConfig,
+    batch_size: int,
+    seed: int,
+    step: LoopStep | None = None,
 ) -> BaselineRun:
     """LlamaGen-style batched AR decoding of class ``labels`` (c2i), ``batch_size`` images at a
-    time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops."""
+    time (the last chunk may be smaller); ``seconds`` is the wall time of all chunks' loops.
+    ``step``: :class:`LoopStep` (the default) or :class:`CompiledLoopStep` (its first call compiles)."""
     cfg = model.config
     check_runnable(cfg)
     if batch_size < 1:
@@ -150,7 +222,7 @@ def torch_batched_ar(
         generator = None if sampling.greedy else chunk_generator(seed, index, device)
         _synchronize(device)
         t0 = time.perf_counter()
-        chunks.append(decode_chunk(model, ids, sampling, generator))
+        chunks.append(decode_chunk(model, ids, sampling, generator, step))
         _synchronize(device)
         seconds += time.perf_counter() - t0
     tokens = torch.cat(chunks).cpu() if chunks else torch.zeros(0, cfg.block_size, dtype=torch.long)

@@ -47,6 +47,7 @@ from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.acceptance import AcceptanceError
+from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import stream_threads
@@ -534,6 +535,7 @@ class BenchSettings:
     batch_sizes: tuple[int, ...] = (1,)  # images per decode step; every configuration runs at each
     streams: tuple[int, ...] = (1,)  # batches decoded at once (onnxruntime rows; others run one)
     baseline: str | None = None  # "torch-batched": LlamaGen's sampler loop (eval.baseline) as rows
+    compile: bool = False  # the torch rows' decode steps compiled (torch.compile)
 
 
 def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
@@ -711,6 +713,12 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     if max(stream_counts) > 1 and "onnxruntime" not in backends:
         raise ConfigError("--streams above 1 runs on onnxruntime: add --backend onnxruntime")
     stream_threads(s.threads, max(stream_counts))  # enough threads, checked before any work
+    if s.compile:
+        if "torch" not in backends:
+            raise CompileError(
+                "--compile compiles the torch rows' decode steps: add --backend torch or use --no-compile"
+            )
+        require_compiler("cpu")
     baseline = None if s.baseline is None else baseline_model(s.baseline, source, s.model)
     for size in sizes if isinstance(source, Bundle) else ():
         source.batch(size)  # refused before any run
@@ -734,6 +742,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 batch_size=size,
                 guided=sampling.guided,
                 streams=streams,
+                compile=s.compile and b == "torch",
             ),
             sampling,
             s.seed,

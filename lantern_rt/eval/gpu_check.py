@@ -12,8 +12,16 @@
    call) and a whole speculative step as the decode loop runs it (draft, verify, commit, host
    work): the ratios that decide the speedup at real sizes, and images/s projected from them
    with the demo's tau (labelled as projections).
+3. What decides whether the kernels or the weights bound a step (issue 47): the AR step and the
+   tree verify eager, compiled (``torch.compile``, inductor, fullgraph) and, on a GPU, replayed
+   from CUDA graphs (eager and compiled), each beside its memory floor (the weight and KV bytes
+   it must read over the device's peak bandwidth, :data:`PEAK_BANDWIDTH`) and with its kernels
+   per call (torch.profiler: GPU kernels on a GPU, compute ops on a CPU).
+4. The GPU peer: LlamaGen's own sampling loop (:mod:`lantern_rt.eval.baseline`) compiled as its
+   ``--compile`` does (``torch.compile(decode_one_token, mode="reduce-overhead",
+   fullgraph=True)``) over the demo and the same random-weight shapes, in the same run.
 Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
-the tests on a CPU).
+the tests on a CPU; ``scripts/gpu_check.sh --quick`` runs it on a CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from typing import Any
 
 import torch
 
-from lantern_rt.families.loading import open_model_dir
+from lantern_rt.eval.baseline import CompiledLoopStep, LoopStep, torch_batched_ar
+from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.generate import generate, make_pipeline
 from lantern_rt.models.config import gpt_config
 from lantern_rt.models.drafter import Drafter, DrafterConfig
@@ -36,6 +45,7 @@ from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, relax_inputs
 from lantern_rt.runtime.backends.base import Draft, FilterInputs
+from lantern_rt.runtime.backends.compiled import Compiled
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, decode_images
@@ -144,6 +154,8 @@ def step_costs(
     text: bool = False,
     kind: str | None = None,
     shape: dict[str, Any] | None = None,
+    compile: bool = True,
+    bandwidth: float | None = None,
 ) -> dict[str, Any]:
     """Milliseconds, random weights, sampled LANTERN++ settings, a half-full cache, ``batch``
     images per call: an AR step (one token per image verified and drawn), a tree verify (target
@@ -152,7 +164,12 @@ def step_costs(
     with a random one-layer drafter. ``text``: a text-conditional target (``T2I``'s caption
     prefix, five sixths of it padding) whose drafter first commits the caption's pairs; ``kind``
     "chameleon": Anole-7B's shape (``ANOLE_7B``: a 64-slot prompt, each row with its own
-    padding, 1024 image tokens), whatever ``preset`` says, its fields replaced by ``shape``."""
+    padding, 1024 image tokens), whatever ``preset`` says, its fields replaced by ``shape``.
+    The AR step and the verify run in each of :func:`step_runs` (``compile`` False: none
+    compiled; compiled: with the kernels inductor generated), with their kernels per call (:func:`kernels_per_call`) and their memory floor at
+    ``bandwidth`` bytes/s (None: unknown, no floor)."""
+    from torch._inductor import metrics
+
     kind = kind or ("t2i" if text else "c2i")
     config = _config(preset, kind, shape)
     with torch.device(device):  # a 7B model initialised on the GPU, not on the host
@@ -165,6 +182,7 @@ def step_costs(
     filters = filter_inputs(SAMPLING, torch.device(device))
     name = {"c2i": preset, "t2i": f"{preset} T2I", "chameleon": "Anole-7B shape"}[kind]
     out = {"preset": name, "tree": tree, "dtype": str(dtype).removeprefix("torch."), "batch": batch}
+    out["n_layer"] = config.n_layer
     if kind == "chameleon":
         cond = torch.randint(config.text_vocab_size, (2 * batch, config.cls_token_num), device=device)
         slots = torch.arange(config.cls_token_num, device=device)
@@ -182,8 +200,15 @@ def step_costs(
         prefix = None
     for name, t in (("ar_step", ROOT_ONLY), ("verify", verify)):
         call, args = verify_call(model, t, batch, cond, prefix, filters, relax)
-        run = CudaGraphed(call) if graphs else call
-        out[f"ms_{name}"] = _timed(partial(run, *args), repeats, graphs)
+        out[f"kernels_{name}"] = kernels_per_call(call, args)
+        for mode, run in step_runs(call, graphs, compile).items():
+            metrics.reset()
+            out[f"ms_{name}_{mode}"] = _timed(partial(run, *args), repeats, graphs)
+            if mode == "compiled":  # its first warm-up call compiled it
+                out[f"inductor_kernels_{name}"] = metrics.generated_kernel_count
+        out[f"ms_{name}"] = out[f"ms_{name}_{'graphed' if graphs else 'eager'}"]  # the runtime's path
+        if bandwidth:
+            out[f"floor_ms_{name}"] = memory_floor_ms(model, batch, 128, bandwidth)
     with torch.device(device):
         drafter = Drafter(DrafterConfig.for_target(config), config).to(dtype).eval()
     capacity = drafter_capacity(config.cls_token_num, config.block_size)
@@ -246,6 +271,150 @@ def verify_call(
     return call, args
 
 
+# Peak DRAM bandwidth by device name (a substring of torch.cuda.get_device_name()), bytes/s:
+# vendors' data sheets. The first match wins: longer names first.
+PEAK_BANDWIDTH: tuple[tuple[str, str, float], ...] = (
+    ("H200", "H200", 4.8e12),
+    ("H100 PCIe", "H100 PCIe", 2.0e12),
+    ("H100 NVL", "H100 NVL", 3.9e12),
+    ("H100", "H100 SXM", 3.35e12),
+    ("A100-SXM4-80GB", "A100 80GB", 2.0e12),
+    ("A100 80GB", "A100 80GB PCIe", 1.935e12),
+    ("A100", "A100 40GB", 1.555e12),
+    ("L40S", "L40S", 0.864e12),
+    ("L40", "L40", 0.864e12),
+    ("L4", "L4", 0.3e12),
+    ("RTX 4090", "RTX 4090", 1.008e12),
+    ("Orin", "Jetson Orin AGX", 0.2048e12),
+)
+
+
+def peak_bandwidth(device_name: str) -> tuple[str, float] | None:
+    """(label, bytes/s) of the first :data:`PEAK_BANDWIDTH` entry in ``device_name``; None when
+    the device is not in the table."""
+    return next(((label, bw) for key, label, bw in PEAK_BANDWIDTH if key in device_name), None)
+
+
+def step_bytes(model: Transformer, batch: int, cached: int) -> int:
+    """Bytes one decode call must read at least: the weights of the layers, final norm and LM
+    head (embedding tables are gathered, a few rows) and the K and V of ``cached`` committed
+    entries (after the condition prefix) for each of the 2B CFG rows."""
+    cfg = model.config
+    modules = (model.layers, model.norm, model.output)
+    weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    entries = cfg.cls_token_num + cached
+    element = model.output.weight.element_size()
+    kv = 2 * cfg.n_layer * 2 * batch * cfg.kv_heads * entries * cfg.head_dim * element
+    return weights + kv
+
+
+def memory_floor_ms(model: Transformer, batch: int, cached: int, bandwidth: float) -> float:
+    """:func:`step_bytes` over ``bandwidth`` bytes/s, in milliseconds."""
+    return step_bytes(model, batch, cached) / bandwidth * 1e3
+
+
+def step_runs(call: Callable[..., Any], cuda: bool, compile: bool = True) -> dict[str, Callable[..., Any]]:
+    """``call`` (one that updates no state in place) as each mode runs it: eager, compiled
+    (:class:`~lantern_rt.runtime.backends.compiled.Compiled`), and on CUDA replayed from CUDA
+    graphs, eager (the runtime's default) and the compiled one captured."""
+    runs: dict[str, Callable[..., Any]] = {"eager": call}
+    compiled = Compiled(call) if compile else None
+    if compiled:
+        runs["compiled"] = compiled
+    if cuda:
+        runs["graphed"] = CudaGraphed(call)
+        if compiled:
+            runs["compiled_graphed"] = CudaGraphed(compiled)
+    return runs
+
+
+# Not kernels: views, metadata, allocation and casts that copy nothing (a real cast's copy_ counts).
+NOT_KERNELS = frozenset(
+    "as_strided view _unsafe_view _reshape_alias reshape expand expand_as view_as slice select "
+    "unsqueeze squeeze transpose permute t alias detach split split_with_sizes unbind narrow chunk "
+    "flatten unflatten movedim contiguous resolve_conj resolve_neg real to type_as _to_copy empty "
+    "empty_strided empty_like new_empty zeros zeros_like ones ones_like dropout resize_ lift_fresh "
+    "scalar_tensor _local_scalar_dense item".split()
+)
+
+
+def kernels_per_call(call: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> int:
+    """Kernels one eager ``call(*args)`` launches (after a warm-up call), from torch.profiler:
+    on CUDA the GPU kernels recorded; on a CPU the aten compute ops that call no other compute
+    op (``NOT_KERNELS`` left out: ``linear`` counts as its ``mm``)."""
+    call(*args)
+    cuda = args[0].is_cuda
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        call(*args)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    if cuda:
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    def leaves(event: Any) -> int:
+        below = sum(leaves(child) for child in event.cpu_children)
+        name = event.name.removeprefix("aten::")
+        is_kernel = event.name.startswith("aten::") and name not in NOT_KERNELS
+        return below or int(is_kernel)
+
+    return sum(leaves(e) for e in events if e.cpu_parent is None)
+
+
+def inductor_kernels(call: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> tuple[int, float]:
+    """(kernels inductor generates, seconds) for ``call(*args)`` compiled with fullgraph=True
+    from a fresh dynamo state (``torch._inductor.metrics.generated_kernel_count``: C++ kernels
+    on a CPU, Triton kernels on a GPU; library calls such as matmuls are not counted)."""
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    metrics.reset()
+    start = time.perf_counter()
+    with torch.no_grad():
+        torch.compile(call, fullgraph=True, backend="inductor", dynamic=False)(*args)
+    return metrics.generated_kernel_count, time.perf_counter() - start
+
+
+def llamagen_loop(
+    model: Transformer, batch: int, compiled: bool, images: int | None = None
+) -> dict[str, Any]:
+    """LlamaGen's sampling loop (:func:`~lantern_rt.eval.baseline.torch_batched_ar`, sampled,
+    class-conditional) over ``model`` at ``batch`` images per step, eager or ``compiled`` as
+    LlamaGen's ``--compile`` (:class:`~lantern_rt.eval.baseline.CompiledLoopStep`): the first batch
+    warms up (compiles), then ``images`` (default one batch) are timed. -> seconds of the first
+    batch, milliseconds per decode step, images/s."""
+    cfg = model.config
+    step = CompiledLoopStep() if compiled else LoopStep()
+    labels = [i % cfg.num_classes for i in range(images or batch)]
+    start = time.perf_counter()
+    torch_batched_ar(model, labels[:batch], SAMPLING, batch, 0, step)
+    first = time.perf_counter() - start
+    run = torch_batched_ar(model, labels, SAMPLING, batch, 1, step)
+    steps = -(-len(labels) // batch) * cfg.block_size  # a prefill and block_size - 1 steps per batch
+    return {
+        "first_batch_s": first,
+        "ms_per_step": run.seconds / steps * 1e3,
+        "images_per_s": len(labels) / run.seconds,
+    }
+
+
+def llamagen_rows(
+    models: list[tuple[str, Transformer]], batches: list[int], compile: bool = True
+) -> list[dict[str, Any]]:
+    """:func:`llamagen_loop` eager and (``compile``) compiled, for each (name, model) and batch."""
+    rows = []
+    for name, model in models:
+        for batch in batches:
+            for compiled in (False, True) if compile else (False,):
+                loop = llamagen_loop(model, batch, compiled)
+                rows.append({"model": name, "batch": batch, "compiled": compiled, **loop})
+    return rows
+
+
 def _rows(prefix: torch.Tensor, b: int, batch: int) -> torch.Tensor:
     """Image ``b``'s visible prefix slots: [T] (both rows alike) or its two rows of [2B, T]."""
     return prefix[[b, batch + b]] if prefix.shape[0] == 2 * batch else prefix[b]
@@ -295,7 +464,70 @@ def report(result: dict[str, Any]) -> str:
         f"AR step, LANTERN++ at the demo's measured tau ({result['projection_tau']:.2f}) tokens per "
         "whole step, B images per call.",
     ]
+    lines += step_mode_report(result) + llamagen_report(result.get("llamagen", []))
     return "\n".join(lines)
+
+
+MODES = ("eager", "compiled", "graphed", "compiled_graphed")
+
+
+def step_mode_report(result: dict[str, Any]) -> list[str]:
+    """The step-mode table: ms per mode, memory floor, kernels per call and per layer."""
+    bw = result.get("bandwidth")
+    lines = ["", "## Step modes, memory floors and kernels per call", ""]
+    lines.append(
+        "Peak bandwidth: "
+        + (f"{bw['label']} {bw['bytes_per_s'] / 1e12:.4g} TB/s" if bw else "unknown device: no floors")
+        + " (table: "
+        + ", ".join(f"{label} {b / 1e12:.4g}" for _, label, b in PEAK_BANDWIDTH)
+        + " TB/s). Floor: weight and KV bytes read once at that bandwidth."
+    )
+    lines += [
+        "",
+        "| preset | B | step | ms eager | ms compiled | ms graphed | ms compiled+graphed | ms floor | best / floor |"
+        " kernels/call | kernels/layer | inductor kernels/layer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["step_costs"]:
+        for step in ("ar_step", "verify"):
+            times = [r.get(f"ms_{step}_{m}") for m in MODES]
+            floor = r.get(f"floor_ms_{step}")
+            best = min(t for t in times if t is not None)
+            inductor = r.get(f"inductor_kernels_{step}")
+            per_layer = "-" if inductor is None else f"{inductor / r['n_layer']:.1f}"
+            cells = [f"{t:.3f}" if t is not None else "-" for t in times]
+            lines.append(
+                f"| {r['preset']} | {r['batch']} | {step} | {' | '.join(cells)} | "
+                f"{f'{floor:.3f}' if floor else '-'} | {f'{best / floor:.1f}x' if floor else '-'} | "
+                f"{r[f'kernels_{step}']} | {r[f'kernels_{step}'] / r['n_layer']:.1f} | "
+                f"{per_layer} |"
+            )
+    lines += [
+        "",
+        "Kernels/call: GPU kernels (torch.profiler) on a GPU; on a CPU aten compute ops (views, "
+        "allocations and no-op casts left out). Inductor kernels: what torch.compile generated "
+        "(C++ or Triton; library matmuls not counted).",
+    ]
+    return lines
+
+
+def llamagen_report(rows: list[dict[str, Any]]) -> list[str]:
+    """The GPU peer's table: LlamaGen's loop, eager and compiled, per model and batch."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## LlamaGen's own loop: the peer (torch.compile mode reduce-overhead, fullgraph, as its --compile)",
+        "",
+        "| model | B | compiled | first batch s (compile) | ms/step | images/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {'yes' if r['compiled'] else 'no'} | "
+            f"{r['first_batch_s']:.1f} | {r['ms_per_step']:.3f} | {r['images_per_s']:.2f} |"
+        )
+    return lines
 
 
 PROJECTED_TOKENS = 256  # LlamaGen's 256x256 images: a 16 x 16 grid
@@ -319,8 +551,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=Path("gpu_check"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="Tiny sizes: a smoke run on any machine.")
+    parser.add_argument("--no-compile", action="store_true", help="No torch.compile modes (faster).")
+    parser.add_argument(
+        "--compile-budget",
+        type=float,
+        default=330.0,
+        help="Seconds into the run after which no new compiled mode starts (keeps a run under 8 min).",
+    )
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    found = peak_bandwidth(name)
+    bw = found[1] if found else None
+    started = time.perf_counter()
+
+    def compile_now() -> bool:
+        """Whether to run compiled modes still: compiles cost tens of seconds each, and the
+        whole check must end within ``--compile-budget`` seconds of compiling (later ones skipped)."""
+        return not args.no_compile and time.perf_counter() - started < args.compile_budget
+
     labels = [0, 1] if args.quick else list(range(10))
     presets = ["GPT-B"] if args.quick else ["GPT-B", "GPT-XL"]
     batches = [1, 2] if args.quick else [1, 4, 16]
@@ -328,15 +577,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tau = next(r["tau"] for r in demo if r["method"] == "lantern++")  # the first path's: the GPU's on a GPU
     dtype = torch.float16 if cuda else torch.float32
     repeats = 2 if args.quick else 50
-    costs = [
-        step_costs(p, GPU_DEFAULT_TREE, args.device, dtype, repeats, b) for p in presets for b in batches
+    costs = [  # compiled modes at B = 1 only, the largest shape first: each compile costs tens of seconds
+        step_costs(
+            p,
+            GPU_DEFAULT_TREE,
+            args.device,
+            dtype,
+            repeats,
+            b,
+            compile=b == 1 and compile_now(),
+            bandwidth=bw,
+        )
+        for p in reversed(presets)
+        for b in batches
     ]
-    costs += [step_costs(presets[-1], GPU_DEFAULT_TREE, args.device, dtype, repeats, 1, text=True)]
+    costs += [
+        step_costs(
+            presets[-1],
+            GPU_DEFAULT_TREE,
+            args.device,
+            dtype,
+            repeats,
+            1,
+            text=True,
+            compile=False,
+            bandwidth=bw,
+        )
+    ]
     if cuda and not args.quick:  # 14 GB of fp16 weights: a GPU row only
-        costs += [step_costs("", GPU_DEFAULT_TREE, args.device, dtype, repeats, 1, kind="chameleon")]
+        costs += [
+            step_costs(
+                "",
+                GPU_DEFAULT_TREE,
+                args.device,
+                dtype,
+                repeats,
+                1,
+                kind="chameleon",
+                compile=False,
+                bandwidth=bw,
+            )
+        ]
+    demo_model = load_target(open_model_dir(DEMO_DIR), args.device)
+    peers = [("demo", demo_model)]
+    if not args.quick:
+        with torch.device(args.device):
+            peers += [(p, Transformer(_config(p, "c2i")).to(dtype).eval()) for p in reversed(presets)]
+    llamagen = [row for peer in peers for row in llamagen_rows([peer], [1], compile_now())]
     result = {
         "device": args.device,
-        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_name": name,
+        "bandwidth": {"label": found[0], "bytes_per_s": bw} if found else None,
+        "llamagen": llamagen,
         "torch": torch.__version__,
         "demo": demo,
         "projection_tau": tau,

@@ -8,7 +8,7 @@ The steps are described in docs/method.md (§4 drafting, §5 acceptance, §6 KV 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -20,6 +20,7 @@ from lantern_rt.bundle import window_needed
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, draw, relax_inputs, target_probabilities
 from lantern_rt.runtime.backends.base import Draft, DrafterBackend, FilterInputs, TargetBackend
+from lantern_rt.runtime.backends.compiled import Compiled
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.drafting import draft, noise_rows
 from lantern_rt.runtime.jacobi import JacobiDrafter
@@ -120,6 +121,29 @@ class DecodeStep:
         return committed, out.tokens, out.hidden
 
 
+@dataclass
+class StepCache:
+    """Whole decode steps kept across images and calls (by backends, settings and cache window):
+    compiled with ``torch.compile`` (``compile``: :class:`~lantern_rt.runtime.backends.compiled.Compiled`)
+    and/or replayed from captured CUDA graphs (``cuda_graphs``, on a CUDA device); a compiled
+    step is compiled, then captured."""
+
+    cuda_graphs: bool = False
+    compile: bool = False
+    steps: dict = field(default_factory=dict)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling steps so far (0 without ``compile``)."""
+        return sum(c.seconds for c in self.compiled)
+
+    @property
+    def compiled(self) -> list[Compiled]:
+        """The compiled steps held."""
+        found = [s.fn if isinstance(s, CudaGraphed) else s for s in self.steps.values()]
+        return [s for s in found if isinstance(s, Compiled)]
+
+
 class Condition(NamedTuple):
     """One image's condition: its two CFG rows (conditional, unconditional: class ids [2],
     caption features [2, T, C] or prompt token ids [2, T]; a target without guidance runs the
@@ -153,7 +177,7 @@ def decode_image(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     spec: Speculation | None = None,
-    step_graphs: dict | None = None,
+    step_graphs: StepCache | None = None,
 ) -> ImageResult:
     """One image: :func:`decode_images` of the single job (``cond``, ``generator``)."""
     ((_, result),) = decode_images(target, [(cond, generator)], num_tokens, sampling, spec, step_graphs)
@@ -166,7 +190,7 @@ def decode_images(
     num_tokens: int,
     sampling: SamplingConfig,
     spec: Speculation | None = None,
-    step_graphs: dict | None = None,
+    step_graphs: StepCache | None = None,
 ) -> Iterator[tuple[int, ImageResult]]:
     """Generate ``num_tokens`` image tokens for each job, B at a time (the target's batch:
     ``target.cache.images``), yielding (job index, result) as each image finishes.
@@ -178,9 +202,9 @@ def decode_images(
     then reads one small tensor, the accepted lengths and tokens. Each step reads the smallest
     cache window that holds the batch's longest image (docs/method.md §12). A finished image's
     slot takes the next job at once (its prefill runs with the other slots' rows untouched);
-    slots with no job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs`` (a
-    dict the caller keeps across calls, on a CUDA device) each step is replayed from one
-    captured CUDA graph.
+    slots with no job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs``
+    (a :class:`StepCache` the caller keeps across calls) each step is compiled and/or replayed
+    from one captured CUDA graph, as it says.
     """
     tree = spec.tree if spec else ROOT_ONLY
     cache = target.cache
@@ -189,7 +213,7 @@ def decode_images(
     slots: list[_Slot | None] = [None] * batch
     exhausted = False
     state: _State | None = None
-    steps: dict[int, DecodeStep | CudaGraphed] = {}  # by cache window
+    steps: dict[int, DecodeStep | Compiled | CudaGraphed] = {}  # by cache window
     while True:
         fresh = []
         for b in range(batch):
@@ -355,13 +379,14 @@ def _step(
     spec: Speculation | None,
     tree: StaticTree,
     state: _State,
-    graphs: dict | None,
-) -> DecodeStep | CudaGraphed:
-    """The step of these backends and settings, captured once in ``graphs`` when given."""
+    cache: StepCache | None,
+) -> DecodeStep | Compiled | CudaGraphed:
+    """The step of these backends and settings, compiled and/or captured once in ``cache``
+    when given."""
     filters, relax, device = state.filters, state.relax, state.device
     key = (id(target), id(spec), tree.paths, target.cache.window, *map(id, filters), *map(id, relax))
-    if graphs is not None and key in graphs:
-        return graphs[key]
+    if cache is not None and key in cache.steps:
+        return cache.steps[key]
     batch = target.cache.images
     step = DecodeStep(
         target,
@@ -372,12 +397,14 @@ def _step(
         torch.ones(batch, 1, dtype=torch.bool, device=device),
         torch.zeros(batch, 1, state.vocab, device=device),
     )
-    if graphs is None:
+    if cache is None or not (cache.compile or cache.cuda_graphs):
         return step
-    if device.type != "cuda":
+    if cache.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device}")
-    graphs[key] = CudaGraphed(step, state=(target.cache.length, *_drafter_state(spec)))
-    return graphs[key]
+    state_tensors = (target.cache.length, *_drafter_state(spec))
+    run = Compiled(step, state_tensors) if cache.compile else step
+    cache.steps[key] = CudaGraphed(run, state_tensors) if cache.cuda_graphs else run
+    return cache.steps[key]
 
 
 def _drafter_state(spec: Speculation | None) -> tuple[Tensor, ...]:

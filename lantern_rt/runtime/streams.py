@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
-from lantern_rt.runtime.decode import ImageResult, Job, Speculation, decode_images
+from lantern_rt.runtime.decode import ImageResult, Job, Speculation, StepCache, decode_images
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import AUTO_STREAMS_MAX, available_cores
 
@@ -23,11 +23,11 @@ from lantern_rt.settings import AUTO_STREAMS_MAX, available_cores
 @dataclass(frozen=True)
 class Stream:
     """One decode stream: a target (its KV cache is the stream's own), its speculation (with
-    the drafter's own cache) and the dict its captured CUDA graphs are kept in (None: none)."""
+    the drafter's own cache) and where its compiled or captured steps are kept (None: eager)."""
 
     target: TargetBackend
     spec: Speculation | None = None
-    step_graphs: dict | None = None
+    step_graphs: StepCache | None = None
 
 
 _DONE = object()  # a stream's last message

@@ -12,7 +12,6 @@ import re
 import reprlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -61,49 +60,68 @@ def _node_key(path: TreePath) -> tuple[int, TreePath]:
     return len(path), path
 
 
+class derived:
+    """A property of a :class:`StaticTree` computed when the tree is made (``__post_init__``)
+    and stored on it: reading it is a plain attribute read, with no lock (functools'
+    ``cached_property`` takes an ``RLock`` on Python 3.11, which ``torch.compile`` cannot trace
+    inside a decode step)."""
+
+    def __init__(self, compute):
+        self.compute, self.name, self.__doc__ = compute, compute.__name__, compute.__doc__
+
+    def __get__(self, tree, owner=None):
+        return self if tree is None else tree.__dict__[self.name]
+
+
 @dataclass(frozen=True)
 class StaticTree:
-    """A validated tree (build it with :func:`build_tree`); every derived table is computed once."""
+    """A validated tree (build it with :func:`build_tree`); every derived table is computed once,
+    when the tree is made."""
 
     name: str
     paths: tuple[TreePath, ...]  # sorted by (depth, path): paths[i - 1] is node i
+
+    def __post_init__(self) -> None:
+        for name, value in vars(StaticTree).items():  # in definition order: each reads the ones above
+            if isinstance(value, derived):
+                self.__dict__[name] = value.compute(self)
 
     @property
     def num_nodes(self) -> int:
         """N, the number of drafted nodes (the root excluded)."""
         return len(self.paths)
 
-    @cached_property
+    @derived
     def parents(self) -> tuple[int, ...]:
         """Parent node id of every node (root -1)."""
         index = {path: i + 1 for i, path in enumerate(self.paths)}
         index[()] = 0
         return (-1, *(index[path[:-1]] for path in self.paths))
 
-    @cached_property
+    @derived
     def depths(self) -> tuple[int, ...]:
         return (0, *(len(path) for path in self.paths))
 
-    @cached_property
+    @derived
     def ranks(self) -> tuple[int, ...]:
         return (0, *(path[-1] for path in self.paths))
 
-    @cached_property
+    @derived
     def parent(self) -> Tensor:
         """LongTensor [N+1], root -1."""
         return torch.tensor(self.parents, dtype=torch.long)
 
-    @cached_property
+    @derived
     def depth(self) -> Tensor:
         """LongTensor [N+1], root 0: the position offset of each node."""
         return torch.tensor(self.depths, dtype=torch.long)
 
-    @cached_property
+    @derived
     def rank(self) -> Tensor:
         """LongTensor [N+1], root 0: which drawn sibling each node is."""
         return torch.tensor(self.ranks, dtype=torch.long)
 
-    @cached_property
+    @derived
     def children(self) -> tuple[tuple[int, ...], ...]:
         """Child node ids of every node, in rank order."""
         kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
@@ -111,7 +129,7 @@ class StaticTree:
             kids[parent].append(node)
         return tuple(tuple(k) for k in kids)
 
-    @cached_property
+    @derived
     def ancestors(self) -> tuple[tuple[int, ...], ...]:
         """Node ids from depth 1 down to each node (the node included; empty for the root)."""
         chains: list[tuple[int, ...]] = [()]
@@ -119,7 +137,7 @@ class StaticTree:
             chains.append((*chains[parent], node))
         return tuple(chains)
 
-    @cached_property
+    @derived
     def mask(self) -> Tensor:
         """BoolTensor [N+1, N+1]: row i is True at i, its ancestors and the root."""
         mask = torch.zeros(self.num_nodes + 1, self.num_nodes + 1, dtype=torch.bool)
@@ -127,7 +145,7 @@ class StaticTree:
             mask[node, [0, *chain]] = True
         return mask
 
-    @cached_property
+    @derived
     def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
         """Root-to-leaf node ids (root excluded), one per leaf in node order."""
         return tuple(
@@ -138,14 +156,14 @@ class StaticTree:
     def max_depth(self) -> int:
         return self.depths[-1]
 
-    @cached_property
+    @derived
     def levels(self) -> tuple[tuple[int, ...], ...]:
         """Node ids at each depth 0..max_depth; ``levels[0] == (0,)``."""
         return tuple(
             tuple(i for i, d in enumerate(self.depths) if d == depth) for depth in range(self.max_depth + 1)
         )
 
-    @cached_property
+    @derived
     def width(self) -> int:
         """Most children of any node: how many distinct tokens the drafter draws per node."""
         return max(len(kids) for kids in self.children)

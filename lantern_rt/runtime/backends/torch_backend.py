@@ -1,4 +1,5 @@
-"""The reference backend: the torch model itself, eager, or replayed from CUDA graphs on a GPU."""
+"""The reference backend: the torch model itself, eager or compiled (``torch.compile``), and
+replayed from CUDA graphs on a GPU (whole decode steps: ``runtime.decode.StepCache``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lantern_rt.runtime.acceptance import (
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.drafting import (
     Context,
+    DraftPlan,
     DraftStep,
     Head,
     cfg_pairs,
@@ -29,13 +31,13 @@ from lantern_rt.runtime.drafting import (
 )
 from lantern_rt.runtime.kv_cache import KVCache, cache_windows, prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
-from lantern_rt.runtime.tree import StaticTree
+from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 
 class TorchTarget:
     """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's own
-    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree`, eagerly (a CUDA graph
-    captures whole decode steps: ``runtime.decode.decode_image``'s ``step_graphs``). Its cache is
+    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree` (``torch.compile`` and
+    CUDA graphs take whole decode steps: ``runtime.decode.StepCache``). Its cache is
     read through ``windows`` windows (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default:
     the whole cache alone); ``guided`` False runs one row per image (docs/method.md §13)."""
 
@@ -59,9 +61,24 @@ class TorchTarget:
             windows=cache_windows(capacity, windows),
             guided=guided,
         )
-        self._tables: dict[StaticTree, tuple[TreePlan, Tensor, Tensor]] = {}  # plan, depth, mask
+        self._tables: dict[tuple, tuple[TreePlan, Tensor, Tensor]] = {}  # by paths: plan, depth, mask
+        self.tables(ROOT_ONLY)
 
-    @torch.inference_mode()
+    def tables(self, tree: StaticTree) -> tuple[TreePlan, Tensor, Tensor]:
+        """``tree``'s plan, depths and mask on the cache's device, built on first use; a compiled
+        step reads them built (the root-only tree's are built with the target, a drafting tree's
+        by the step's eager first run: ``runtime.backends.compiled``)."""
+        tables = self._tables.get(tree.paths)
+        if tables is None:
+            device = self.cache.k.device
+            tables = self._tables[tree.paths] = (
+                tree_plan(tree, device),
+                tree.depth.to(device),
+                tree.mask.to(device),
+            )
+        return tables
+
+    @torch.no_grad()
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -72,7 +89,7 @@ class TorchTarget:
         self.cache.restart(k, v, fresh, prefix)
         return logits[:, -1], hidden
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def verify(
         self,
         tree: StaticTree,
@@ -82,15 +99,7 @@ class TorchTarget:
         sampling: FilterInputs,
         relax: RelaxInputs,
     ) -> Verified:
-        tables = self._tables.get(tree)
-        if tables is None:
-            device = self.cache.k.device
-            tables = self._tables[tree] = (
-                tree_plan(tree, device),
-                tree.depth.to(device),
-                tree.mask.to(device),
-            )
-        plan, depth, tree_mask = tables
+        plan, depth, tree_mask = self.tables(tree)
         cache = self.cache
         positions, mask = tree_step_inputs(
             depth, tree_mask, cache.length, cache.window, cache.rows, cache.prefix
@@ -171,8 +180,17 @@ class TorchDrafter:
             guided=guided,
         )
         self._step, self._head = drafter_step(drafter), lm_head(head, layout or GPTConfig())
+        self._plans: dict[tuple, DraftPlan] = {}  # by tree paths, built on first use
 
-    @torch.inference_mode()
+    def plan(self, tree: StaticTree) -> DraftPlan:
+        """``tree``'s drafting tables on the cache's device (a compiled step reads them built:
+        ``runtime.backends.compiled``)."""
+        found = self._plans.get(tree.paths)
+        if found is None:
+            found = self._plans[tree.paths] = draft_plan(tree, self.cache.k.device)
+        return found
+
+    @torch.no_grad()
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
         if not hidden.shape[1]:
             self.cache.length.masked_fill_(fresh, 0)
@@ -182,8 +200,7 @@ class TorchDrafter:
             k, v, visible = prompt_pairs(self._step, hidden, self.drafter.embed_prompt, cond, prefix)
             self.cache.restart(k, v, fresh, visible)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         context = Context.of_cache(self.cache.layers_k, self.cache.layers_v)
-        plan = draft_plan(tree, self.cache.k.device)
-        return draft_tree(self._step, self._head, plan, rows, context, noise, sampling)
+        return draft_tree(self._step, self._head, self.plan(tree), rows, context, noise, sampling)

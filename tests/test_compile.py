@@ -1,0 +1,184 @@
+"""``--compile``: the whole decode step compiled with ``torch.compile`` (inductor, fullgraph) on
+the CPU gives eager torch's tokens, compiles once per shape, breaks no graph, and refuses the
+runs it cannot do in one line. Compiling takes tens of seconds on a busy CPU: slow tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch._dynamo.utils import counters
+
+from lantern_rt.cli import main
+from lantern_rt.eval import gpu_check
+from lantern_rt.models.drafter import Drafter, DrafterConfig
+from lantern_rt.runtime.acceptance import Relaxation, relax_inputs
+from lantern_rt.runtime.backends import compiled
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import Speculation, StepCache, decode_image
+from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
+from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
+from tests.conftest import tiny_gpt
+
+GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+
+
+def _images(model, sampling: SamplingConfig, steps: StepCache | None, drafting: bool) -> list:
+    """Two images (class 1, seeds 0 and 1) decoded greedily or sampled, AR or LANTERN++ on
+    chain-3 with a random drafter, eager (``steps`` None) or through ``steps``."""
+    n = model.config.block_size
+    spec = None
+    if drafting:
+        torch.manual_seed(0)
+        drafter = Drafter(DrafterConfig.for_target(model.config), model.config).eval()
+        neighbors = torch.stack([torch.roll(torch.arange(64), -i) for i in range(1, 4)], dim=1)
+        relax = Relaxation("lantern++", k=3, lam=2.0)
+        spec = Speculation(TorchDrafter(drafter, model.output, n), load_tree("chain-3"), relax, neighbors)
+    target = TorchTarget(model)
+    cond = torch.tensor([1, model.config.num_classes])
+    return [
+        decode_image(target, cond, n, sampling, torch.Generator().manual_seed(seed), spec, steps)
+        for seed in (0, 1)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", [False, True], ids=["ar", "lantern++"])
+def test_compiled_steps_give_eager_tokens_and_compile_once(drafting):
+    """Greedy and sampled, one image after another: the compiled whole step commits eager's
+    tokens and accepted lengths; the second image and the other sampling settings (tensors of
+    the same shapes) compile nothing again (a recompile would raise)."""
+    model = tiny_gpt()
+    torch._dynamo.reset()
+    counters.clear()
+    steps = StepCache(compile=True)
+    for sampling in (GREEDY, SAMPLED):
+        eager = _images(model, sampling, None, drafting)
+        first = sampling is GREEDY  # later images and settings: a recompile raises
+        with torch._dynamo.config.patch(error_on_recompile=not first):
+            got = _images(model, sampling, steps, drafting)
+        for e, g in zip(eager, got, strict=True):
+            assert torch.equal(e.tokens, g.tokens) and e.accepted == g.accepted
+    assert counters["stats"]["unique_graphs"] == 1  # one graph: the whole step
+    assert steps.compiled and steps.compile_seconds > 0
+
+
+@pytest.mark.slow
+def test_verify_compiles_to_one_graph_at_a_small_gpt_b_like_shape():
+    """``TorchTarget.verify`` with the root-only tree (an AR step) compiles with fullgraph=True:
+    no graph break (the tree's tables once took a lock that dynamo cannot trace)."""
+    from lantern_rt.models.config import GPTConfig
+    from lantern_rt.models.target import Transformer
+
+    config = GPTConfig(dim=96, n_layer=2, n_head=2, vocab_size=64, num_classes=10, block_size=256)
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    filters = filter_inputs(SamplingConfig(cfg_scale=3.0), torch.device("cpu"))
+    relax = relax_inputs(
+        Relaxation("lantern++", k=10, lam=5.0), torch.randint(64, (64, 10)), 64, False, torch.device("cpu")
+    )
+    call, args = gpu_check.verify_call(model, ROOT_ONLY, 1, torch.tensor([1, 10]), None, filters, relax)
+    torch._dynamo.reset()
+    eager = call(*args)
+    with torch.no_grad():
+        got = torch.compile(call, fullgraph=True)(*args)
+    torch.testing.assert_close(got[6], eager[6], rtol=1e-4, atol=1e-4)  # the target's logits
+    assert torch.equal(got[2], eager[2])  # the drawn token
+
+
+def test_compile_needs_a_compiler(monkeypatch):
+    """No C++ compiler on a CPU (or no Triton on a GPU): one line naming it and --no-compile."""
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    assert "C++ compiler" in compiled.missing_compiler("cpu")
+    with pytest.raises(compiled.CompileError, match="C\\+\\+ compiler.*--no-compile"):
+        compiled.require_compiler("cpu")
+    monkeypatch.undo()
+    assert compiled.missing_compiler("cpu") is None  # g++ is here
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--backend", "onnxruntime", "--compile"], ["onnxruntime", "--no-compile"]),
+        (["--backend", "torch", "--compile"], ["C++ compiler", "--no-compile"]),
+    ],
+    ids=["onnxruntime", "no-compiler"],
+)
+def test_compile_refusals_are_one_line(extra, words, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    out = tmp_path / "x.png"
+    r = CliRunner().invoke(
+        main,
+        ["generate", "-q", "--model", str(tiny_model_dir), "-n", "1", "--class", "1", "-o", str(out), *extra],
+        env={"LANTERN_CACHE": str(tmp_path / "cache")},
+    )
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert all(w in r.stderr for w in words), r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_llamagen_loop_compiled_as_its_compile_gives_eager_greedy_tokens():
+    """The GPU check's peer: LlamaGen's loop with its step compiled (mode reduce-overhead,
+    fullgraph) decodes eager's greedy tokens, two chunks through the same static caches."""
+    from lantern_rt.eval.baseline import CompiledLoopStep, torch_batched_ar
+
+    model = tiny_gpt()
+    torch._dynamo.reset()
+    eager = torch_batched_ar(model, [1, 2, 3], GREEDY, 2, 0)
+    got = torch_batched_ar(model, [1, 2, 3], GREEDY, 2, 0, CompiledLoopStep())
+    assert torch.equal(eager.tokens, got.tokens)
+
+
+@pytest.mark.slow
+def test_generate_compile_reports_its_compile_time_once(tiny_model_dir, tmp_path):
+    """``lantern generate --backend torch --compile``: eager's greedy tokens, the compile time
+    in the stats and in one message, paid by the first image only."""
+    import json
+
+    import numpy as np
+
+    runs = {}
+    for flag in ("--no-compile", "--compile"):
+        tokens, stats = tmp_path / f"{flag}.npy", tmp_path / f"{flag}.json"
+        args = [
+            "generate",
+            "-q",
+            "--backend",
+            "torch",
+            "--model",
+            str(tiny_model_dir),
+            "--class",
+            "1",
+            "-n",
+            "3",
+        ]
+        args += ["--greedy", "-o", str(tmp_path / f"{flag}.png"), "--save-tokens", str(tokens)]
+        r = CliRunner().invoke(main, [*args, "--stats-json", str(stats), flag])
+        assert r.exit_code == 0, r.output
+        runs[flag] = (np.load(tokens), json.loads(stats.read_text()), r.stderr)
+    np.testing.assert_array_equal(runs["--no-compile"][0], runs["--compile"][0])
+    compiled_stats, message = runs["--compile"][1], runs["--compile"][2]
+    assert "compile_seconds" not in runs["--no-compile"][1]
+    assert compiled_stats["compile_seconds"] > 0 and message.count("compiled the decode step in") == 1
+    first, *later = compiled_stats["seconds_per_image"]
+    assert first > compiled_stats["compile_seconds"] > max(later)
+
+
+@pytest.mark.slow
+def test_compiled_jacobi_steps_give_eager_tokens():
+    """sjd (a Jacobi window, no drafter) compiles whole too: eager's greedy tokens."""
+    from lantern_rt.generate import jacobi_speculation
+    from lantern_rt.settings import MethodConfig
+
+    model = tiny_gpt()
+    cond = torch.tensor([1, model.config.num_classes])
+    results = []
+    for steps in (None, StepCache(compile=True)):
+        target = TorchTarget(model)
+        method = MethodConfig("sjd", tree="chain-3")
+        spec = jacobi_speculation(target, model.config, load_tree("chain-3"), method, lambda k: None)
+        results.append(decode_image(target, cond, model.config.block_size, GREEDY, None, spec, steps))
+    assert torch.equal(results[0].tokens, results[1].tokens)
+    assert results[0].accepted == results[1].accepted
