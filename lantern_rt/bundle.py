@@ -4,8 +4,9 @@ between the exporter and every engine.
 The exporter (:mod:`lantern_rt.export`) and calibration write bundles through
 :func:`staged_bundle` and :func:`write_manifest`; everyone else reads one through
 :meth:`Bundle.open`, which checks the manifest against its schema, every file against its sha256,
-every graph's declared inputs and outputs against its ONNX file and the manifest against its own
-digest (``manifest_digest``: a hand-edited manifest is refused), once. The :class:`Bundle`
+every graph's declared inputs and outputs against its ONNX file, what the manifest states of the
+model against those graphs, and the manifest against its own digest (``manifest_digest``), once.
+The digest catches accidental edits, not deliberate ones: it is not a signature. The :class:`Bundle`
 it returns is passed down to backends, engines, calibration and the benchmark, which trust it.
 """
 
@@ -198,7 +199,8 @@ class Bundle:
     @classmethod
     def open(cls, path: str | Path, check: Callable[[Bundle], Any] | None = None) -> Bundle:
         """Open the bundle at ``path`` after checking its manifest's schema and version, every
-        file's sha256, every graph's declared I/O against its ONNX file, then ``check(bundle)``
+        file's sha256, every graph's declared I/O against its ONNX file, the sizes, trees and
+        classes the manifest states against those graphs (:func:`_check_sizes`), then ``check(bundle)``
         (what a reader above this layer reads: ``families.loading.open_bundle``), and last the
         manifest's own digest; :class:`BundleError` says what is wrong."""
         path = Path(path).resolve()
@@ -210,6 +212,7 @@ class Bundle:
             bundle = cls(path, manifest)
         except ConfigError as err:  # gpt fields the config refuses
             raise BundleError(f"{path}: {err}") from None
+        _check_sizes(bundle)
         if check is not None:
             check(bundle)
         if edited:  # last: an edit the checks above catch is named by them
@@ -306,6 +309,96 @@ def _check_files(path: Path, manifest: dict[str, Any]) -> None:
         inputs, outputs = io_specs(path / graph["file"])
         if inputs != graph["inputs"] or outputs != graph["outputs"]:
             raise BundleError(f"{path}: graph {name}'s inputs/outputs differ from {MANIFEST}")
+
+
+def _check_sizes(bundle: Bundle) -> None:
+    """What the manifest states of the model (its sizes, trees, batch sizes and classes) against
+    what its graphs declare: their inputs and outputs (checked against their ONNX files) and the
+    class table a class-conditional prefill reads. A manifest edited and its digest recomputed
+    is refused here in one line, not by a graph call or an engine's out-of-bounds read."""
+    c, gpt = bundle.constants, bundle.gpt
+    rows = 2 if c.guided else 1  # CFG rows per image
+    # (what the manifest states, its value, graph, "inputs"/"outputs", tensor, axis)
+    sizes: list[tuple[str, int, str, str, str, int]] = [
+        ("constants.block_size", c.block_size, VQ_DECODE_GRAPH, "inputs", "codes", 1),
+        ("image_size", bundle.image_size, VQ_DECODE_GRAPH, "outputs", "images", 2),
+        ("image_size", bundle.image_size, VQ_DECODE_GRAPH, "outputs", "images", 3),
+    ]
+    for b in c.batch_sizes:
+        prefill, step = batched_name(PREFILL_GRAPH, b), batched_name(AR_STEP_GRAPH, b)
+        sizes += [
+            ("rows per call (constants.batch_sizes, guided)", rows * b, prefill, "inputs", "prefix", 0),
+            ("constants.cls_token_num", c.cls_token_num, prefill, "inputs", "prefix", 1),
+            ("constants.vocab_size", c.vocab_size, prefill, "outputs", "logits", 1),
+            ("constants.hidden_size", c.hidden_size, prefill, "outputs", "hidden", 2),
+            ("constants.cache_capacity", c.cache_capacity, step, "inputs", "past_k_0", 2),
+        ]
+        for tree in bundle.trees.values():
+            nodes, depth = len(tree.paths) + 1, paths_depth(tree.paths)
+            named = f"trees.{tree.name}"
+            if tree.graph is not None:
+                draft = batched_name(tree.graph, b)
+                inner = 1 + sum(len(p) < depth for p in tree.paths)  # nodes that draw children
+                sizes += [
+                    (f"{named}'s nodes", nodes, draft, "outputs", "node_tokens", 1),
+                    (f"{named}'s depth + 1", depth + 1, draft, "inputs", "tokens", 1),
+                    (f"{named}'s nodes above its last level", inner, draft, "inputs", "noise", 1),
+                    ("constants.drafter_capacity", c.drafter_capacity, draft, "inputs", "past_k_0", 2),
+                ]
+            if tree.verify is not None:
+                verify = batched_name(tree.verify, b)
+                sizes += [
+                    (f"{named}'s nodes", nodes, verify, "inputs", "node_tokens", 1),
+                    (f"{named}'s depth + 1", depth + 1, verify, "outputs", "kept", 1),
+                ]
+    for field, value, graph, io, tensor, axis in sizes:
+        entry = bundle.graph(graph)
+        spec = next((t for t in getattr(entry, io) if t.name == tensor), None)
+        declared = None if spec is None or axis >= len(spec.shape) else spec.shape[axis]
+        if declared != value:
+            raise BundleError(
+                f"{bundle.path}: {MANIFEST} gives {field} as {value}, and graph {graph} declares "
+                f"{declared} ({tensor}, axis {axis}): re-export the bundle"
+            )
+    for field in ("model_type", "vocab_size", "block_size", "grid_size", "cls_token_num"):
+        if getattr(gpt, field) != getattr(c, field):
+            raise BundleError(
+                f"{bundle.path}: {MANIFEST} gives gpt.{field} as {getattr(gpt, field)!r} and "
+                f"constants.{field} as {getattr(c, field)!r}: re-export the bundle"
+            )
+    _check_classes(bundle)
+
+
+def _check_classes(bundle: Bundle) -> None:
+    """A class-conditional bundle's ``gpt.num_classes`` and null class against the rows of the
+    class table its prefill graph reads: the classes, then the null class ``num_classes`` when
+    ``class_dropout_prob`` is above 0 (:class:`~lantern_rt.models.target.LabelEmbedder`)."""
+    prefill = bundle.graph(batched_name(PREFILL_GRAPH, bundle.constants.batch_sizes[0]))
+    cond = next((spec for spec in prefill.inputs if spec.name == "cond"), None)
+    table = class_table_rows(bundle.file(prefill)) if cond is not None and len(cond.shape) == 1 else None
+    if table is None:  # not class ids, or no table read straight from them
+        return
+    gpt, null = bundle.gpt, bundle.constants.null_condition.get("class_id")
+    classes = gpt.num_classes + int(gpt.class_dropout_prob > 0)
+    # the null class is the id after the classes, and guided runs read its row
+    if table != classes or null != gpt.num_classes or (bundle.constants.guided and null >= table):
+        raise BundleError(
+            f"{bundle.path}: {MANIFEST} gives gpt.num_classes as {gpt.num_classes} and the null "
+            f"class as {null}, and graph {prefill.name}'s class table has {table} rows: re-export the bundle"
+        )
+
+
+def class_table_rows(path: Path) -> int | None:
+    """Rows of the table an ONNX prefill graph gathers its ``cond`` input's ids from (an
+    initializer; its data is not read), or None when no Gather reads ``cond`` so."""
+    import onnx  # only where a graph file is read
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    tables = {t.name: t.dims for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Gather" and list(node.input[1:2]) == ["cond"] and node.input[0] in tables:
+            return int(tables[node.input[0]][0])
+    return None
 
 
 def io_specs(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -297,9 +297,10 @@ def cached_bundle(
     """The bundle of ``md`` for ``method``'s tree, ``batch_sizes`` and ``guided`` (two CFG rows
     per image, or one: ``export_bundle``), exported on first use into
     the cache. Every method shares it: AR runs on the one-token step graph every bundle holds.
-    The export holds a lock (``.NAME-KEY.lock``): concurrent first runs export once, the others
-    wait and reuse it; :class:`WriteError` when the cache cannot be written."""
-    from lantern_rt.export.bundle import export_bundle
+    The model is loaded and checked first: a model its loaders refuse writes nothing (no lock,
+    no folder). The export holds a lock (``.NAME-KEY.lock``): concurrent first runs export
+    once, the others wait and reuse it; :class:`WriteError` when the cache cannot be written."""
+    from lantern_rt.export.bundle import export_bundle, load_export_models
 
     trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files or method.jacobi else []
     sizes = check_batch_sizes(list(batch_sizes))
@@ -321,6 +322,7 @@ def cached_bundle(
     out = root / f"{md.name}-{key}"
     if (out / MANIFEST).is_file():
         return out
+    models = load_export_models(md)
     with contextlib.ExitStack() as stack:  # one run exports; the others wait, then reuse its bundle
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -343,6 +345,7 @@ def cached_bundle(
                 progress=True,
                 batch_sizes=sizes,
                 guided=guided,
+                models=models,
                 on_start=functools.partial(
                     print, f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr
                 ),

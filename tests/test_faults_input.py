@@ -1,11 +1,13 @@
 """Every file a command reads is validated (issue 18): a bad model directory, drafter config,
 checkpoint, neighbour table, tree file or training input is one line ``error: ...`` naming the
-file and the field, exit code 2, and nothing written."""
+file and the field, exit code 2, and nothing written: not even in the export cache, which a model
+directory on onnxruntime is exported into (issue 46)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +51,15 @@ def model(base: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(base, tmp_path / "model"))
 
 
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The export cache of every run in a test (``$LANTERN_CACHE``): :func:`fails` checks that a
+    refused input created nothing there."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("LANTERN_CACHE", str(path))
+    return path
+
+
 def edit_json(path: Path, edit: Callable[[dict], object]) -> None:
     data = json.loads(path.read_text())
     edit(data)
@@ -56,7 +67,8 @@ def edit_json(path: Path, edit: Callable[[dict], object]) -> None:
 
 
 def fails(args: list[str], *words: str, absent: Path | None = None) -> str:
-    """Run the CLI: exit 2, one line ``error: ...`` holding every word, and ``absent`` not created."""
+    """Run the CLI: exit 2, one line ``error: ...`` holding every word, and neither ``absent``
+    nor the export cache (no lock, no folder) created."""
     result = CliRunner().invoke(main, args)
     out = result.output
     assert result.exit_code == 2, out
@@ -64,16 +76,18 @@ def fails(args: list[str], *words: str, absent: Path | None = None) -> str:
     for word in words:
         assert word in out, out
     assert absent is None or not absent.exists()
+    cache = Path(os.environ["LANTERN_CACHE"])
+    assert not cache.exists(), sorted(cache.rglob("*"))
     return out
 
 
-def generate(model: Path, tmp_path: Path, *extra: str) -> list[str]:
-    """``lantern generate`` of one image on the torch backend into tmp_path/x.png."""
+def generate(model: Path, tmp_path: Path, *extra: str, backend: str = "torch") -> list[str]:
+    """``lantern generate`` of one image on ``backend`` into tmp_path/x.png."""
     return [
         "generate",
         "-q",
         "--backend",
-        "torch",
+        backend,
         "--model",
         str(model),
         "-o",
@@ -83,6 +97,8 @@ def generate(model: Path, tmp_path: Path, *extra: str) -> list[str]:
 
 
 SPECULATIVE = ("--method", "lantern++", "--tree", "chain-2")
+# the torch backend loads the model directory; onnxruntime exports it into the cache first
+LOADED_BY = pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 
 
 # ---- 1. the model directory's config.json ----------------------------------------------------------
@@ -183,12 +199,13 @@ DRAFTER_FIELDS = {
 }
 
 
+@LOADED_BY
 @pytest.mark.parametrize("key, value, message", DRAFTER_FIELDS.values(), ids=DRAFTER_FIELDS)
-def test_drafter_config_fields_are_checked(model, tmp_path, key, value, message):
+def test_drafter_config_fields_are_checked(model, tmp_path, key, value, message, backend):
     config = model / "drafter" / "config.json"
     edit_json(config, _set(None, key, value))
     fails(
-        generate(model, tmp_path, *SPECULATIVE),
+        generate(model, tmp_path, *SPECULATIVE, backend=backend),
         f"{config}: drafter config: ",
         message,
         absent=tmp_path / "x.png",
@@ -212,13 +229,14 @@ def test_drafter_config_that_is_a_list(model, tmp_path):
     ],
 )
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_weights_are_refused(model, tmp_path, file, what, bad):
+@LOADED_BY
+def test_non_finite_weights_are_refused(model, tmp_path, file, what, bad, backend):
     state = load_file(model / file)
     key = sorted(k for k, v in state.items() if v.is_floating_point())[1]
     state[key].view(-1)[3] = bad
     save_file(state, model / file)
     fails(
-        generate(model, tmp_path, *SPECULATIVE),
+        generate(model, tmp_path, *SPECULATIVE, backend=backend),
         f"{what} checkpoint {model / file} holds NaN or infinite values (first in {key})",
         absent=tmp_path / "x.png",
     )
@@ -234,11 +252,12 @@ def test_export_refuses_non_finite_weights_and_writes_nothing(model, tmp_path):
     assert list(out.parent.iterdir()) == []
 
 
-def test_a_pickle_of_python_objects_is_refused_without_torch_advice(model, tmp_path):
+@LOADED_BY
+def test_a_pickle_of_python_objects_is_refused_without_torch_advice(model, tmp_path, backend):
     torch.save({"model": Custom()}, model / "gpt.pt")
     edit_json(model / "config.json", lambda c: c["files"].update(gpt="gpt.pt"))
     out = fails(
-        generate(model, tmp_path),
+        generate(model, tmp_path, backend=backend),
         f"cannot read {model / 'gpt.pt'}: it holds Python objects that are not tensors",
         "Custom",
         "not unpickled",
@@ -270,11 +289,12 @@ NEIGHBOR_TABLES = {
 }
 
 
+@LOADED_BY
 @pytest.mark.parametrize("spoil, message", NEIGHBOR_TABLES.values(), ids=NEIGHBOR_TABLES)
-def test_neighbour_tables_are_checked(model, tmp_path, spoil, message):
+def test_neighbour_tables_are_checked(model, tmp_path, spoil, message, backend):
     spoil(model / "neighbors.npy")
     fails(
-        generate(model, tmp_path, *SPECULATIVE),
+        generate(model, tmp_path, *SPECULATIVE, backend=backend),
         str(model / "neighbors.npy"),
         message,
         absent=tmp_path / "x.png",
@@ -428,3 +448,22 @@ def test_a_corrupt_train_state_is_refused_and_out_left_as_it_was(base, trained, 
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     fails(train(base, out, f"--codes={codes}"), str(out / "train_state.pt"), message)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_generate_set_refuses_a_bad_model_before_its_export(model, tmp_path):
+    """``generate-set`` exports a model directory (for its workers) as ``generate`` does."""
+    _truncated(model / "neighbors.npy")
+    out = tmp_path / "set"
+    args = [
+        "generate-set",
+        "-q",
+        "--backend",
+        "onnxruntime",
+        "--model",
+        str(model),
+        "-n",
+        "1",
+        "--out",
+        str(out),
+    ]
+    fails([*args, *SPECULATIVE], str(model / "neighbors.npy"), "cannot read neighbour table", absent=out)

@@ -1,6 +1,6 @@
 """Graphs are called by the names their manifest declares (runtime/backends/bundle_graphs.py):
-the runner puts named tensors in the declared order and refuses a missing, unknown or misshapen
-one; an onnxruntime graph gives the same outputs whatever order the names come in."""
+the runner puts named tensors in the declared order and refuses a missing or unknown one, or one
+of another shape or dtype; an onnxruntime graph gives the same outputs whatever order the names come in."""
 
 from __future__ import annotations
 
@@ -17,8 +17,17 @@ INPUTS = (
 )
 
 
+def inputs(tokens=(2, 3), length=(2,), past=(4,), dtype=torch.int64) -> dict[str, torch.Tensor]:
+    """Tensors for :data:`INPUTS` of these shapes, ``tokens`` of ``dtype``."""
+    return {
+        "tokens": torch.zeros(tokens, dtype=dtype),
+        "cache_length": torch.ones(length, dtype=torch.int64),
+        "past_k_0": torch.zeros(past),
+    }
+
+
 def test_named_inputs_come_out_in_the_declared_order():
-    tokens, length, past = torch.zeros(2, 3), torch.ones(2), torch.zeros(4)
+    tokens, length, past = inputs().values()
     got = ordered(INPUTS, {"past_k_0": past, "tokens": tokens, "cache_length": length})
     assert [id(t) for t in got] == [id(tokens), id(length), id(past)]
 
@@ -27,24 +36,19 @@ def test_named_inputs_come_out_in_the_declared_order():
     "named, message",
     [
         (
-            {"tokens": torch.zeros(2, 3), "cache_length": torch.ones(2)},
+            {"tokens": inputs()["tokens"], "cache_length": inputs()["cache_length"]},
             r"missing \['past_k_0'\], unknown \[\]",
         ),
+        ({**inputs(), "q": torch.ones(1)}, r"missing \[\], unknown \['q'\]"),
+        (inputs(tokens=(3, 2)), r"input tokens has shape \[3, 2\], the graph wants \[2, 3\]"),
+        (inputs(dtype=torch.int32), r"input tokens has dtype int32, the graph wants int64"),
+        (inputs(dtype=torch.float32), r"input tokens has dtype float32, the graph wants int64"),
         (
-            {
-                "tokens": torch.zeros(2, 3),
-                "cache_length": torch.ones(2),
-                "past_k_0": torch.zeros(4),
-                "q": torch.ones(1),
-            },
-            r"missing \[\], unknown \['q'\]",
-        ),
-        (
-            {"tokens": torch.zeros(3, 2), "cache_length": torch.ones(2), "past_k_0": torch.zeros(4)},
-            r"input tokens has shape \[3, 2\], the graph wants \[2, 3\]",
+            {**inputs(), "past_k_0": torch.zeros(4, dtype=torch.float16)},
+            r"past_k_0 has dtype float16, the graph wants float32",
         ),
     ],
-    ids=["missing", "unknown", "shape"],
+    ids=["missing", "unknown", "shape", "int32", "float", "half-cache"],
 )
 def test_a_wrong_call_is_refused_by_name(named, message):
     with pytest.raises(ValueError, match=message):

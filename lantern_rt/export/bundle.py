@@ -14,12 +14,13 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from lantern_rt.bundle import (
@@ -128,6 +129,7 @@ def export_bundle(
     on_start: Callable[[], object] | None = None,
     windows: int = CACHE_WINDOWS,
     guided: bool = True,
+    models: ExportModels | None = None,
 ) -> Path:
     """Export the target (prefill, the AR step and the verify step of each tree; without a
     drafter, of each chain, for the Jacobi window of its length), the VQ decoder, the neighbour
@@ -139,14 +141,14 @@ def export_bundle(
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
-    have loaded, before the first graph (a model that fails to load is the only message).
+    have loaded, before the first graph (a model that fails to load is the only message);
+    ``models``: ``model_dir``'s, already loaded by :func:`load_export_models`.
     """
     out = Path(out)
     trees = _check_args(out, trees, dtype, opset, overwrite)
     sizes = check_batch_sizes(list(batch_sizes))
     check_cache_windows(windows)
-    target, vq = load_target(model_dir), load_vq(model_dir)
-    drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
+    target, vq, drafter, neighbors, extra = models or load_export_models(model_dir)
     k = neighbors_k(model_dir)
     spans = cache_windows(cache_capacity(target), windows)
     graphs = [
@@ -155,8 +157,7 @@ def export_bundle(
     decode = VQDecode(vq, target.config)
     graphs.append((decode, decode))
     family = family_named(model_dir.family)
-    graphs += [(extra, extra) for extra in family.extra_graphs(model_dir, target)]
-    neighbors = load_neighbors(model_dir, k, vq)[:, :k]
+    graphs += [(module, module) for module in extra]
     if on_start is not None:
         on_start()
     with staged_bundle(out) as tmp:
@@ -173,6 +174,27 @@ def export_bundle(
         manifest.update(extras)
         write_manifest(tmp, manifest)
     return out
+
+
+class ExportModels(NamedTuple):
+    """What an export reads of a model directory, loaded and checked."""
+
+    target: Transformer
+    vq: nn.Module
+    drafter: Drafter | None
+    neighbors: torch.Tensor  # [V, neighbors_k] int64
+    extra: list[nn.Module]  # its family's graphs beside the target's, drafter's and VQ decoder's
+
+
+def load_export_models(model_dir: ModelDir) -> ExportModels:
+    """Load every model and table an export of ``model_dir`` reads, each checked by its
+    loader (the error names the file); nothing is written."""
+    target, vq = load_target(model_dir), load_vq(model_dir)
+    drafter = load_drafter(model_dir) if "drafter" in model_dir.files else None
+    k = neighbors_k(model_dir)
+    neighbors = load_neighbors(model_dir, k, vq)[:, :k]
+    extra = family_named(model_dir.family).extra_graphs(model_dir, target)
+    return ExportModels(target, vq, drafter, neighbors, extra)
 
 
 def neighbors_k(md: ModelDir) -> int:

@@ -26,7 +26,7 @@ from lantern_rt.bundle import (
     step_windows,
     windowed_name,
 )
-from lantern_rt.graph_spec import TensorSpec
+from lantern_rt.graph_spec import TensorSpec, dtype_name
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.jacobi import is_window
@@ -66,7 +66,8 @@ def bound_by_pointer(spec: TensorSpec) -> bool:
 
 def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[Tensor, ...]:
     """The tensors ``named`` by a graph's declared ``inputs``, in their order; ``ValueError``
-    unless there is exactly one per input, each of its shape."""
+    unless there is exactly one per input, each of its shape and dtype (a runner copies or binds
+    them as they are: a wrong dtype would be cast, or its bytes misread)."""
     args = tuple(named.get(spec.name) for spec in inputs)
     if len(named) != len(inputs) or any(arg is None for arg in args):
         missing = [s.name for s in inputs if s.name not in named]
@@ -78,6 +79,10 @@ def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[T
         if arg.shape != spec.shape:  # a torch.Size equals the tuple of its sizes
             raise ValueError(
                 f"input {spec.name} has shape {list(arg.shape)}, the graph wants {list(spec.shape)}"
+            )
+        if arg.dtype != spec.torch_dtype:
+            raise ValueError(
+                f"input {spec.name} has dtype {dtype_name(arg.dtype)}, the graph wants {spec.dtype}"
             )
     return args
 
