@@ -3,8 +3,8 @@
 
 On a CPU a small model's step costs about as much per node as per FLOP, so the graphs:
 - fuse the q/k/v and gate/up projections into one matmul each;
-- rotate q and k together, as ``x * cos + swap(x) * sin`` with swap(x) computed by the same
-  matmul as x (its weights' rows swapped and negated) and (cos, sin) gathered once per step;
+- rotate q and k together (RoPE as ``x * cos + (x @ swap) * sin``, cos and sin gathered once
+  per step);
 - lay heads out with reshapes alone where a step has one new row per sequence (an AR step);
 - attend over the cache without copying it: scores against the past and against the new keys
   are computed apart and joined (the cache is an input per layer, never split or concatenated);
@@ -45,19 +45,9 @@ def heads_last(x: Tensor) -> Tensor:
     return x.reshape(b, s, -1) if s == 1 else x.transpose(1, 2).reshape(b, s, -1)
 
 
-def pair_swap(d: int) -> Tensor:
-    """[D, D]: ``x @ swap`` turns each interleaved pair (x0, x1) into (-x1, x0)."""
-    swap = torch.zeros(d, d)
-    even = torch.arange(0, d, 2)
-    swap[even + 1, even] = -1.0
-    swap[even, even + 1] = 1.0
-    return swap
-
-
 class Rope(nn.Module):
     """Interleaved-pair RoPE from a (cos, sin) table [rows, D/2, 2] (rows of zeros zero x), as
-    ``x * cos + swap(x) * sin`` with ``swap`` (:func:`pair_swap`) folded into the projection
-    weights where nothing comes between them (:meth:`Block.forward`)."""
+    ``x * cos + (x @ swap) * sin``."""
 
     def __init__(self, table: Tensor):
         super().__init__()
@@ -65,26 +55,26 @@ class Rope(nn.Module):
         # [rows, 2 * D]: each row's cos then sin, each angle repeated for its pair
         cos_sin = table.repeat_interleave(2, dim=1).transpose(1, 2).reshape(rows, 2 * d)
         self.register_buffer("table", cos_sin, persistent=False)
-        self.register_buffer("swap", pair_swap(d), persistent=False)
+        swap = torch.zeros(d, d)
+        even = torch.arange(0, d, 2)
+        swap[even + 1, even] = -1.0  # out[2j]   = x[2j] cos - x[2j+1] sin
+        swap[even, even + 1] = 1.0  # out[2j+1] = x[2j+1] cos + x[2j] sin
+        self.register_buffer("swap", swap, persistent=False)
 
-    def tables(self, positions: Tensor) -> Tensor:
-        """(cos, sin) rows [S, 2, 1, 1, D] for ``positions`` [S], or [B, 2, 1, S, D] for [B, S]:
-        one Gather per step, laid out for :meth:`rotate` over [B, 2, heads, S, D]."""
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin rows [S, D] for ``positions`` [S], or [B, 1, S, D] for [B, S]: one Gather
+        per step, laid out for :meth:`rotate` over [B, heads, S, D]."""
         rows = F.embedding(positions, self.table)  # one Gather (table[positions]: Unsqueeze + GatherND)
-        d = rows.shape[-1] // 2
-        if positions.shape[-1] == 1:  # one new row per sequence: a reshape alone
-            return rows.reshape(*positions.shape[:-1], 2, 1, 1, d)
-        if positions.dim() == 1:
-            return rows.view(-1, 2, d).transpose(0, 1).unsqueeze(1)  # [2, 1, S, D]
-        return rows.view(positions.shape[0], -1, 2, d).permute(0, 2, 1, 3).unsqueeze(2)
+        if positions.dim() == 2:
+            rows = rows.unsqueeze(1)
+        cos, sin = rows.chunk(2, dim=-1)
+        return cos, sin
 
-    @staticmethod
-    def rotate(pairs: Tensor, cs: Tensor) -> Tensor:
-        """``pairs`` [B, 2, heads, S, D] of (x, swap(x)) -> x * cos + swap(x) * sin [B, heads, S, D]
-        (computed in fp32)."""
-        xf = pairs if pairs.dtype == torch.float32 else pairs.float()
-        out = (xf * cs).sum(1)
-        return out if out.dtype == pairs.dtype else out.to(pairs.dtype)
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate ``x`` [B, heads, S, D] (computed in fp32)."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = xf * cos + torch.matmul(xf, self.swap) * sin
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def attention_bias(mask: Tensor, group: int) -> Tensor:
@@ -116,22 +106,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, past: list[tuple[Tensor, Tensor]], b
     return heads_last(out.reshape(b, h, s, d))
 
 
-def fold_pair_swap(wqkv: Tensor, heads: tuple[int, int, int]) -> Tensor:
-    """q/k/v projection rows [(H + 2 Hkv) D, dim] -> [q; k; swap(q); swap(k); v] rows, so that one
-    product gives x and swap(x) (:func:`pair_swap`) of q and k for the rotation: row 2j of a
-    head's swap(x) is minus row 2j + 1, row 2j + 1 is row 2j (exact)."""
-    n_head, n_kv, d = heads
-    qk, v = wqkv.split([(n_head + n_kv) * d, n_kv * d])
-    pairs = qk.reshape(-1, 2, qk.shape[-1])
-    swapped = pairs.flip(1) * torch.tensor([-1.0, 1.0], dtype=qk.dtype)[:, None]
-    return torch.cat([qk, swapped.reshape(qk.shape), v])
-
-
 class Block(nn.Module):
     """A pre-norm Llama block (LlamaGen's, a Chameleon model's or the drafter's) with fused
     projections; ``qk_norm``, the per-head q and k LayerNorms' weights and biases stacked
-    [H + Hkv, D] (Chameleon's), normalise q and k in one op. Without it, the pair swap of the
-    rotation is folded into the q/k/v product (:func:`fold_pair_swap`)."""
+    [H + Hkv, D] (Chameleon's), normalise q and k in one op."""
 
     def __init__(
         self,
@@ -146,11 +124,10 @@ class Block(nn.Module):
     ):
         super().__init__()
         self.attn_norm, self.wo, self.ffn_norm, self.w2 = attn_norm, wo, ffn_norm, w2
+        self.register_buffer("wqkv", wqkv.detach().clone(), persistent=False)
+        self.register_buffer("w13", w13.detach().clone(), persistent=False)
         self.n_head, self.n_kv, self.head_dim = heads
         self.qk_norm = qk_norm is not None
-        wqkv = wqkv.detach() if self.qk_norm else fold_pair_swap(wqkv.detach(), heads)
-        self.register_buffer("wqkv", wqkv.clone(), persistent=False)
-        self.register_buffer("w13", w13.detach().clone(), persistent=False)
         if qk_norm is not None:  # [H + Hkv, 1, D]: over q and k as [B, H + Hkv, S, D]
             self.register_buffer("qk_weight", qk_norm[0].detach()[:, None].clone(), persistent=False)
             self.register_buffer("qk_bias", qk_norm[1].detach()[:, None].clone(), persistent=False)
@@ -159,23 +136,17 @@ class Block(nn.Module):
         self,
         x: Tensor,
         rope: Rope,
-        cs: Tensor,
+        cos: Tensor,
+        sin: Tensor,
         bias: Tensor,
         past: list[tuple[Tensor, Tensor]],
     ) -> tuple[Tensor, Tensor, Tensor]:
         h = x if self.attn_norm is None else rms_norm(x, self.attn_norm)
-        n, d = self.n_head + self.n_kv, self.head_dim
-        qkv = F.linear(h, self.wqkv)
+        qkv = heads_first(F.linear(h, self.wqkv), self.n_head + 2 * self.n_kv)
+        qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=1)
         if self.qk_norm:
-            qk, v = qkv.split([n * d, self.n_kv * d], dim=-1)
-            qk = heads_first(qk, n)
             qk = F.layer_norm(qk, qk.shape[-1:], None, None, QK_NORM_EPS) * self.qk_weight + self.qk_bias
-            pairs = torch.stack([qk, torch.matmul(qk, rope.swap)], dim=1)
-        else:
-            qk2, v = qkv.split([2 * n * d, self.n_kv * d], dim=-1)
-            pairs = heads_first(qk2, 2, n)
-        q, k = rope.rotate(pairs, cs).split([self.n_head, self.n_kv], dim=1)
-        v = heads_first(v, self.n_kv)
+        q, k = rope.rotate(qk, cos, sin).split([self.n_head, self.n_kv], dim=1)
         x = x + self.wo(attend(q, k, v, past, bias))
         gate, up = F.linear(rms_norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), k, v
@@ -241,12 +212,12 @@ class Blocks(nn.Module):
         """h [B, S, dim] at ``positions`` [S] or [B, S] under ``mask`` [B or 1, 1, S, P + S] over the ``context``
         blocks (P slots in all; None: nothing before the new rows) -> h and the new K/V
         [n_layer, B, Hkv, S, D]."""
-        cs = self.rope.tables(positions)
+        cos, sin = self.rope.tables(positions)
         bias = attention_bias(mask, self.group)
         new_k, new_v = [], []
         for i, block in enumerate(self.blocks):
             past = [] if context is None else list(zip(context.keys[i], context.values[i], strict=True))
-            h, k, v = block(h, self.rope, cs, bias, past)
+            h, k, v = block(h, self.rope, cos, sin, bias, past)
             new_k.append(k)
             new_v.append(v)
         return h, stack(new_k), stack(new_v)
