@@ -9,7 +9,7 @@ import torch
 
 from lantern_rt.eval.kernel_count import eager_kernels
 from lantern_rt.families.loading import load_target, open_model_dir
-from lantern_rt.models.checkpoint import CheckpointError
+from lantern_rt.models.checkpoint import CheckpointError, load_strict
 from lantern_rt.models.config import GPTConfig, gpt_config
 from lantern_rt.models.target import Transformer, apply_rope, rope_rows
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
@@ -208,3 +208,16 @@ def test_rotation_is_llamagens_to_the_bit():
     positions = torch.arange(3, 10)
     ours = apply_rope(x, rope_rows(model.freqs_cis, positions))
     assert torch.equal(ours, apply_rotary_emb(x, model.freqs_cis[positions]))
+
+
+def test_gate_and_up_load_as_one_product_under_their_own_keys():
+    """LlamaGen's w1 and w3 are stacked once as a checkpoint loads; a missing part is named."""
+    state = tiny_gpt(4).state_dict()
+    model = tiny_gpt(5)
+    load_strict(model, state, "the target")
+    w13 = model.layers[1].feed_forward.w13.weight
+    want = torch.cat([state["layers.1.feed_forward.w1.weight"], state["layers.1.feed_forward.w3.weight"]])
+    assert torch.equal(w13, want)
+    del state["layers.1.feed_forward.w3.weight"]
+    with pytest.raises(CheckpointError, match=r"missing keys: layers\.1\.feed_forward\.w3\.weight$"):
+        load_strict(model, state, "the target")

@@ -167,14 +167,14 @@ def join_linears(module: nn.Module, joined: str, parts: dict[str, int]) -> None:
                 for name, piece in zip(names, value.split(sizes), strict=True):
                     state[f"{prefix}{name}.{kind}"] = piece
 
-    def load(state: dict[str, Tensor], prefix: str, *_args: object) -> None:
+    def load(_module: nn.Module, state: dict[str, Tensor], prefix: str, *_args: object) -> None:
         for kind in ("weight", "bias"):
             keys = [f"{prefix}{name}.{kind}" for name in names]
             if all(key in state for key in keys):
                 state[f"{prefix}{joined}.{kind}"] = torch.cat([state.pop(key) for key in keys])
 
-    module._register_state_dict_hook(save)
-    module._register_load_state_dict_pre_hook(load)
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
 
 
 class FeedForward(nn.Module):
