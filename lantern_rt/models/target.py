@@ -82,16 +82,14 @@ def rope_table(config: GPTConfig) -> Tensor:
     return rope_table_2d(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num)
 
 
-# Per pair (x0, x1) the rotation is (x0 c - x1 s, x1 c + x0 s) = x c + flip(x) (-s, s).
-_PAIR_SIGNS = (-1.0, 1.0)
-
-
 def rope_rows(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """The rows of a RoPE ``table`` [rows, D/2, 2] at ``positions`` [S] or [B, S], gathered once
     per step for every layer: (cos [.., S, 1, D/2, 1], signed sin [.., S, 1, D/2, 2]) in the
-    layout :func:`apply_rope` broadcasts over the heads."""
+    layout :func:`apply_rope` broadcasts over the heads. Per pair (x0, x1) the rotation is
+    (x0 c - x1 s, x1 c + x0 s) = x c + flip(x) (-s, s)."""
     rows = table[positions].unsqueeze(-3)
-    return rows[..., :1], rows[..., 1:] * rows.new_tensor(_PAIR_SIGNS)
+    sin = rows[..., 1:]
+    return rows[..., :1], torch.cat([-sin, sin], dim=-1)  # no host tensor: CUDA graphs capture it
 
 
 def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
