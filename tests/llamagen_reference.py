@@ -35,6 +35,21 @@ def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * rot[None, :, None, :]).flatten(-2)
 
 
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """LlamaGen's fp32 rotation as its ``gpt.py`` writes it: ``x`` [B, S, H, D], ``freqs_cis``
+    [S, D/2, 2] of (cos, sin)."""
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        dim=-1,
+    )
+    return x_out2.flatten(3).type_as(x)
+
+
 def rms(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
+from lantern_rt.eval.kernel_count import eager_kernels
 from lantern_rt.families.loading import load_target, open_model_dir
-from lantern_rt.models.checkpoint import CheckpointError
+from lantern_rt.models.checkpoint import CheckpointError, load_strict
 from lantern_rt.models.config import GPTConfig, gpt_config
-from lantern_rt.models.target import Transformer
+from lantern_rt.models.target import Transformer, apply_rope, rope_rows
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, verify_step, write_model_dir
-from tests.llamagen_reference import reference_logits
+from tests.llamagen_reference import apply_rotary_emb, reference_logits
 
 VARIANTS = {
     "c2i": {},
@@ -174,3 +177,47 @@ def test_config_validation():
         GPTConfig(block_size=15)
     with pytest.raises(ConfigError):
         gpt_config("GPT-Z")
+
+
+def step_kernels(model: Transformer, new: int = 1) -> collections.Counter[str]:
+    """The kernels one ``model.step`` over ``new`` tokens after 5 cached ones runs on the CPU."""
+    c = model.config
+    past = torch.randn(c.n_layer, 2, c.kv_heads, 8, c.head_dim)
+    mask = torch.ones(1, 1, new, 8 + new, dtype=torch.bool)
+    mask[..., 5:8] = False
+    args = (torch.randn(2, new, c.dim), torch.arange(5, 5 + new), mask, past, past.clone())
+    with torch.inference_mode():
+        return eager_kernels(lambda: model.step(*args))
+
+
+def test_a_decode_step_runs_each_layer_in_few_kernels():
+    """Per layer: one product for q/k/v and one for gate/up (4 in all), no RoPE gather and no
+    mask conversion (each made once per step), the rotation of q and k together."""
+    per_layer = step_kernels(tiny_gpt(0, n_layer=2)) - step_kernels(tiny_gpt(0, n_layer=1))
+    assert per_layer["aten::mm"] == 4
+    assert per_layer["aten::index"] == 0  # the RoPE rows
+    assert per_layer["aten::where"] == per_layer["aten::scalar_tensor"] == 0  # the bool mask as a bias
+    assert per_layer["aten::mul"] <= 9 and per_layer["aten::cat"] <= 2  # the K/V joins
+    assert per_layer.total() <= 30, per_layer  # 43 before issue 47
+
+
+def test_rotation_is_llamagens_to_the_bit():
+    """The rotation (products and sums of interleaved pairs) against LlamaGen's complex one."""
+    model = tiny_gpt(3)
+    x = torch.randn(2, 7, 4, model.config.head_dim)
+    positions = torch.arange(3, 10)
+    ours = apply_rope(x, rope_rows(model.freqs_cis, positions))
+    assert torch.equal(ours, apply_rotary_emb(x, model.freqs_cis[positions]))
+
+
+def test_gate_and_up_load_as_one_product_under_their_own_keys():
+    """LlamaGen's w1 and w3 are stacked once as a checkpoint loads; a missing part is named."""
+    state = tiny_gpt(4).state_dict()
+    model = tiny_gpt(5)
+    load_strict(model, state, "the target")
+    w13 = model.layers[1].feed_forward.w13.weight
+    want = torch.cat([state["layers.1.feed_forward.w1.weight"], state["layers.1.feed_forward.w3.weight"]])
+    assert torch.equal(w13, want)
+    del state["layers.1.feed_forward.w3.weight"]
+    with pytest.raises(CheckpointError, match=r"missing keys: layers\.1\.feed_forward\.w3\.weight$"):
+        load_strict(model, state, "the target")

@@ -3,7 +3,9 @@
 
 On a CPU a small model's step costs about as much per node as per FLOP, so the graphs:
 - fuse the q/k/v and gate/up projections into one matmul each;
-- rotate q and k together (RoPE as ``x * cos + (x @ swap) * sin`` with precomputed tables);
+- rotate q and k together (RoPE as ``x * cos + (x @ swap) * sin``, cos and sin gathered once
+  per step);
+- lay heads out with reshapes alone where a step has one new row per sequence (an AR step);
 - attend over the cache without copying it: scores against the past and against the new keys
   are computed apart and joined (the cache is an input per layer, never split or concatenated);
 - write RMSNorm in the pattern onnxruntime fuses into one kernel;
@@ -28,14 +30,31 @@ def rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
     return (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype) * norm.weight
 
 
+def heads_first(x: Tensor, *heads: int) -> Tensor:
+    """[B, S, prod(heads) * D] -> [B, *heads, S, D]: a reshape and a transpose, or the reshape
+    alone when S = 1."""
+    b, s, _ = x.shape
+    if s == 1:
+        return x.reshape(b, *heads, 1, -1)
+    return x.reshape(b, s, *heads, -1).movedim(1, -2)
+
+
+def heads_last(x: Tensor) -> Tensor:
+    """[B, H, S, D] -> [B, S, H * D]: a transpose and a reshape, or the reshape alone when S = 1."""
+    b, _, s, _ = x.shape
+    return x.reshape(b, s, -1) if s == 1 else x.transpose(1, 2).reshape(b, s, -1)
+
+
 class Rope(nn.Module):
-    """Interleaved-pair RoPE from a (cos, sin) table [rows, D/2, 2] (rows of zeros zero x)."""
+    """Interleaved-pair RoPE from a (cos, sin) table [rows, D/2, 2] (rows of zeros zero x), as
+    ``x * cos + (x @ swap) * sin``."""
 
     def __init__(self, table: Tensor):
         super().__init__()
-        d = table.shape[1] * 2
-        self.register_buffer("cos", table[..., 0].repeat_interleave(2, dim=-1), persistent=False)
-        self.register_buffer("sin", table[..., 1].repeat_interleave(2, dim=-1), persistent=False)
+        rows, d = table.shape[0], table.shape[1] * 2
+        # [rows, 2 * D]: each row's cos then sin, each angle repeated for its pair
+        cos_sin = table.repeat_interleave(2, dim=1).transpose(1, 2).reshape(rows, 2 * d)
+        self.register_buffer("table", cos_sin, persistent=False)
         swap = torch.zeros(d, d)
         even = torch.arange(0, d, 2)
         swap[even + 1, even] = -1.0  # out[2j]   = x[2j] cos - x[2j+1] sin
@@ -43,14 +62,19 @@ class Rope(nn.Module):
         self.register_buffer("swap", swap, persistent=False)
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin rows [S, 1, D] for ``positions`` [S], or [B, S, 1, D] for [B, S]."""
-        # embedding() exports as one Gather; table[positions] as Unsqueeze + GatherND
-        return F.embedding(positions, self.cos).unsqueeze(-2), F.embedding(positions, self.sin).unsqueeze(-2)
+        """cos and sin rows [S, D] for ``positions`` [S], or [B, 1, S, D] for [B, S]: one Gather
+        per step, laid out for :meth:`rotate` over [B, heads, S, D]."""
+        rows = F.embedding(positions, self.table)  # one Gather (table[positions]: Unsqueeze + GatherND)
+        if positions.dim() == 2:
+            rows = rows.unsqueeze(1)
+        cos, sin = rows.chunk(2, dim=-1)
+        return cos, sin
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotate ``x`` [B, S, heads, D] (computed in fp32)."""
-        xf = x.float()
-        return (xf * cos + torch.matmul(xf, self.swap) * sin).to(x.dtype)
+        """Rotate ``x`` [B, heads, S, D] (computed in fp32)."""
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = xf * cos + torch.matmul(xf, self.swap) * sin
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def attention_bias(mask: Tensor, group: int) -> Tensor:
@@ -79,7 +103,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, past: list[tuple[Tensor, Tensor]], b
         end = start + key.shape[2]
         part = torch.matmul(probs[..., start:end], value)
         out, start = part if out is None else out + part, end
-    return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)
+    return heads_last(out.reshape(b, h, s, d))
 
 
 class Block(nn.Module):
@@ -104,9 +128,9 @@ class Block(nn.Module):
         self.register_buffer("w13", w13.detach().clone(), persistent=False)
         self.n_head, self.n_kv, self.head_dim = heads
         self.qk_norm = qk_norm is not None
-        if qk_norm is not None:
-            self.register_buffer("qk_weight", qk_norm[0].detach().clone(), persistent=False)
-            self.register_buffer("qk_bias", qk_norm[1].detach().clone(), persistent=False)
+        if qk_norm is not None:  # [H + Hkv, 1, D]: over q and k as [B, H + Hkv, S, D]
+            self.register_buffer("qk_weight", qk_norm[0].detach()[:, None].clone(), persistent=False)
+            self.register_buffer("qk_bias", qk_norm[1].detach()[:, None].clone(), persistent=False)
 
     def forward(
         self,
@@ -117,14 +141,12 @@ class Block(nn.Module):
         bias: Tensor,
         past: list[tuple[Tensor, Tensor]],
     ) -> tuple[Tensor, Tensor, Tensor]:
-        b, s, _ = x.shape
         h = x if self.attn_norm is None else rms_norm(x, self.attn_norm)
-        qkv = F.linear(h, self.wqkv).view(b, s, self.n_head + 2 * self.n_kv, self.head_dim)
-        qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=2)
+        qkv = heads_first(F.linear(h, self.wqkv), self.n_head + 2 * self.n_kv)
+        qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=1)
         if self.qk_norm:
             qk = F.layer_norm(qk, qk.shape[-1:], None, None, QK_NORM_EPS) * self.qk_weight + self.qk_bias
-        q, k = rope.rotate(qk, cos, sin).transpose(1, 2).split([self.n_head, self.n_kv], dim=1)
-        v = v.transpose(1, 2)
+        q, k = rope.rotate(qk, cos, sin).split([self.n_head, self.n_kv], dim=1)
         x = x + self.wo(attend(q, k, v, past, bias))
         gate, up = F.linear(rms_norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), k, v
@@ -154,7 +176,7 @@ class Blocks(nn.Module):
                 layer.attention.wqkv.weight,
                 layer.attention.wo,
                 layer.ffn_norm,
-                torch.cat([layer.feed_forward.w1.weight, layer.feed_forward.w3.weight]),
+                layer.feed_forward.w13.weight,
                 layer.feed_forward.w2,
                 heads,
                 _qk_norm(layer.attention) if c.qk_norm else None,
@@ -173,10 +195,10 @@ class Blocks(nn.Module):
             blocks.append(
                 Block(
                     getattr(layer, "input_layernorm", None),
-                    torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    attn.qkv_proj.weight,
                     attn.o_proj,
                     layer.post_attention_layernorm,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    mlp.gate_up_proj.weight,
                     mlp.down_proj,
                     heads,
                     _qk_norm(attn) if c.qk_norm else None,
@@ -198,4 +220,9 @@ class Blocks(nn.Module):
             h, k, v = block(h, self.rope, cos, sin, bias, past)
             new_k.append(k)
             new_v.append(v)
-        return h, torch.stack(new_k), torch.stack(new_v)
+        return h, stack(new_k), stack(new_v)
+
+
+def stack(layers: list[Tensor]) -> Tensor:
+    """``torch.stack(layers)`` as one Concat and one Reshape (stack is an Unsqueeze per layer)."""
+    return torch.cat(layers).reshape(len(layers), *layers[0].shape)

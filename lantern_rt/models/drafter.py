@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.models.config import ConfigError, GPTConfig, build_config, check_ranges
-from lantern_rt.models.target import QKNorm, RMSNorm, apply_rope, cached_attention, rope_table
+from lantern_rt.models.target import (
+    QKNorm,
+    RMSNorm,
+    apply_rope,
+    attention_bias,
+    cached_attention,
+    join_linears,
+    rope_rows,
+    rope_table,
+)
 
 
 @dataclass
@@ -107,39 +116,50 @@ def check_compatible(drafter: DrafterConfig, target: GPTConfig) -> None:
 
 
 class DrafterAttention(nn.Module):
+    """Llama attention; ``q_proj``, ``k_proj`` and ``v_proj`` are one product (``qkv_proj``)."""
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.n_head, self.n_kv, self.head_dim = c.num_attention_heads, c.kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.n_head * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, c.hidden_size, bias=False)
+        q, kv = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, q + 2 * kv, bias=False)
+        self.o_proj = nn.Linear(q, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = QKNorm(self.n_head, self.head_dim)
             self.k_norm = QKNorm(self.n_kv, self.head_dim)
+        join_linears(self, "qkv_proj", {"q_proj": q, "k_proj": kv, "v_proj": kv})
 
     def forward(
-        self, x: Tensor, rope: Tensor, mask: Tensor | None, past_k: Tensor | None, past_v: Tensor | None
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        past_k: Tensor | None,
+        past_v: Tensor | None,
     ):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim)
+        qkv = self.qkv_proj(x).view(b, s, self.n_head + 2 * self.n_kv, self.head_dim)
+        qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=2)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope).transpose(1, 2), apply_rope(k, rope).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = qk.split([self.n_head, self.n_kv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        q, k = apply_rope(qk, rope).transpose(1, 2).split([self.n_head, self.n_kv], dim=1)
+        v = v.transpose(1, 2)
         return self.o_proj(cached_attention(q, k, v, past_k, past_v, mask)), k, v
 
 
 class DrafterMLP(nn.Module):
+    """SwiGLU; ``gate_proj`` and ``up_proj`` are one product (``gate_up_proj``)."""
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        join_linears(self, "gate_up_proj", {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size})
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):
@@ -198,11 +218,11 @@ class Drafter(nn.Module):
         Returns the predicted hidden states [B, S, H] and the new K/V [n_layer, B, Hkv, S, D].
         """
         h = self.fc(torch.cat([self.embed(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
-        rope = self.freqs_cis[positions]
+        rope, bias = rope_rows(self.freqs_cis, positions), attention_bias(mask, h.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             past = (None, None) if past_k is None or past_v is None else (past_k[i], past_v[i])
-            h, k, v = layer(h, rope, mask, *past)
+            h, k, v = layer(h, rope, bias, *past)
             new_k.append(k)
             new_v.append(v)
         return h, torch.stack(new_k), torch.stack(new_v)
@@ -223,7 +243,7 @@ class Drafter(nn.Module):
     def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
         """Causal training forward over whole sequences of pairs: [B, S] and [B, S, H] -> [B, S, H]."""
         h = self.fc(torch.cat([self.embed(tokens), hidden], dim=-1))
-        rope = self.freqs_cis[positions]
+        rope = rope_rows(self.freqs_cis, positions)
         for layer in self.layers:
             h, _, _ = layer(h, rope)
         return h

@@ -82,20 +82,30 @@ def rope_table(config: GPTConfig) -> Tensor:
     return rope_table_2d(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num)
 
 
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate interleaved pairs of ``x`` [B, S, H, D] by ``rope`` [S, D/2, 2] or [B, S, D/2, 2]."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    if rope.dim() == 3:
-        rope = rope.unsqueeze(0)
-    rope = rope.unsqueeze(2)
-    out = torch.stack(
-        [
-            xs[..., 0] * rope[..., 0] - xs[..., 1] * rope[..., 1],
-            xs[..., 1] * rope[..., 0] + xs[..., 0] * rope[..., 1],
-        ],
-        dim=-1,
-    )
-    return out.flatten(3).type_as(x)
+def rope_rows(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of a RoPE ``table`` [rows, D/2, 2] at ``positions`` [S] or [B, S], gathered once
+    per step for every layer: (cos [.., S, 1, D/2, 1], signed sin [.., S, 1, D/2, 2]) in the
+    layout :func:`apply_rope` broadcasts over the heads. Per pair (x0, x1) the rotation is
+    (x0 c - x1 s, x1 c + x0 s) = x c + flip(x) (-s, s)."""
+    rows = table[positions].unsqueeze(-3)
+    sin = rows[..., 1:]
+    return rows[..., :1], torch.cat([-sin, sin], dim=-1)  # no host tensor: CUDA graphs capture it
+
+
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate interleaved pairs of ``x`` [B, S, H, D] by :func:`rope_rows`' (cos, sin), in fp32:
+    the same products and sums as LlamaGen's complex rotation, in four kernels."""
+    cos, sin = rope
+    xf = x if x.dtype == torch.float32 else x.float()
+    pairs = xf.unflatten(-1, (-1, 2))
+    out = (pairs * cos + pairs.flip(-1) * sin).flatten(-2)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def attention_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool attention ``mask`` (True: attend) as the additive bias scaled dot-product attention
+    makes of it (0 or -inf), built once per step instead of once per layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class RMSNorm(nn.Module):
@@ -105,9 +115,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
+        xf = x if x.dtype == torch.float32 else x.float()
+        if xf.is_cuda:  # one fused kernel there; on the CPU rms_norm runs more kernels than this
+            out = F.rms_norm(xf, xf.shape[-1:], eps=self.eps)
+        else:
+            out = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return (out if out.dtype == x.dtype else out.to(x.dtype)) * self.weight
 
 
 # Chameleon's per-head q/k LayerNorm uses a fixed epsilon, not the model's norm epsilon.
@@ -138,16 +151,43 @@ class QKNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], None, None, eps=QK_NORM_EPS) * self.weight + self.bias
 
 
+def join_linears(module: nn.Module, joined: str, parts: dict[str, int]) -> None:
+    """Save and load ``module``'s Linear ``joined`` as the checkpoint's Linears ``parts`` (name ->
+    output features, in the order their rows are stacked): one product at run time, the files
+    and their keys unchanged (the parts are concatenated once as a state dict loads, split as
+    one is saved), so the loaders' strict key and shape checks still name the parts."""
+    names, sizes = list(parts), list(parts.values())
+
+    def save(_module: nn.Module, state: dict[str, Tensor], prefix: str, _metadata: object) -> None:
+        for kind in ("weight", "bias"):
+            value = state.pop(f"{prefix}{joined}.{kind}", None)
+            if value is not None:
+                for name, piece in zip(names, value.split(sizes), strict=True):
+                    state[f"{prefix}{name}.{kind}"] = piece
+
+    def load(_module: nn.Module, state: dict[str, Tensor], prefix: str, *_args: object) -> None:
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name in names]
+            if all(key in state for key in keys):
+                state[f"{prefix}{joined}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+
+
 class FeedForward(nn.Module):
+    """SwiGLU; the gate and up projections (LlamaGen's ``w1`` and ``w3``) are one product."""
+
     def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.ffn_dropout = nn.Dropout(dropout)
+        join_linears(self, "w13", {"w1": hidden, "w3": hidden})
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.ffn_dropout(self.w2(F.silu(gate) * up))
 
 
 def cached_attention(
@@ -160,8 +200,9 @@ def cached_attention(
     dropout_p: float = 0.0,
 ) -> Tensor:
     """Queries ``q`` [B, H, S, D] over the past K/V [B, Hkv, P, D] (None: P = 0) then the new
-    ``k``/``v`` [B, Hkv, S, D], key heads shared by H / Hkv query heads; ``mask`` bool [B or 1,
-    1, S, P + S], True where attention is allowed (None: causal over the new tokens alone).
+    ``k``/``v`` [B, Hkv, S, D], key heads shared by H / Hkv query heads; ``mask`` [B or 1, 1, S,
+    P + S], bool (True where attention is allowed) or its :func:`attention_bias` (None: causal
+    over the new tokens alone).
     Returns [B, S, H * D]. The one attention of the torch models (target, drafter, Chameleon)."""
     keys = k if past_k is None else torch.cat([past_k, k], dim=2)
     values = v if past_v is None else torch.cat([past_v, v], dim=2)
@@ -200,25 +241,25 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        rope: Tensor,
+        rope: tuple[Tensor, Tensor],
         mask: Tensor | None = None,
         past_k: Tensor | None = None,
         past_v: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Attend ``x`` [B, S, dim] over past K/V [B, Hkv, P, D] plus itself.
 
-        ``mask`` [B or 1, 1, S, P + S] is True where attention is allowed; None means causal
-        over ``x`` alone (training). Returns (output, k, v) with k/v of the new positions only.
+        ``rope``: :func:`rope_rows` at the positions of ``x``; ``mask`` [B or 1, 1, S, P + S] is
+        True (or 0 in an additive bias) where attention is allowed; None means causal over ``x``
+        alone (training). Returns (output, k, v) with k/v of the new positions only.
         """
         b, s, _ = x.shape
-        kv = self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([self.dim, kv, kv], dim=-1)
-        q, k = q.view(b, s, self.n_head, self.head_dim), k.view(b, s, self.n_kv_head, self.head_dim)
+        qkv = self.wqkv(x).view(b, s, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        qk, v = qkv.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=2)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, rope).transpose(1, 2)
-        k = apply_rope(k, rope).transpose(1, 2)
-        v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+            q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        q, k = apply_rope(qk, rope).transpose(1, 2).split([self.n_head, self.n_kv_head], dim=1)
+        v = v.transpose(1, 2)
         dropout = self.attn_dropout_p if self.training else 0.0
         out = cached_attention(q, k, v, past_k, past_v, mask, dropout)
         return self.resid_dropout(self.wo(out)), k, v
@@ -400,11 +441,11 @@ class Transformer(nn.Module):
         hidden state [B, S, dim] and the new keys/values [n_layer, B, Hkv, S, D] of these S
         positions.
         """
-        rope = self.freqs_cis[positions]
+        rope, bias = rope_rows(self.freqs_cis, positions), attention_bias(mask, h.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             past = (None, None) if past_k is None or past_v is None else (past_k[i], past_v[i])
-            h, k, v = layer(h, rope, mask, *past)
+            h, k, v = layer(h, rope, bias, *past)
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(h)
@@ -428,7 +469,7 @@ class Transformer(nn.Module):
         """Final-norm hidden states [B, cls + T, dim] of a full causal forward."""
         prefix = self.cls_embedding(cond, train=train)[:, : self.config.cls_token_num]
         h = self.tok_dropout(torch.cat([prefix, self.tok_embeddings(idx)], dim=1))
-        rope = self.freqs_cis[: h.shape[1]]
+        rope = rope_rows(self.freqs_cis, torch.arange(h.shape[1], device=h.device))
         for layer in self.layers:
             h, _, _ = layer(h, rope)
         return self.norm(h)

@@ -1,0 +1,42 @@
+"""How many compute kernels a torch call launches, counted on the CPU with ``torch.profiler``
+(issue 47's measure of a decode step's dispatch cost; ``scripts/count_kernels.py`` prints it)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# aten ops that launch no compute kernel of their own: views, allocations, casts to the same
+# dtype (``to`` calls ``_to_copy`` when it does cast) and eval-mode dropout.
+NOT_KERNELS = frozenset(
+    "aten::" + name
+    for name in (
+        "view _unsafe_view reshape _reshape_alias as_strided expand transpose t permute slice select"
+        " unsqueeze squeeze split split_with_sizes chunk unbind narrow flatten unflatten movedim alias"
+        " detach lift_fresh empty empty_strided empty_like resolve_conj resolve_neg to type_as"
+        " contiguous result_type dropout"
+    ).split()
+)
+
+
+def eager_kernels(call: Callable[[], Any]) -> collections.Counter[str]:
+    """The kernels one ``call()`` runs, by aten op: an op is a kernel when it is not in
+    :data:`NOT_KERNELS` and no kernel runs below it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    counts: collections.Counter[str] = collections.Counter()
+
+    def below(event: Any) -> int:
+        inner = sum(below(child) for child in event.cpu_children)
+        if inner == 0 and event.name.startswith("aten::") and event.name not in NOT_KERNELS:
+            counts[event.name] += 1
+            return 1
+        return inner
+
+    for event in prof.events():
+        if event.cpu_parent is None:
+            below(event)
+    return counts
