@@ -1,7 +1,7 @@
 """The demo target's layers in standard ONNX (as the bundles export them) against the same layers
-written with onnxruntime's CPU contrib operators, timed alternately in onnxruntime at one thread.
+written with onnxruntime's CPU contrib operators, timed alternately in onnxruntime (one thread unless told).
 
-    .venv/bin/python scripts/ort_contrib_layers.py [--rounds 40] [--calls 20] [--cache 128] [--cache-windows 4]
+    .venv/bin/python scripts/ort_contrib_layers.py [--rounds 40] [--calls 20] [--cache 128] [--cache-windows 4] [--threads 1]
 
 Standard: ``export.graph_forward.Blocks`` of the demo target (every layer, no embedding or head)
 exported as a bundle exports it (dynamo, opset 18), reading each layer's cache [B, Hkv, P, D]
@@ -278,9 +278,9 @@ def build_contrib(
     onnx.save(model, str(path))
 
 
-def session(path: Path, optimized: Path) -> ort.InferenceSession:
+def session(path: Path, optimized: Path, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -309,6 +309,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="calls of each variant per round")
     parser.add_argument("--cache", type=int, default=128, help="committed cache entries")
     parser.add_argument("--cache-windows", type=int, default=CACHE_WINDOWS)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = load_target(open_model_dir())
@@ -325,7 +326,9 @@ def main() -> None:
             export_standard(blocks, inputs, paths["standard"])
             for v in variants[1:]:
                 build_contrib(blocks, model.freqs_cis, shapes, paths[v], VARIANTS[v])
-            sessions = {v: session(p, Path(tmp) / f"{v}_{new}_opt.onnx") for v, p in paths.items()}
+            sessions = {
+                v: session(p, Path(tmp) / f"{v}_{new}_opt.onnx", args.threads) for v, p in paths.items()
+            }
             reference = [t.numpy() for t in StandardLayers(blocks)(*inputs)]
             for v, s in sessions.items():
                 outs = s.run(None, feeds)
@@ -349,7 +352,9 @@ def main() -> None:
             med = {v: float(np.median(t)) for v, t in times.items()}
             ratio = {v: float(np.median(np.divide(t, times["standard"]))) for v, t in times.items()}
             parts = ", ".join(f"{v} {med[v]:.3f} ms ({ratio[v]:.2f})" for v in sessions)
-            print(f"{label}: {parts}; medians over {args.rounds} rounds of {args.calls} calls each, 1 thread")
+            print(
+                f"{label}: {parts}; medians over {args.rounds} rounds of {args.calls} calls each, {args.threads} thread(s)"
+            )
 
 
 if __name__ == "__main__":
