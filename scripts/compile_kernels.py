@@ -3,10 +3,11 @@
 and the acceptance, one call, as ``gpu_check.verify_call`` sets it up) with the root-only tree
 (an AR step) and, with ``--tree``, a draft tree; random weights, B = 1 with guidance, a
 half-full cache. Prints per call and per layer the eager kernels (aten compute ops, counted with
-torch.profiler: ``gpu_check.kernels_per_call``) and the kernels inductor generated
+torch.profiler: ``gpu_check.kernels_per_call``), the kernels inductor generated
 (``torch._inductor.metrics.generated_kernel_count``: matmuls, library calls, are not among
-them), the compile time, and eager and compiled milliseconds per call (alternated rounds).
-A benchmark, not a test.
+them) and how many generated kernels its code calls (on a CPU each a C++ function of one or
+more of those loop nests: ``kernel_count.generated_calls``), the compile time, and eager and
+compiled milliseconds per call (alternated rounds). A benchmark, not a test.
 
     .venv/bin/python scripts/compile_kernels.py [--preset GPT-B|demo] [--tree chain-5] [--threads 1]
 """
@@ -19,6 +20,7 @@ import time
 from functools import partial
 
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from lantern_rt.eval.gpu_check import (
     RELAX,
@@ -28,6 +30,7 @@ from lantern_rt.eval.gpu_check import (
     kernels_per_call,
     verify_call,
 )
+from lantern_rt.eval.kernel_count import generated_calls
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import relax_inputs
@@ -61,7 +64,9 @@ def main() -> None:
     for name, tree in trees:
         call, inputs = verify_call(model, tree, 1, cond, None, filters, relax)
         eager_kernels = kernels_per_call(call, inputs)
-        generated, seconds = inductor_kernels(call, inputs)  # fullgraph: a graph break raises here
+        # fullgraph: a graph break raises here
+        (generated, seconds), codes = run_and_get_code(inductor_kernels, call, inputs)
+        called = sum(sum(generated_calls(code).values()) for code in codes)
         compiled = torch.compile(call, fullgraph=True, backend="inductor", dynamic=False)
         runs = {"eager": partial(call, *inputs), "compiled": partial(compiled, *inputs)}
         ms: dict[str, list[float]] = {mode: [] for mode in runs}
@@ -77,7 +82,8 @@ def main() -> None:
         eager_ms, compiled_ms = (statistics.median(ms[m]) for m in ("eager", "compiled"))
         print(
             f"{name}: no graph break; eager {eager_kernels} kernels ({eager_kernels / layers:.1f} per layer), "
-            f"inductor {generated} generated kernels ({generated / layers:.1f} per layer), compiled in "
+            f"inductor {generated} generated kernels ({generated / layers:.1f} per layer) in {called} calls "
+            f"({called / layers:.1f} per layer), compiled in "
             f"{seconds:.1f} s; eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms per call "
             f"({eager_ms / compiled_ms:.2f}x)"
         )

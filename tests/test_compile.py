@@ -182,3 +182,35 @@ def test_compiled_jacobi_steps_give_eager_tokens():
         results.append(decode_image(target, cond, model.config.block_size, GREEDY, None, spec, steps))
     assert torch.equal(results[0].tokens, results[1].tokens)
     assert results[0].accepted == results[1].accepted
+
+
+def test_generated_calls_counts_the_calls_of_generated_kernels():
+    """Kernels called in inductor's wrapper, each call once: a C++ function called by two layers
+    twice, a Triton kernel's ``.run``; one defined but not called, library calls and the
+    definitions themselves not at all."""
+    from lantern_rt.eval.kernel_count import generated_calls
+
+    code = """
+cpp_fused_add_mean_mul_rsqrt_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}
+''')
+cpp_fused_mul_silu_1 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0) {}
+''')
+cpp_fused_unused_2 = async_compile.cpp_pybinding(['float*'], r'''...''')
+triton_poi_fused_cat_3 = async_compile.triton('triton_poi_fused_cat_3', '''...''')
+class Runner:
+    def call(self, args):
+        # Topologically Sorted Source Nodes: [mul, mean], Original ATen: [aten.mul, aten.mean]
+        cpp_fused_add_mean_mul_rsqrt_0(arg0_1, buf0)
+        extern_kernels.mm(buf0, arg1_1, out=buf1)
+        cpp_fused_mul_silu_1(buf1, buf2)
+        cpp_fused_add_mean_mul_rsqrt_0(buf2, buf3)
+        triton_poi_fused_cat_3.run(buf3, buf4, 16, stream=stream0)
+        return (buf4, )
+"""
+    assert generated_calls(code) == {
+        "cpp_fused_add_mean_mul_rsqrt_0": 2,
+        "cpp_fused_mul_silu_1": 1,
+        "triton_poi_fused_cat_3": 1,
+    }

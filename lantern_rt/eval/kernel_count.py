@@ -1,9 +1,11 @@
 """How many compute kernels a torch call launches, counted on the CPU with ``torch.profiler``
-(issue 47's measure of a decode step's dispatch cost; ``scripts/count_kernels.py`` prints it)."""
+(issue 47's measure of a decode step's dispatch cost; ``scripts/count_kernels.py`` prints it),
+and how many generated kernels a compiled call's inductor code calls (``scripts/compile_kernels.py``)."""
 
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,3 +42,14 @@ def eager_kernels(call: Callable[[], Any]) -> collections.Counter[str]:
         if event.cpu_parent is None:
             below(event)
     return counts
+
+
+def generated_calls(code: str) -> collections.Counter[str]:
+    """The generated kernels that inductor's output ``code`` (one compiled graph's wrapper) calls,
+    by name, each as often as it is called: C++ functions (``cpp_fused_*``, each one or more loop
+    nests: ``torch._inductor.metrics.generated_kernel_count`` counts the nests' kernel objects)
+    on a CPU, Triton kernels on a GPU. Library calls (matmuls, attention) are not among them."""
+    defined = re.findall(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", code, re.MULTILINE)
+    body = code[code.find("def call(") :]
+    calls = {name: len(re.findall(rf"\b{name}(?:\.run)?\(", body)) for name in defined}
+    return collections.Counter({name: count for name, count in calls.items() if count})
