@@ -370,21 +370,21 @@ def _check_sizes(bundle: Bundle) -> None:
 
 
 def _check_classes(bundle: Bundle) -> None:
-    """A class-conditional bundle's ``gpt.num_classes`` and null class against the rows of the
-    class table its prefill graph reads: the classes, then the null class ``num_classes`` when
-    ``class_dropout_prob`` is above 0 (:class:`~lantern_rt.models.target.LabelEmbedder`)."""
+    """A class-conditional bundle's ``gpt.num_classes`` against the rows of the class table its
+    prefill graph reads: the classes, then the null class when ``class_dropout_prob`` is above 0
+    (:class:`~lantern_rt.models.target.LabelEmbedder`). Which id a run's unconditional row uses
+    is the family's to check, where it reads its own ``null_condition``."""
     prefill = bundle.graph(batched_name(PREFILL_GRAPH, bundle.constants.batch_sizes[0]))
     cond = next((spec for spec in prefill.inputs if spec.name == "cond"), None)
     table = class_table_rows(bundle.file(prefill)) if cond is not None and len(cond.shape) == 1 else None
     if table is None:  # not class ids, or no table read straight from them
         return
-    gpt, null = bundle.gpt, bundle.constants.null_condition.get("class_id")
-    classes = gpt.num_classes + int(gpt.class_dropout_prob > 0)
-    # the null class is the id after the classes, and guided runs read its row
-    if table != classes or null != gpt.num_classes or (bundle.constants.guided and null >= table):
+    gpt = bundle.gpt
+    if table != gpt.num_classes + int(gpt.class_dropout_prob > 0):
         raise BundleError(
-            f"{bundle.path}: {MANIFEST} gives gpt.num_classes as {gpt.num_classes} and the null "
-            f"class as {null}, and graph {prefill.name}'s class table has {table} rows: re-export the bundle"
+            f"{bundle.path}: {MANIFEST} gives gpt.num_classes as {gpt.num_classes} (class_dropout_prob "
+            f"{gpt.class_dropout_prob}), and graph {prefill.name}'s class table has {table} rows: "
+            "re-export the bundle"
         )
 
 

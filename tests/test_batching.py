@@ -402,8 +402,8 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
         f"bench --model {model} --backend torch --streams 1,2": "--backend onnxruntime",
         f"bench --bundle {batched_bundle.path} --streams 0,1": "1..64",
         f"bench --bundle {batched_bundle.path} --streams two": "comma-separated integers",
-        f"generate --bundle {batched_bundle.path} --streams 2 --threads 1": "--threads 2 or more",
-        f"bench --bundle {batched_bundle.path} --streams 1,3 --threads 2": "--threads 3 or more",
+        f"generate --bundle {batched_bundle.path} --streams 2 --threads 1": "use --streams 1 or fewer",
+        f"bench --bundle {batched_bundle.path} --streams 1,3 --threads 2": "use --streams 2 or fewer",
     }
     for args, reason in refused.items():
         r = CliRunner().invoke(

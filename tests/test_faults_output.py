@@ -380,11 +380,11 @@ def _both(field: str, value: int):
 RESIGNED = {
     "num-classes-above-the-table": (
         lambda m: m["gpt"].update(num_classes=5000),
-        r"gpt\.num_classes as 5000 and the null class as 5, and graph target_prefill's class table has 6 rows",
+        r"gpt\.num_classes as 5000 \(class_dropout_prob [0-9.]+\), and graph target_prefill's class table has 6 rows",
     ),
     "the-null-class-as-a-class": (
         lambda m: (m["gpt"].update(num_classes=6), m["class_names"].append("null")),
-        r"gpt\.num_classes as 6 and the null class as 5",
+        r"gpt\.num_classes as 6 \(class_dropout_prob [0-9.]+\), and graph target_prefill's class table has 6 rows",
     ),
     "the-null-class-id": (
         lambda m: m["constants"]["null_condition"].update(class_id=0),

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lantern_rt.bundle import NULL_CAPTION
+from lantern_rt.bundle import MANIFEST, NULL_CAPTION, BundleError
 from lantern_rt.families.base import Conditioner, Family, Warn
 from lantern_rt.families.llamagen.captions import load_tokenizer
 from lantern_rt.families.llamagen.conditions import (
@@ -116,7 +116,13 @@ class LlamaGenFamily(Family):
         self, bundle: Bundle, runner: RunnerFactory, device: torch.device, warn: Warn
     ) -> Conditioner:
         if bundle.gpt.model_type == "c2i":
-            return class_conditioner(bundle.constants.null_condition["class_id"])
+            null = bundle.constants.null_condition.get("class_id")
+            if null != bundle.gpt.num_classes:  # the null class is the id after the classes
+                raise BundleError(
+                    f"{bundle.path}: {MANIFEST} gives the null class as {null}, not the id after its "
+                    f"{bundle.gpt.num_classes} classes: re-export the bundle"
+                )
+            return class_conditioner(null)
         return bundle_prompts(bundle, runner, device, warn)
 
     def describe_bundle(self, bundle: Bundle) -> list[str]:
