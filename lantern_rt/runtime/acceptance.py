@@ -165,15 +165,15 @@ def _drop_drawn(qq: Tensor, x: Tensor) -> Tensor:
 
 
 def _credit(r: Tensor, x: Tensor, neighbours: Tensor, relax: RelaxInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """(used [B, K] bool, S [B], r(x) [B]): x may borrow the mass S of its nearest neighbours
-    ``neighbours`` [B, K] it may use, ``used``, the longest prefix of the first k whose mass fits
+    """(used [B, K] bool, S [B], r(x) [B]): of its nearest neighbours ``neighbours`` [B, K], x
+    may borrow the mass S of those ``used``, the longest prefix of the first k whose mass fits
     the cap (docs/method.md §5.2)."""
     r_x = _at(r, x)
     columns = torch.arange(neighbours.shape[1], device=r.device) < relax.k
-    mass = r.gather(1, neighbours) * columns
+    mass = torch.where(columns, r.gather(1, neighbours), 0.0)
     cap = relax.cap_a + relax.cap_b * r_x
     used = (mass.cumsum(-1) <= cap[:, None]) & columns  # a prefix: the masses are >= 0
-    return used, (mass * used).sum(-1), r_x
+    return used, torch.where(used, mass, 0.0).sum(-1), r_x
 
 
 def _relaxed_target(r: Tensor, x: Tensor, neighbours: Tensor, used: Tensor, pt: Tensor) -> Tensor:
