@@ -126,8 +126,9 @@ class Accepted(NamedTuple):
 
 
 def _row(t: Tensor, index: Tensor) -> Tensor:
-    """``t[b, index[b]]`` for t [B, N, V] and index [B] -> [B, V]."""
-    return t.gather(1, index[:, None, None].expand(-1, 1, t.shape[-1])).squeeze(1)
+    """``t[b, index[b]]`` for t [B, N, V] and index [B] -> [B, V] (one Gather over the flat rows)."""
+    batch, n = t.shape[:2]
+    return t.flatten(0, 1).index_select(0, index + n * torch.arange(batch, device=t.device))
 
 
 def _at(t: Tensor, index: Tensor) -> Tensor:
@@ -163,22 +164,22 @@ def _drop_drawn(qq: Tensor, x: Tensor) -> Tensor:
     return _normalized(dropped).view(qq.shape)
 
 
-def _credit(r: Tensor, x: Tensor, relax: RelaxInputs) -> tuple[Tensor, Tensor, Tensor]:
-    """(used [B, K] bool, S [B], r(x) [B]): x may borrow the mass S of its nearest neighbours
-    ``used``, the longest prefix of the first k whose mass fits the cap (docs/method.md §5.2)."""
+def _credit(r: Tensor, x: Tensor, neighbours: Tensor, relax: RelaxInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """(used [B, K] bool, S [B], r(x) [B]): of its nearest neighbours ``neighbours`` [B, K], x
+    may borrow the mass S of those ``used``, the longest prefix of the first k whose mass fits
+    the cap (docs/method.md §5.2)."""
     r_x = _at(r, x)
-    neighbours = relax.neighbors[x]  # [B, K]
     columns = torch.arange(neighbours.shape[1], device=r.device) < relax.k
-    mass = r.gather(1, neighbours) * columns
+    mass = torch.where(columns, r.gather(1, neighbours), 0.0)
     cap = relax.cap_a + relax.cap_b * r_x
     used = (mass.cumsum(-1) <= cap[:, None]) & columns  # a prefix: the masses are >= 0
-    return used, (mass * used).sum(-1), r_x
+    return used, torch.where(used, mass, 0.0).sum(-1), r_x
 
 
 def _relaxed_target(r: Tensor, x: Tensor, neighbours: Tensor, used: Tensor, pt: Tensor) -> Tensor:
     """``r`` with x's ``used`` neighbours zeroed and x holding pt (rows [B, V])."""
-    zeroed = _put(torch.zeros_like(r), neighbours, used.to(r.dtype))
-    return _put(r * (1.0 - zeroed), x[:, None], pt[:, None])
+    lent = _put(r, neighbours, torch.where(used, 0.0, r.gather(1, neighbours)))
+    return _put(lent, x[:, None], pt[:, None])
 
 
 class _Tests(NamedTuple):
@@ -194,9 +195,10 @@ def _test(r: Tensor, qq: Tensor, x: Tensor, valid: Tensor, u: Tensor, relax: Rel
     """Tests of tokens ``x`` [M] against running targets ``r`` and drafter distributions ``qq``
     [M, V] (docs/method.md §5.1-5.4): greedy accepts x when it is the argmax of the relaxed
     target, sampling when u * q(x) < pt."""
-    used, s, r_x = _credit(r, x, relax)
+    neighbours = relax.neighbors.index_select(0, x)  # [M, K]; indexing exports as two nodes
+    used, s, r_x = _credit(r, x, neighbours, relax)
     pt = r_x + s
-    rt = _relaxed_target(r, x, relax.neighbors[x], used, pt)
+    rt = _relaxed_target(r, x, neighbours, used, pt)
     q_x = _at(qq, x)
     greedy = relax.greedy
     tested = valid & (greedy | (q_x > 0))  # sampling skips a child the drafter gave no mass
@@ -213,8 +215,9 @@ class TreePlan:
     children: Tensor  # [P, W] each inner node's children in test order, -1 past its last
     row: Tensor  # [N+1] each node's row among the inner nodes, -1 for a leaf
     parent_row: Tensor  # [N] each drafted node's parent's row (nodes 1..N)
-    above: Tensor  # [N, N] bool: node a (column) is node v (row) or one of its drafted ancestors
-    levels: Tensor  # [D, N] bool: node v (column) is at depth d + 1 (row)
+    above: Tensor  # [N, N] float: 1 where node a (row) is node v (column) or one of its drafted
+    # ancestors, else 0
+    level_ids: Tensor  # [N, D] float: node v's id (v + 1) in the column of its depth (d + 1), else 0
     depth: int
 
 
@@ -231,14 +234,15 @@ def tree_plan(tree: StaticTree, device: torch.device) -> TreePlan:
         children[i, : len(kids)] = torch.tensor(kids, dtype=torch.long)
         row[v] = i
     n = tree.num_nodes
-    above = torch.zeros(n, n, dtype=torch.bool)
+    above = torch.zeros(n, n)
     for v in range(1, n + 1):
         for a in tree.ancestors[v]:  # v and its drafted ancestors (the root is not listed)
-            above[v - 1, a - 1] = True
+            above[a - 1, v - 1] = 1.0
     depths = torch.tensor(tree.depths[1:], dtype=torch.long)
-    levels = depths[None, :] == torch.arange(1, tree.max_depth + 1)[:, None]
+    levels = depths[:, None] == torch.arange(1, tree.max_depth + 1)[None, :]
+    level_ids = levels * torch.arange(1, n + 1, dtype=torch.float32)[:, None]
     parent_row = row[torch.tensor(tree.parents[1:], dtype=torch.long)] if n else row[:0]
-    tables = (children, row, parent_row, above, levels)
+    tables = (children, row, parent_row, above, level_ids)
     return TreePlan(torch.tensor(inner).to(device), *(t.to(device) for t in tables), tree.max_depth)
 
 
@@ -291,21 +295,22 @@ def draw(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
     inverting the CDF, the draw is decided by a gap between two scores, never by a cumulative
     sum whose rounding differs between engines: torch and a graph on onnxruntime or TensorRT
     draw the same token."""
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-    return torch.where(greedy, r.argmax(-1), (torch.log(r) + gumbel).argmax(-1))
+    offsets = torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # minus the Gumbel noise
+    return torch.where(greedy, r, torch.log(r) - offsets).argmax(-1)
 
 
 def _walk(plan: TreePlan, state: _Parents, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
     """The walk from the root over every tree at once, with no loop over depths: a drafted node
     is on the accepted path when it is its parent's chosen child and so is each of its drafted
     ancestors; the path holds at most one node per depth. -> the accepted length [B], the kept
-    node ids [B, D + 1] (root first, 0 past the path) and each accepted test's credit [B, D, 3]."""
+    node ids [B, D + 1] (root first, 0 past the path) and each accepted test's credit [B, D, 3].
+    The counts and ids are sums of small integers by matrix products (exact in float32): one
+    product each instead of an ``any`` over [B, N, N] and [B, D, N]."""
     device = state.chosen.device
     hit = state.chosen.index_select(1, plan.parent_row) == torch.arange(1, nodes, device=device)  # [B, N]
-    on_path = ~((~hit)[:, None, :] & plan.above).any(-1)  # [B, N]
-    at_depth = on_path[:, None, :] & plan.levels  # [B, D, N]
-    accepted = at_depth.any(-1)  # [B, D], a prefix
-    path = torch.where(accepted, at_depth.float().argmax(-1) + 1, 0)  # [B, D] node ids
+    on_path = ((~hit).float() @ plan.above == 0).float()  # [B, N]: no miss at v or above it
+    path = (on_path @ plan.level_ids).long()  # [B, D]: the node on the path at each depth, 0 if none
+    accepted = path > 0  # a prefix
     parent_rows = plan.parent_row[(path - 1).clamp_min(0)]  # [B, D]
     credits = state.credit.gather(1, parent_rows[..., None].expand(-1, -1, 3))
     kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
@@ -335,22 +340,22 @@ def accept_tree(
     """
     p, q = p.float(), q.float()
     batch, rows = p.shape[0], plan.children.shape[0]
+    if not plan.depth:  # the root-only tree (AR): nothing is tested, the bonus is drawn from p at the root
+        length = torch.zeros(batch, dtype=torch.long, device=p.device)
+        bonus = draw(p.select(1, 0), bonus_noise, relax.greedy)
+        return Accepted(length, length[:, None], bonus[:, None], p.new_zeros(batch, 0, 3))
     state = _Parents(
-        p[:, plan.inner],
-        q[:, plan.inner],
+        p.index_select(1, plan.inner),
+        q.index_select(1, plan.inner),
         torch.full((batch, rows), -1, dtype=torch.long, device=p.device),
         p.new_zeros(batch, rows, 3),
     )
     width = plan.children.shape[1]
-    for slot in range(width if plan.depth else 0):
+    for slot in range(width):
         state = _slot(state, slot, slot == width - 1, plan, tokens, valid, relax, noise)
-    if plan.depth:
-        length, kept_t, credit_t = _walk(plan, state, tokens.shape[1])
-    else:  # the root-only tree (AR): nothing was tested
-        length = torch.zeros(batch, dtype=torch.long, device=p.device)
-        kept_t, credit_t = length[:, None], p.new_zeros(batch, 0, 3)
+    length, kept_t, credit_t = _walk(plan, state, tokens.shape[1])
     node = kept_t.gather(1, length[:, None]).squeeze(1)  # the path's last node (the root if none)
-    row = plan.row[node]
+    row = plan.row.index_select(0, node)
     final = torch.where((row >= 0)[:, None], _row(state.r, row.clamp_min(0)), _row(p, node))
     bonus = draw(final, bonus_noise, relax.greedy)
     out = tokens.gather(1, kept_t[:, 1:])  # the accepted nodes' tokens
@@ -381,7 +386,8 @@ def tree_step_inputs(
     entries per image (of ``capacity``): each node at its image's length + its depth, seeing
     every committed entry of its image but the prefix slots ``prefix`` [2B, P] hides, and its
     ancestors (docs/method.md §3, §7, §9)."""
-    return cfg_rows(length[:, None] + depth, rows), cache_mask(length, capacity, tree_mask, rows, prefix)
+    positions = cfg_rows(length, rows)[:, None] + depth  # the rows' lengths, as the mask reads them
+    return positions, cache_mask(length, capacity, tree_mask, rows, prefix)
 
 
 class Verified(NamedTuple):
@@ -423,13 +429,9 @@ def verify_tree(
     backend runs it eagerly."""
     p = target_probabilities(logits, sampling, tokens.shape[0])
     out = accept_tree(plan, tokens, valid, p, q, relax, noise, bonus_noise)
-    return Verified(
-        out.length,
-        out.kept,
-        out.tokens,
-        gather_rows(hidden, out.kept, 0, 1),
-        gather_rows(new_k, out.kept, 1, 3),
-        gather_rows(new_v, out.kept, 1, 3),
-        logits,
-        p,
-    )
+    if plan.depth:  # the root-only tree's one node is kept as it is
+        hidden, new_k, new_v = (
+            gather_rows(hidden, out.kept, 0, 1),
+            *(gather_rows(t, out.kept, 1, 3) for t in (new_k, new_v)),
+        )
+    return Verified(out.length, out.kept, out.tokens, hidden, new_k, new_v, logits, p)

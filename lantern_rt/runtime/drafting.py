@@ -30,8 +30,9 @@ from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     cfg_mix,
     cfg_rows,
-    draw_distinct,
     filter_logits,
+    gumbel_offsets,
+    top_distinct,
 )
 from lantern_rt.runtime.tree import StaticTree
 
@@ -78,6 +79,8 @@ class LevelPlan:
     parents: Tensor  # [n]: each node's parent, as an index into the parent level
     visible: Tensor  # [1, 1, n, M + n]: each node's strict ancestors among nodes 1..M (the
     # nodes above this level, root excluded), then itself among the level's nodes
+    every_draw: bool  # pick is every draw in order (a chain's levels): no gather is needed
+    every_parent: bool  # parents is every node of the parent level in order, one child each
 
 
 @dataclass(frozen=True)
@@ -108,15 +111,15 @@ def _level_plans(tree: StaticTree, device: torch.device) -> tuple[LevelPlan, ...
             for a in tree.ancestors[node][:-1]:  # its drafted ancestors (the node itself excluded)
                 ancestors[i, a - 1] = True
         parents = [above.index(tree.parents[node]) for node in nodes]
+        pick = [p * tree.width + tree.ranks[n] for p, n in zip(parents, nodes, strict=True)]
         visible = torch.cat([ancestors, torch.eye(len(nodes), dtype=torch.bool)], dim=1)
         plans.append(
             LevelPlan(
-                pick=torch.tensor(
-                    [p * tree.width + tree.ranks[n] for p, n in zip(parents, nodes, strict=True)],
-                    device=device,
-                ),
+                pick=torch.tensor(pick, device=device),
                 parents=torch.tensor(parents, device=device),
                 visible=visible[None, None].to(device),
+                every_draw=pick == list(range(len(above) * tree.width)),
+                every_parent=parents == list(range(len(above))),
             )
         )
     return tuple(plans)
@@ -259,12 +262,18 @@ def draft_tree(
     node_tokens = [tokens[:, -1:]]
     valid = [torch.ones(batch, 1, dtype=torch.bool, device=tokens.device)]
     q_rows = [q]
-    drawn, drawn_ok = draw_distinct(q, noise[:, :1], plan.width)
+    offsets = gumbel_offsets(noise)  # every level's at once
+    drawn, drawn_ok = top_distinct(q, offsets[:, :1], plan.width)
     drawing = 1
     for depth, level in enumerate(plan.levels, start=1):
-        level_tokens = drawn.flatten(1).index_select(1, level.pick)
+        level_tokens, level_ok = drawn.flatten(1), drawn_ok.flatten(1)
+        if not level.every_draw:
+            level_tokens, level_ok = (
+                level_tokens.index_select(1, level.pick),
+                level_ok.index_select(1, level.pick),
+            )
         node_tokens.append(level_tokens)
-        valid.append(drawn_ok.flatten(1).index_select(1, level.pick))
+        valid.append(level_ok)
         n = level_tokens.shape[1]
         if depth == len(plan.levels):
             q_rows.append(q.new_zeros(batch, n, vocab))
@@ -272,13 +281,12 @@ def draft_tree(
         visible = level.visible.expand(seen.shape[0], 1, n, -1)
         level_mask = torch.cat([seen.expand(-1, 1, n, -1), visible], dim=-1)
         level_positions = (positions[:, -1:] + depth).expand(-1, n)
-        level_hidden, k, v = step(
-            level_tokens, level_hidden.index_select(1, level.parents), level_positions, level_mask, context
-        )
+        parent_hidden = level_hidden if level.every_parent else level_hidden.index_select(1, level.parents)
+        level_hidden, k, v = step(level_tokens, parent_hidden, level_positions, level_mask, context)
         context = context.plus(k, v)
         q = probabilities(level_hidden, level_positions)
         q_rows.append(q)
-        drawn, drawn_ok = draw_distinct(q, noise[:, drawing : drawing + n], plan.width)
+        drawn, drawn_ok = top_distinct(q, offsets[:, drawing : drawing + n], plan.width)
         drawing += n
     m = rows.count
     return (

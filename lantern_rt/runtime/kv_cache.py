@@ -28,15 +28,23 @@ def cache_mask(
     new tokens see each other through ``new_mask`` [S, S] (the same for every image) or [B, S,
     S]. ``prefix`` [rows, P] hides the condition slots it marks False in each row (a caption's
     or a prompt's padding, docs/method.md §9). Built on the device (inside a graph, from its
-    length input), with no host read."""
-    s = new_mask.shape[-1]
-    seen = torch.arange(capacity, device=length.device) < length[:, None]  # [B, capacity]
-    new = new_mask.expand(length.shape[0], s, s)
-    per_image = torch.cat([seen[:, None, :].expand(-1, s, -1), new], dim=2)  # [B, S, capacity + S]
-    mask = cfg_rows(per_image, rows)
+    length input), with no host read.
+
+    One comparison decides every entry: each key column holds a number that is below the
+    image's length exactly when the key is visible (a cache slot its index; a new token the
+    lowest int64 when ``new_mask`` shows it, the highest when not), so that for a static
+    ``new_mask`` the row of numbers is a constant of the graph."""
+    bounds = torch.iinfo(torch.long)
+    slots = torch.arange(capacity, device=length.device).expand(*new_mask.shape[:-1], capacity)
+    new = torch.where(new_mask, bounds.min, bounds.max)
+    keys = torch.cat([slots, new], dim=-1).unsqueeze(-3)  # [1, S, capacity + S] or [B, 1, S, ...]
+    if keys.dim() == 4:
+        keys = cfg_rows(keys, rows)
+    mask = keys < cfg_rows(length, rows).view(-1, 1, 1, 1)  # [rows, 1, S, capacity + S]
     if prefix is not None:
-        mask = mask & F.pad(prefix, (0, capacity + s - prefix.shape[1]), value=True)[:, None, :]
-    return mask[:, None]
+        width = keys.shape[-1]
+        mask = mask & F.pad(prefix, (0, width - prefix.shape[1]), value=True).view(rows, 1, 1, width)
+    return mask
 
 
 def prefill_mask(prefix: Tensor) -> Tensor:

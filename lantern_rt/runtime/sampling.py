@@ -59,7 +59,7 @@ def cfg_mix(logits: Tensor, scale: float | Tensor, images: int) -> Tensor:
     of B rows (one per image: guidance off, §13) are returned as they are."""
     if logits.shape[0] == images:
         return logits
-    cond, uncond = logits.unflatten(0, (2, -1))
+    cond, uncond = logits.split(images)
     if isinstance(scale, Tensor):
         return torch.where(scale > 1, uncond + scale * (cond - uncond), cond)
     return uncond + scale * (cond - uncond) if scale > 1 else cond
@@ -170,6 +170,12 @@ def _greedy_noise(rows: int, vocab: int, device: torch.device) -> Tensor:
     return torch.full((rows, vocab), math.exp(-1.0), device=device)
 
 
+def gumbel_offsets(noise: Tensor) -> Tensor:
+    """log(-log u) of uniform ``noise``: minus the Gumbel noise :func:`draw_distinct` adds to
+    log p (a drafting call transforms all its levels' noise at once, not once per level)."""
+    return torch.log(-torch.log(noise.clamp_min(1e-20)))
+
+
 def draw_distinct(probs: Tensor, noise: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """``width`` distinct tokens per row of ``probs`` [M, V], drawn without replacement.
 
@@ -178,6 +184,11 @@ def draw_distinct(probs: Tensor, noise: Tensor, width: int) -> tuple[Tensor, Ten
     op. Returns (tokens [M, width] in draw order, valid [M, width]): a token is invalid when its
     probability is zero (fewer than ``width`` tokens have support).
     """
-    gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-    tokens = torch.topk(torch.log(probs) + gumbel, width, dim=-1).indices
+    return top_distinct(probs, gumbel_offsets(noise), width)
+
+
+def top_distinct(probs: Tensor, offsets: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """:func:`draw_distinct` from the noise's :func:`gumbel_offsets` [M, V]: the top-``width``
+    of log p - offsets."""
+    tokens = torch.topk(torch.log(probs) - offsets, width, dim=-1).indices
     return tokens, torch.gather(probs, -1, tokens) > 0
