@@ -361,8 +361,9 @@ def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: P
 
 def weight_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
     """The MatMul/Gemm nodes whose second input is a learned weight: a constant that is not all
-    0 and +-1 (RoPE's rotate-half matrix is exact in any precision, and quantizing its input
-    would only add error to the queries and keys), and that does not have ``vocab`` outputs.
+    whole numbers (RoPE's pair-swap matrix of 0 and +-1, and the tree's tables of node ids that
+    acceptance multiplies by, are exact in any precision, and quantizing them would only add
+    error), and that does not have ``vocab`` outputs.
 
     The output head stays fp32: the logits decide every draw and acceptance, and on
     onnxruntime's CPU kernels its int8 form is slower (its weight is dequantized at every call:
@@ -374,8 +375,13 @@ def weight_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
         if node.op_type in QUANTIZED_OPS
         and node.input[1] in consts
         and _outputs(node, consts[node.input[1]]) != vocab
-        and not np.isin(onnx.numpy_helper.to_array(consts[node.input[1]]), (-1, 0, 1)).all()
+        and not _whole_numbers(onnx.numpy_helper.to_array(consts[node.input[1]]))
     ]
+
+
+def _whole_numbers(values: np.ndarray) -> bool:
+    """Whether every entry of ``values`` is a whole number (a table, not a learned weight)."""
+    return bool(np.all(values == np.round(values)))
 
 
 def _outputs(node: onnx.NodeProto, weight: onnx.TensorProto) -> int:
