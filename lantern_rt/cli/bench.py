@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from lantern_rt.cli.options import (
-    COMPILE_HELP,
     IMAGES_PER_CLASS,
     SEED,
+    compile_option,
     model_option,
     parse_batch_sizes,
     parse_stream_counts,
@@ -110,7 +110,7 @@ from lantern_rt.prompt_files import read_prompts
     help="Nucleus sampling mass in (0, 1]. Default: the model's sampling_defaults, else 1.0.",
 )
 @threads_option("CPU threads (0: the library default).")
-@click.option("--compile/--no-compile", "compile_step", default=False, show_default=True, help=COMPILE_HELP)
+@compile_option
 @click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
 @click.option(
     "--ar-seeds",

@@ -38,6 +38,9 @@ COMPILE_HELP = (
     "'Issue 47: compiled torch path'); unmeasured on a GPU. Needs a C++ compiler (CPU) or Triton (GPU)."
 )
 IMAGES_PER_CLASS = click.IntRange(min=1, max=MAX_IMAGES_PER_CLASS)
+compile_option = click.option(
+    "--compile/--no-compile", "compile_step", default=False, show_default=True, help=COMPILE_HELP
+)
 
 
 class StreamCount(click.ParamType):
@@ -195,9 +198,7 @@ _RUN_OPTIONS = [
         show_default=True,
         help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
     ),
-    click.option(
-        "--compile/--no-compile", "compile_step", default=False, show_default=True, help=COMPILE_HELP
-    ),
+    compile_option,
     click.option(
         "--bundle",
         type=click.Path(path_type=Path),

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lantern_rt.errors import LanternError
-from lantern_rt.runtime.backends.cuda_graphs import StepFn
+from lantern_rt.runtime.backends.cuda_graphs import StepFn, restored, shape_key
 
 # Settings, windows and batch shapes a run may compile a step for, with room to spare: past
 # this, dynamo would fall back to eager; it raises instead (fail_on_recompile_limit_hit).
@@ -69,13 +69,11 @@ class Compiled:
         self.seconds = 0.0
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        key = shape_key(args)
         if key in self.shapes:
             return self.compiled(*args)
-        saved = [t.clone() for t in self.state]
-        self.fn(*args)
-        for t, value in zip(self.state, saved, strict=True):
-            t.copy_(value)
+        with restored(self.state):
+            self.fn(*args)
         start = time.perf_counter()
         outputs = self.compiled(*args)
         self.seconds += time.perf_counter() - start

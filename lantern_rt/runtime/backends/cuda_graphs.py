@@ -10,13 +10,29 @@ step, read where they lie, and only the step's small inputs are copied.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 StepFn = Callable[..., tuple[Tensor, ...]]
 WARMUP_CALLS = 2  # eager runs on a side stream before capture (cuBLAS/cuDNN workspaces, autotuning)
+
+
+def shape_key(args: tuple[Tensor, ...]) -> tuple:
+    """The shapes and dtypes of a step's arguments: one captured or compiled graph per key."""
+    return tuple((tuple(a.shape), a.dtype) for a in args)
+
+
+@contextmanager
+def restored(state: tuple[Tensor, ...]) -> Iterator[None]:
+    """Put the tensors ``state`` back as they were on entry when the block ends (after the
+    warm-up calls a capture or a compile runs for real)."""
+    saved = [t.clone() for t in state]
+    yield
+    for t, value in zip(state, saved, strict=True):
+        t.copy_(value)
 
 
 class CudaGraphed:
@@ -32,7 +48,7 @@ class CudaGraphed:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], tuple[Tensor, ...]]] = {}
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        key = shape_key(args)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(args)
@@ -46,16 +62,14 @@ class CudaGraphed:
         self, args: tuple[Tensor, ...]
     ) -> tuple[torch.cuda.CUDAGraph, list[Tensor], tuple[Tensor, ...]]:
         static = [a.clone() for a in args]
-        saved = [t.clone() for t in self.state]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_CALLS):
-                self.fn(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*static)
-        for t, value in zip(self.state, saved, strict=True):
-            t.copy_(value)
+        with restored(self.state):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_CALLS):
+                    self.fn(*static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.fn(*static)
         return graph, static, outputs
