@@ -33,17 +33,7 @@ from lantern_rt.models.model_dir import check_sampling_defaults
 from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
-# 2: drafter graphs, trees, neighbour table; 3: a past K/V input per layer; 4: one drafting
-# graph per tree; 5: the drafting graphs sort for top-k/top-p only when one is on (an If);
-# 6: the target's step graphs accept on the device (a verify graph per tree, one AR step graph);
-# 7: B images per call, the graphs of each exported batch size reading one shared weight file;
-# 8: captions: a prefix-visibility input, every prefix hidden state out of the prefill, the
-# drafter's prefill graph for multi-slot prefixes, the text encoder graph and its tokenizer;
-# 9: prompt-token prefixes (the Chameleon family); 10: the verify graphs also return the target
-# distribution at every node (probs: what a Jacobi window drafts from), and a tree's verify
-# graph is exported without a drafter too; 11: target step graphs per cache window; 12: guided
-# (2B CFG rows per call) or not (B rows, for a CFG scale of at most 1); 13: the model's family
-# by name, and its own null_condition object
+# what each version added: docs/bundle-format.md, "Bundle versions"
 BUNDLE_VERSION = 13
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)

@@ -25,8 +25,11 @@ import numpy as np
 
 from lantern_rt.errors import UserError
 from lantern_rt.fileio import atomic_write
+from lantern_rt.runtime.backends.registry import MODEL, backend_named, runs_on_gpu
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig, RunRequest, runs_on_gpu
+from lantern_rt.settings import MethodConfig, RunRequest
+from lantern_rt.stats import tau
 
 if TYPE_CHECKING:
     from lantern_rt.bundle import Bundle
@@ -85,24 +88,22 @@ class SetJob:
         batches at once (None: chosen for ``images`` images per call, as ``lantern generate
         --streams auto``)."""
         from lantern_rt.families.loading import open_bundle, open_model_dir
-        from lantern_rt.generate import make_pipeline
+        from lantern_rt.pipeline import build_pipeline
 
         if self.bundle is not None:
             source = open_bundle(self.bundle)
         else:
             source = open_model_dir(None if self.model is None else Path(self.model))
-        return make_pipeline(
+        return build_pipeline(
             source,
-            self.backend,
             self.method,
-            self.device,
-            self.threads,
-            self.cuda_graphs,
-            self.batch_size,
-            self.sampling.guided,
-            streams,
-            images,
-            self.compile,
+            RunShape(self.batch_size, self.sampling.guided, streams=streams),
+            backend=self.backend,
+            device=self.device,
+            threads=self.threads,
+            cuda_graphs=self.cuda_graphs,
+            compile=self.compile,
+            images=images,
         )
 
 
@@ -122,14 +123,12 @@ def set_job(
     torch is exported (into the cache) now, before any worker starts, and the workers open that
     bundle."""
     from lantern_rt.bundle import Bundle
+    from lantern_rt.export_cache import cached_bundle, model_fingerprint
     from lantern_rt.families.loading import open_bundle
-    from lantern_rt.generate import cached_bundle, model_fingerprint
 
-    if request.settings.backend != "torch" and not isinstance(source, Bundle):
-        sizes = (batch_size,)
-        source = open_bundle(
-            cached_bundle(source, request.method, batch_sizes=sizes, guided=request.sampling.guided)
-        )
+    if not isinstance(source, Bundle) and MODEL not in backend_named(request.settings.backend).runs:
+        shape = RunShape(batch_size, request.sampling.guided)
+        source = open_bundle(cached_bundle(source, request.method, shape))
     if isinstance(source, Bundle):
         bundle, digest = str(source.path.resolve()), source.manifest_sha256
     else:
@@ -323,7 +322,7 @@ def check_set(out: Path, units: Iterable[Unit]) -> dict[str, Any]:
             accepted += int(shard["accepted_tokens"])
             calls += int(shard["verify_calls"])
         per_class[str(unit.label)] = per_class.get(str(unit.label), 0) + unit.count
-    return {"images_per_class": per_class, "tau": accepted / calls if calls else 0.0}
+    return {"images_per_class": per_class, "tau": tau(accepted, calls)}
 
 
 def write_fid_npz(path: Path, shards: list[Path], total: int) -> None:

@@ -1,6 +1,7 @@
 """What a run is asked to do, and the application defaults, in one place.
 
-The method and backend lists, :class:`MethodConfig`, and :func:`run_defaults`: the backend, method,
+The method list, :class:`MethodConfig`, and :func:`run_defaults`: the backend (from the backend
+registry, :mod:`lantern_rt.runtime.backends.registry`), method,
 tree and sampling (CFG scale, temperature, top-k, top-p) a run gets for what it left unset; the
 tree ``lantern export`` writes when given none (:func:`export_tree`); the CPU threads a run may
 take (:func:`capped_threads`). ``lantern generate``, ``generate-set``, ``bench``, ``export`` and
@@ -9,16 +10,16 @@ take (:func:`capped_threads`). ``lantern generate``, ``generate-set``, ``bench``
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lantern_rt.errors import warn
 from lantern_rt.models.config import ConfigError
+from lantern_rt.runtime.backends.registry import backend_named, default_backend, runs_on_gpu
+from lantern_rt.runtime.run_shape import available_cores
 
-if TYPE_CHECKING:  # torch-free at import: the command line reads the lists above for its --help
+if TYPE_CHECKING:  # torch-free at import: the command line reads the lists below for its --help
     from lantern_rt.bundle import Bundle
     from lantern_rt.models.model_dir import ModelDir
     from lantern_rt.runtime.acceptance import Relaxation
@@ -29,7 +30,6 @@ METHODS = ("ar", "exact", "lantern", "lantern++", "sjd", "sjd++")
 # with LANTERN++'s neighbour credit. Their tree is the chain of the window.
 JACOBI_METHODS = ("sjd", "sjd++")
 DEFAULT_WINDOW = 5
-BACKENDS = ("onnxruntime", "tensorrt", "torch")
 # Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
 # on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
 # verify and drafting cost grow with its size there. On a GPU the wide tree: in one H200 run
@@ -38,16 +38,7 @@ BACKENDS = ("onnxruntime", "tensorrt", "torch")
 # been measured on a GPU.
 CPU_DEFAULT_TREE = "chain-5"
 GPU_DEFAULT_TREE = "naive_extend_57"
-MAX_BATCH_SIZE = 256  # images per decode step
-MAX_STREAMS = 64  # batches decoded at once, one thread each at least (docs/method.md §15)
-# --streams auto's ceiling: each stream holds its own KV caches, and beyond it the streams' host
-# work queues on Python's interpreter lock (16 cores: 4 streams made the most images/s, 8 fewer)
-AUTO_STREAMS_MAX = 4
-# Target step graphs per batch size, each reading a window of the KV cache's first slots
-# (docs/method.md §12); measured on the demo (BENCHMARKS.md, issue 27): an AR step at B = 16
-# reading 80 of 257 slots costs half the whole cache's step. 1 reads the whole cache only.
-CACHE_WINDOWS = 4
-MAX_CACHE_WINDOWS = 16
+DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no negative entropy)
 MAX_IMAGES_PER_CLASS = 1_000_000
 
@@ -69,33 +60,6 @@ def check_device(device: str, here: bool = True) -> None:
         )
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
-def check_batch_sizes(sizes: list[int] | tuple[int, ...]) -> list[int]:
-    """``sizes`` (images per decode step) sorted without repeats; :class:`ConfigError` unless
-    each is an integer in 1..MAX_BATCH_SIZE."""
-    if not sizes or not all(
-        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BATCH_SIZE for b in sizes
-    ):
-        raise ConfigError(f"batch sizes must be integers in 1..{MAX_BATCH_SIZE}, got {list(sizes)}")
-    return sorted(set(sizes))
-
-
-def check_stream_counts(counts: list[int] | tuple[int, ...]) -> list[int]:
-    """``counts`` (decode streams) sorted without repeats; :class:`ConfigError` unless each is
-    an integer in 1..MAX_STREAMS."""
-    if not counts or not all(
-        isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_STREAMS for n in counts
-    ):
-        raise ConfigError(f"stream counts must be integers in 1..{MAX_STREAMS}, got {list(counts)}")
-    return sorted(set(counts))
-
-
-def check_cache_windows(count: int) -> int:
-    """``count`` (cache windows per step graph); :class:`ConfigError` unless in 1..MAX_CACHE_WINDOWS."""
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CACHE_WINDOWS:
-        raise ConfigError(f"--cache-windows must be an integer in 1..{MAX_CACHE_WINDOWS}, got {count!r}")
-    return count
 
 
 @dataclass(frozen=True)
@@ -192,26 +156,6 @@ def default_sampling(
     return SamplingConfig(cfg_scale=scale, **chosen)
 
 
-def default_backend(device: str, bundle: bool, drafter_override: bool) -> str:
-    """onnxruntime on a CPU (torch without onnxruntime, or for a ``--drafter`` override, which
-    bundles cannot hold); on a GPU: TensorRT for a bundle when it is installed, else torch for a
-    model directory and onnxruntime for a bundle."""
-    on_gpu = not device.startswith("cpu")
-    has_ort = importlib.util.find_spec("onnxruntime") is not None
-    if bundle:
-        if on_gpu and importlib.util.find_spec("tensorrt") is not None:
-            return "tensorrt"
-        return "onnxruntime"
-    if drafter_override or on_gpu or not has_ort:
-        return "torch"
-    return "onnxruntime"
-
-
-def runs_on_gpu(backend: str, device: str) -> bool:
-    """Whether a run on ``backend`` computes on a GPU (TensorRT always; the others by ``device``)."""
-    return backend == "tensorrt" or not device.startswith("cpu")
-
-
 def default_tree(backend: str, device: str) -> str:
     """The tree of a run that names none (and has no bundle's to take): :data:`GPU_DEFAULT_TREE`
     when ``backend`` computes on a GPU (:func:`runs_on_gpu`), else :data:`CPU_DEFAULT_TREE`."""
@@ -233,14 +177,6 @@ def export_tree(device: str | None = None) -> str:
     device = machine_device() if device is None else device
     check_device(device, here=False)
     return default_tree(default_backend(device, bundle=False, drafter_override=False), device)
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def capped_threads(threads: int | None) -> int | None:
@@ -298,9 +234,7 @@ def run_defaults(
     is_bundle = isinstance(source, Bundle)
     info = bundle_info(source) if is_bundle else source
     has_drafter = source.has_drafter if is_bundle else "drafter" in source.files or drafter_override
-    backend = backend or default_backend(device, is_bundle, drafter_override)
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    backend = backend_named(backend or default_backend(device, is_bundle, drafter_override)).name
     method = method or ("lantern++" if has_drafter else "ar")
     if method in JACOBI_METHODS:
         tree = window_tree(method, tree, window, info.gpt.block_size)
@@ -315,6 +249,18 @@ def run_defaults(
         info, cfg_scale=cfg_scale, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
     )
     return RunDefaults(backend, method, tree, sampling)
+
+
+def calibration_method(bundle: Bundle) -> MethodConfig:
+    """What ``lantern calibrate`` drives a bundle's graphs with when given no method: the run's
+    default (:func:`run_defaults`: lantern++ with a drafter, else ar), or sjd over the bundle's
+    first chain for a bundle without a drafter whose chains have verify graphs."""
+    from lantern_rt.runtime.backends.bundle_graphs import bundle_windows
+
+    windows = bundle_windows(bundle)
+    if not bundle.has_drafter and windows:
+        return MethodConfig("sjd", tree=next(iter(windows)))
+    return MethodConfig(run_defaults(bundle).method)
 
 
 def requested_conditions(info: ModelDir, classes: Sequence[str], prompts: Sequence[str]) -> list[int | str]:

@@ -13,6 +13,11 @@ from typing import Any
 from lantern_rt.runtime.sampling import SamplingConfig
 
 
+def tau(accepted_tokens: int, verify_calls: int) -> float:
+    """Tokens committed per target verify call, bonus included (1.0 for AR; 0 with no calls)."""
+    return accepted_tokens / verify_calls if verify_calls else 0.0
+
+
 @dataclass
 class GenerationStats:
     """Timings and acceptance of one :func:`lantern_rt.generate.generate` call.
@@ -61,8 +66,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per verify call, bonus included (tau; 1.0 for AR, 0 with no calls)."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+        """Tokens committed per verify call, bonus included (:func:`tau`)."""
+        return tau(sum(self.accepted), len(self.accepted))
 
     @property
     def decode_seconds(self) -> float:

@@ -7,8 +7,11 @@ onnxruntime and torch, AR and LANTERN++, greedy and sampled (BENCHMARKS.md).
 import torch
 
 from lantern_rt.bundle import Bundle
+from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import cached_bundle, generate, make_pipeline
+from lantern_rt.generate import generate
+from lantern_rt.pipeline import build_pipeline
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
 
@@ -23,7 +26,7 @@ for backend in ("onnxruntime", "torch"):
         for name, s in (("greedy", SamplingConfig(4.0, 0.0)), ("sampled", SamplingConfig(4.0, 1.0))):
             toks = {}
             for B in (1, 16):
-                pipe = make_pipeline(src, backend, mc, "cpu", 2, False, B)
+                pipe = build_pipeline(src, mc, RunShape(B), backend=backend, threads=2, cuda_graphs=False)
                 toks[B] = generate(pipe, labels, s, seed=0, progress=False).tokens
             differ = int((toks[1] != toks[16]).any(1).sum())
             print(

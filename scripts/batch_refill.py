@@ -12,9 +12,12 @@ import time
 
 import torch
 
+from lantern_rt.assembly import onnxruntime_pipeline
 from lantern_rt.bundle import Bundle
+from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import cached_bundle, generate, onnxruntime_pipeline
+from lantern_rt.generate import generate
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
 
@@ -32,7 +35,7 @@ def main(threads: int) -> None:
     sampling = SamplingConfig(4.0, 1.0)
     labels = [i % 10 for i in range(64)]
     for batch in (4, 16):
-        pipe = onnxruntime_pipeline(bundle, method, threads, batch)
+        pipe = onnxruntime_pipeline(bundle, method, RunShape(batch), threads)
         generate(pipe, labels[:batch], sampling, progress=False)  # warm-up
 
         def batchwise(pipe=pipe, batch=batch) -> None:

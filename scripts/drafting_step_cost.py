@@ -26,7 +26,7 @@ import torch
 
 from lantern_rt.bundle import AR_STEP_GRAPH
 from lantern_rt.eval.gpu_check import _config
-from lantern_rt.export.bundle import NEIGHBORS_K, export_graph
+from lantern_rt.export.exporter import NEIGHBORS_K, export_graph
 from lantern_rt.export.graphs import DrafterTree, TargetVerify
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.models.drafter import Drafter, DrafterConfig

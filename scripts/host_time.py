@@ -17,14 +17,11 @@ import time
 import torch
 
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import generate, make_pipeline
+from lantern_rt.generate import generate
+from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.backends import onnxruntime_backend
 from lantern_rt.runtime.sampling import SamplingConfig
-
-try:
-    from lantern_rt.settings import MethodConfig
-except ImportError:  # before lantern_rt.settings existed
-    from lantern_rt.generate import MethodConfig
+from lantern_rt.settings import MethodConfig
 
 
 def main() -> None:
@@ -52,7 +49,9 @@ def main() -> None:
     print(f"threads {args.threads}, {len(labels)} images, tree {args.tree}")
     print(f"{'method':<10} {'s/image':>8} {'in graphs':>10} {'steps':>6} {'host ms/step':>13}")
     for method in ("ar", "lantern++"):
-        pipe = make_pipeline(md, "onnxruntime", MethodConfig(method, tree=args.tree), threads=args.threads)
+        pipe = build_pipeline(
+            md, MethodConfig(method, tree=args.tree), backend="onnxruntime", threads=args.threads
+        )
         generate(pipe, labels[:1], sampling, seed=args.seed + 1, progress=False)  # warm-up
         inside[0] = 0.0
         result = generate(pipe, labels, sampling, seed=args.seed, progress=False)

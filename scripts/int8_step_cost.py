@@ -23,7 +23,7 @@ import torch
 from lantern_rt.bundle import AR_STEP_GRAPH
 from lantern_rt.calibration.calibrate import quantize_graph
 from lantern_rt.eval.gpu_check import _config
-from lantern_rt.export.bundle import export_graph
+from lantern_rt.export.exporter import export_graph
 from lantern_rt.export.graphs import TargetVerify
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.backends.onnxruntime_backend import session_options

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lantern_rt.eval.gpu_check import ANOLE_7B
-from lantern_rt.export.bundle import export_graph
+from lantern_rt.export.exporter import export_graph
 from lantern_rt.export.graphs import TargetPrefill
 from lantern_rt.models.config import gpt_config
 from lantern_rt.models.target import Transformer

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from lantern_rt.assembly import bundle_pipeline
 from lantern_rt.bundle import Bundle
-from lantern_rt.generate import bundle_pipeline, generate
+from lantern_rt.generate import generate
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, OrtGraph, session_options
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig

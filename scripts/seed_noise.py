@@ -13,8 +13,9 @@ import torch
 from lantern_rt.eval.classifier import load_classifier
 from lantern_rt.eval.metrics import extract_features, frechet_distance
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import generate, make_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.models.model_dir import DEMO_DIR
+from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
 
@@ -36,7 +37,7 @@ def main() -> None:
     classifier = load_classifier()
     features = {}
     for name, method, seed in SETS:
-        pipe = make_pipeline(md, "onnxruntime", MethodConfig(method, tree="chain-4"), threads=1)
+        pipe = build_pipeline(md, MethodConfig(method, tree="chain-4"), backend="onnxruntime", threads=1)
         t0 = time.time()
         images = generate(pipe, labels, sampling, seed=seed, progress=False).images
         features[name] = extract_features(classifier, images)[0]

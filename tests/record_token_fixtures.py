@@ -21,10 +21,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from token_fixture_cases import CASES, FIXTURE, LABELS, SEED, TREE, method_config, sampling  # noqa: E402
 
+from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline  # noqa: E402
 from lantern_rt.bundle import Bundle
-from lantern_rt.export.bundle import export_bundle  # noqa: E402
+from lantern_rt.export.exporter import export_bundle  # noqa: E402
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline  # noqa: E402
+from lantern_rt.generate import generate  # noqa: E402
 from lantern_rt.models.model_dir import DEMO_DIR  # noqa: E402
 from lantern_rt.runtime.tree import load_tree  # noqa: E402
 

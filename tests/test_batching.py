@@ -14,7 +14,7 @@ from onnx import external_data_helper
 
 from lantern_rt.bundle import WEIGHTS, Bundle, BundleError
 from lantern_rt.cli import main
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.runtime.acceptance import Relaxation
 from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, bundle_trees
@@ -22,6 +22,7 @@ from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, _step_noise, decode_images
 from lantern_rt.runtime.kv_cache import KVCache, cache_mask
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq, write_model_dir
@@ -345,13 +346,15 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
     its own caches over the same onnxruntime sessions; refused where it cannot run."""
     import numpy as np
 
-    from lantern_rt.generate import onnxruntime_pipeline
+    from lantern_rt.assembly import onnxruntime_pipeline
     from lantern_rt.settings import MethodConfig
 
-    pipe = onnxruntime_pipeline(batched_bundle, MethodConfig("lantern++", tree="chain-5"), 2, 3, streams=2)
+    pipe = onnxruntime_pipeline(
+        batched_bundle, MethodConfig("lantern++", tree="chain-5"), RunShape(3, streams=2), 2
+    )
     first, second = pipe.streams
     assert first.target.cache is not second.target.cache
-    assert first.spec.drafter.cache is not second.spec.drafter.cache
+    assert first.speculation.drafter.cache is not second.speculation.drafter.cache
     graphs = [first.target._verify, second.target._verify]
     assert all(graphs[0][key].session is graphs[1][key].session for key in graphs[0])
 
@@ -421,7 +424,8 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
 def test_one_stream_s_pools_spin_only_within_a_call(batched_bundle):
     """A session one stream calls alone may spin its pool within a call and stops as the call
     returns; sessions shared by several streams never spin; the tokens are one stream's."""
-    from lantern_rt.generate import generate, onnxruntime_pipeline
+    from lantern_rt.assembly import onnxruntime_pipeline
+    from lantern_rt.generate import generate
     from lantern_rt.settings import MethodConfig
 
     def entry(options, key: str) -> str:
@@ -437,8 +441,8 @@ def test_one_stream_s_pools_spin_only_within_a_call(batched_bundle):
         return {tuple(entry(o, k) for k in keys) for o in options}
 
     method = MethodConfig("lantern++", tree="chain-5")
-    one = onnxruntime_pipeline(batched_bundle, method, 2, 1, streams=1)
-    two = onnxruntime_pipeline(batched_bundle, method, 2, 1, streams=2)
+    one = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=1), 2)
+    two = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=2), 2)
     assert spinning(one) == {("1", "1")} and spinning(two) == {("0", "")}
     sampling = SamplingConfig(cfg_scale=3.0)
     tokens = [generate(p, [0, 3, 1], sampling, progress=False).tokens for p in (one, two)]

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from lantern_rt.assembly import jacobi_speculation
 from lantern_rt.bundle import Bundle, BundleError, step_windows, window_needed
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import jacobi_speculation
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime import kv_cache
 from lantern_rt.runtime.backends.bundle_graphs import BundleTarget

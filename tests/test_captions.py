@@ -16,7 +16,7 @@ import torch
 from t5_fixtures import TINY_T5, tiny_t5
 
 from lantern_rt.errors import LanternError, TextEncoderError
-from lantern_rt.export.bundle import export_graph
+from lantern_rt.export.exporter import export_graph
 from lantern_rt.families.llamagen.captions import (
     INSTALL_HINT,
     basic_clean,

@@ -17,6 +17,7 @@ from lantern_rt.families.chameleon.model import ChameleonConfig, ChameleonDecode
 from lantern_rt.families.loading import bundle_info, load_drafter, load_target, open_model_dir
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.kv_cache import prefill_mask
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
 
@@ -145,10 +146,11 @@ def test_authors_drafter_converts_to_the_runtime_drafter(hf, md):
 @pytest.fixture(scope="module")
 def generated(md):
     """Greedy tokens of the torch pipeline for each (method, cfg, batch)."""
-    from lantern_rt.generate import generate, torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
+    from lantern_rt.generate import generate
 
     def run(method: str, cfg: float, batch: int = 1, pipe_fn=None):
-        pipe = (pipe_fn or (lambda: torch_pipeline(md, MethodConfig(method=method), batch_size=batch)))()
+        pipe = (pipe_fn or (lambda: torch_pipeline(md, MethodConfig(method=method), RunShape(batch))))()
         return generate(pipe, PROMPTS, SamplingConfig(cfg, temperature=0), progress=False)
 
     return run
@@ -158,10 +160,10 @@ def generated(md):
 def test_greedy_ar_equals_a_transformers_loop(hf, md, generated, cfg):
     """Our AR (prompt rows of different lengths, CFG over the image logits) == transformers' own
     model driven greedily with its cache, mask and per-row positions."""
-    from lantern_rt.generate import torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
 
     out = generated("ar", cfg, batch=2)
-    pipe = torch_pipeline(md)
+    pipe = torch_pipeline(md, MethodConfig())
     image = details(md).folder.config.image_token_ids
     for i, prompt in enumerate(PROMPTS):
         cond = pipe.condition(prompt)
@@ -182,7 +184,7 @@ def test_greedy_exact_speculation_equals_ar(generated, batch):
 @pytest.fixture(scope="module")
 def bundle(md, tmp_path_factory):
     from lantern_rt.bundle import Bundle
-    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.export.exporter import export_bundle
     from lantern_rt.runtime.tree import load_tree
 
     out = export_bundle(
@@ -207,13 +209,13 @@ def test_bundle_carries_the_prompt_side(bundle):
 @pytest.mark.parametrize("method", ["ar", "exact", "lantern++"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_onnxruntime_tokens_equal_torch(bundle, generated, method, batch):
-    from lantern_rt.generate import onnxruntime_pipeline
+    from lantern_rt.assembly import onnxruntime_pipeline
 
     ours = generated(
         method,
         3.0,
         batch,
-        lambda: onnxruntime_pipeline(bundle, MethodConfig(method=method), batch_size=batch),
+        lambda: onnxruntime_pipeline(bundle, MethodConfig(method=method), RunShape(batch)),
     )
     assert ours.tokens.tolist() == generated(method, 3.0).tokens.tolist()
 
@@ -275,7 +277,7 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
     """After the prefill, the drafter's root distribution equals one causal pass of the authors'
     layer over (row's next prompt token, h_j) for every prompt slot j, then (x_0, h_{T-1}), with
     each row's padding hidden (cnets_anole.py's topK_genrate), computed independently."""
-    from lantern_rt.generate import torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
     from lantern_rt.runtime.backends.base import CatchUp
     from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
     from lantern_rt.runtime.drafting import drafter_capacity, noise_rows
@@ -283,7 +285,7 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
     from lantern_rt.runtime.tree import load_tree
 
     target, drafter = load_target(md), load_drafter(md)
-    cond = torch_pipeline(md).condition(PROMPTS[0])
+    cond = torch_pipeline(md, MethodConfig()).condition(PROMPTS[0])
     rows, prefix = cond.rows, cond.prefix
     t = PROMPT_TOKENS
     backend = TorchDrafter(drafter, target.output, drafter_capacity(t, GRID * GRID), 1, t - 1)
@@ -340,12 +342,13 @@ def _row_ends(tokens: torch.Tensor, md) -> torch.Tensor:
 
 
 def test_lumina_greedy_ar_equals_a_transformers_loop_with_forced_row_ends(lumina):
-    from lantern_rt.generate import generate, torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
+    from lantern_rt.generate import generate
 
     hf, md = lumina
     g = md.gpt.grid_size
     assert md.gpt.row_end and (g, md.gpt.block_size, md.gpt.vocab_size) == (8, 72, 33)
-    pipe = torch_pipeline(md)
+    pipe = torch_pipeline(md, MethodConfig())
     cond = pipe.condition(PROMPTS[0])
     assert cond.rows[0, -3:].tolist() == [8197, 8805, 8805] == cond.rows[1, -3:].tolist()  # boi, h, w
     out = generate(pipe, PROMPTS[:1], SamplingConfig(3.0, temperature=0), progress=False)
@@ -359,7 +362,8 @@ def test_lumina_greedy_ar_equals_a_transformers_loop_with_forced_row_ends(lumina
 def test_lumina_row_ends_are_forced_while_sampling_and_drafting(lumina, method):
     """Sampled (temperature 1), speculative: the end-of-row token ends every row and appears
     nowhere else, the drafter draws it only there; exact speculation keeps AR's greedy tokens."""
-    from lantern_rt.generate import generate, torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
+    from lantern_rt.generate import generate
 
     _, md = lumina
     g = md.gpt.grid_size
@@ -368,7 +372,9 @@ def test_lumina_row_ends_are_forced_while_sampling_and_drafting(lumina, method):
     out = generate(pipe, PROMPTS, SamplingConfig(3.0, temperature=1.0), seed=5, progress=False)
     assert torch.equal(_row_ends(out.tokens, md), expected)
     if method == "exact":
-        ar = generate(torch_pipeline(md), PROMPTS, SamplingConfig(3.0, temperature=0), progress=False)
+        ar = generate(
+            torch_pipeline(md, MethodConfig()), PROMPTS, SamplingConfig(3.0, temperature=0), progress=False
+        )
         greedy = generate(pipe, PROMPTS, SamplingConfig(3.0, temperature=0), progress=False)
         assert greedy.tokens.tolist() == ar.tokens.tolist()
         assert len(greedy.stats.accepted) < len(ar.stats.accepted)  # row ends are drafted and accepted
@@ -376,9 +382,10 @@ def test_lumina_row_ends_are_forced_while_sampling_and_drafting(lumina, method):
 
 @pytest.mark.slow
 def test_lumina_onnxruntime_equals_torch(lumina, tmp_path):
+    from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline
     from lantern_rt.bundle import Bundle
-    from lantern_rt.export.bundle import export_bundle
-    from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline
+    from lantern_rt.export.exporter import export_bundle
+    from lantern_rt.generate import generate
     from lantern_rt.runtime.tree import load_tree
 
     _, md = lumina
@@ -416,9 +423,9 @@ def test_int8_calibration_runs_on_prompts(bundle, tmp_path):
 def test_fp16_export_checks_and_runs(md, generated, tmp_path):
     """An fp16 bundle of the family passes the export's numerical checks (q/k norms and prompt
     masks in fp16) and its greedy AR tokens on onnxruntime equal fp32 torch's."""
+    from lantern_rt.assembly import onnxruntime_pipeline
     from lantern_rt.bundle import Bundle
-    from lantern_rt.export.bundle import export_bundle
-    from lantern_rt.generate import onnxruntime_pipeline
+    from lantern_rt.export.exporter import export_bundle
 
     bundle = Bundle.open(export_bundle(md, tmp_path / "fp16", [], dtype="fp16"))
     assert bundle.dtype == "fp16"
@@ -458,9 +465,10 @@ def large_vocab(tmp_path_factory):
 def test_a_vocabulary_above_the_sort_width_samples_alike_on_torch_and_onnxruntime(large_vocab, tmp_path):
     """The drafter bundle passes its export checks, and sampling with top-k and top-p off draws
     the same tokens on torch and onnxruntime for each method, tokens ranked past 3840 included."""
+    from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline
     from lantern_rt.bundle import Bundle
-    from lantern_rt.export.bundle import export_bundle
-    from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline
+    from lantern_rt.export.exporter import export_bundle
+    from lantern_rt.generate import generate
     from lantern_rt.runtime.sampling import TOPK_LIMIT
     from lantern_rt.runtime.tree import load_tree
 
@@ -485,12 +493,13 @@ def test_a_vocabulary_above_the_sort_width_samples_alike_on_torch_and_onnxruntim
 def test_one_row_per_image_gives_the_two_row_tokens(md, method):
     """Guidance off (docs/method.md §13): the prompt's conditional rows alone, B instead of 2B
     (left-padded prompts of different lengths, a batch of 2), give the tokens of the CFG rows."""
-    from lantern_rt.generate import generate, torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
+    from lantern_rt.generate import generate
 
     for sampling in (SamplingConfig(1.0, temperature=0), SamplingConfig(1.0, temperature=1.0)):
         two, one = (
             generate(
-                torch_pipeline(md, MethodConfig(method), batch_size=2, guided=g),
+                torch_pipeline(md, MethodConfig(method), RunShape(2, g)),
                 PROMPTS,
                 sampling,
                 progress=False,

@@ -169,7 +169,7 @@ def test_generate_compile_reports_its_compile_time_once(tiny_model_dir, tmp_path
 @pytest.mark.slow
 def test_compiled_jacobi_steps_give_eager_tokens():
     """sjd (a Jacobi window, no drafter) compiles whole too: eager's greedy tokens."""
-    from lantern_rt.generate import jacobi_speculation
+    from lantern_rt.assembly import jacobi_speculation
     from lantern_rt.settings import MethodConfig
 
     model = tiny_gpt()

@@ -14,12 +14,20 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.assembly import torch_pipeline
 from lantern_rt.cli import main
 from lantern_rt.eval.bench import BenchSettings, sampling_config
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import generate, torch_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, capped_threads, export_tree, run_defaults
+from lantern_rt.settings import (
+    CPU_DEFAULT_TREE,
+    GPU_DEFAULT_TREE,
+    MethodConfig,
+    capped_threads,
+    export_tree,
+    run_defaults,
+)
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 
 # every key differs from the library's defaults (temperature 1, top-k 0, top-p 1)
@@ -102,7 +110,7 @@ def test_bench_samples_as_the_model_says(sampled_dir, tmp_path):
 
 def test_the_python_api_samples_as_the_model_says(sampled_dir):
     md = open_model_dir(sampled_dir)
-    result = generate(torch_pipeline(md), [0], progress=False)
+    result = generate(torch_pipeline(md, MethodConfig()), [0], progress=False)
     assert result.stats.sampling == SamplingConfig(**MODEL_SAMPLING)
     assert run_defaults(md).sampling == SamplingConfig(**MODEL_SAMPLING)
     assert run_defaults(md, top_k=7, greedy=True).sampling == SamplingConfig(2.5, 0.0, 7, 0.9)

@@ -183,7 +183,8 @@ def samples(model_dir, tmp_path_factory):
 def test_training_lowers_the_loss_and_generate_runs_the_drafter(md, model_dir, samples, tmp_path):
     """train-drafter on generate's own --save-tokens file: the held-out CFG-mixed loss falls, the
     folder loads with load_drafter, and greedy exact decoding with it gives AR's tokens."""
-    from lantern_rt.generate import generate, torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
+    from lantern_rt.generate import generate
 
     folder, codes, prompts = samples
     target = load_target(md)
@@ -221,7 +222,7 @@ def test_training_lowers_the_loss_and_generate_runs_the_drafter(md, model_dir, s
     assert after < 0.6 * before, (before, after)  # measured 0.49-0.52 of it over four seeds
 
     greedy = SamplingConfig(3.0, temperature=0)
-    ar = generate(torch_pipeline(md), PROMPTS, greedy, progress=False)
+    ar = generate(torch_pipeline(md, MethodConfig()), PROMPTS, greedy, progress=False)
     pipe = torch_pipeline(md, MethodConfig(method="exact", drafter=str(out)))
     exact = generate(pipe, PROMPTS, greedy, progress=False)
     assert exact.tokens.tolist() == ar.tokens.tolist()

@@ -26,8 +26,8 @@ from lantern_rt.bundle import (
     draft_graph_name,
     verify_graph_name,
 )
-from lantern_rt.export import bundle as bundle_module
-from lantern_rt.export.bundle import (
+from lantern_rt.export import exporter
+from lantern_rt.export.exporter import (
     Differences,
     ExportError,
     check_inputs,
@@ -498,7 +498,7 @@ def test_inspect_prints_the_manifest_and_refuses_a_tampered_bundle(bundles, open
 
 def test_failed_check_leaves_nothing_behind(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        bundle_module, "compare_with_torch", lambda *a, **k: {"logits": Differences(1.0, 1.0, 1.0)}
+        exporter, "compare_with_torch", lambda *a, **k: {"logits": Differences(1.0, 1.0, 1.0)}
     )
     out = tmp_path / "exports" / "bundle"
     with pytest.raises(ExportError, match=r"^target_prefill: output logits differs from torch by 1 "):

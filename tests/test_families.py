@@ -14,13 +14,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline
 from lantern_rt.bundle import BundleError
 from lantern_rt.cli import main
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.base import Conditioner, Family, Warn
 from lantern_rt.families.loading import load_target, open_bundle, open_model_dir
 from lantern_rt.families.registry import FAMILIES
-from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.models.checkpoint import load_strict
 from lantern_rt.models.config import ConfigError, GPTConfig, VQConfig, config_from_dict, to_dict
 from lantern_rt.models.model_dir import ModelDir
@@ -136,8 +137,8 @@ def test_a_registered_family_opens_loads_and_decodes_like_llamagen(toy_registere
         load_target(toy).state_dict().values(), load_target(llamagen).state_dict().values(), strict=True
     ):
         assert torch.equal(a, b)
-    got = generate(torch_pipeline(toy), LABELS, SAMPLED, seed=1, progress=False)
-    want = generate(torch_pipeline(llamagen), LABELS, SAMPLED, seed=1, progress=False)
+    got = generate(torch_pipeline(toy, MethodConfig()), LABELS, SAMPLED, seed=1, progress=False)
+    want = generate(torch_pipeline(llamagen, MethodConfig()), LABELS, SAMPLED, seed=1, progress=False)
     assert torch.equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.images, want.images)
 

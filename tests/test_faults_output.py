@@ -25,9 +25,9 @@ from click.testing import CliRunner
 
 from lantern_rt.bundle import DIGEST, FORMAT, MANIFEST, Bundle, BundleError, manifest_digest, staged_bundle
 from lantern_rt.cli import main
+from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.fileio import WriteError, write_together
-from lantern_rt.generate import cached_bundle
 from lantern_rt.settings import MethodConfig
 from tests.test_export import shared_bundle
 
@@ -237,7 +237,7 @@ def test_export_refuses_a_bad_out_before_any_work(tiny_model_dir, tmp_path, monk
     def no_work(*args: Any, **kwargs: Any):
         raise AssertionError("the export started")
 
-    monkeypatch.setattr("lantern_rt.export.bundle.load_target", no_work)
+    monkeypatch.setattr("lantern_rt.export.exporter.load_target", no_work)
     result = CliRunner().invoke(
         main, ["export", "-q", "--model", str(tiny_model_dir), "--out", str(out), *flags]
     )
@@ -290,7 +290,7 @@ def fake_export(calls: list[Path]):
 def test_the_cache_lock_makes_others_wait_and_reuse(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     calls: list[Path] = []
-    monkeypatch.setattr("lantern_rt.export.bundle.export_bundle", fake_export(calls))
+    monkeypatch.setattr("lantern_rt.export.exporter.export_bundle", fake_export(calls))
     md, method = open_model_dir(tiny_model_dir), MethodConfig("ar")
     out = cached_bundle(md, method)
     assert calls == [out] and cached_bundle(md, method) == out and calls == [out]  # then reused

@@ -106,15 +106,17 @@ def test_local_set_matches_generate(tiny_dir, reference, tmp_path):
 
 def test_demo_speculative_set_matches_generate(tmp_path):
     """The demo's lantern++ (drafter, tree, relaxed acceptance): shards equal ``generate()``."""
+    from lantern_rt.export_cache import model_fingerprint
     from lantern_rt.families.loading import open_model_dir
-    from lantern_rt.generate import generate, make_pipeline, model_fingerprint
+    from lantern_rt.generate import generate
+    from lantern_rt.pipeline import build_pipeline
 
     md = open_model_dir(None)
     method = MethodConfig("lantern++", "chain-5")
     sampling = SamplingConfig(cfg_scale=3.0)
     job = SetJob(None, None, "torch", method, sampling, seed=5)
     summary = generate_set(tmp_path, job, model_fingerprint(md), [7], 2, unit_size=1, progress=False)
-    want = generate(make_pipeline(md, "torch", method), [7, 7], sampling, seed=5, progress=False)
+    want = generate(build_pipeline(md, method, backend="torch"), [7, 7], sampling, seed=5, progress=False)
     data = shards(tmp_path)
     assert np.array_equal(data["codes"], want.tokens.numpy())
     assert np.array_equal(data["images"], want.images)
@@ -132,8 +134,8 @@ def test_ray_two_actors_match_generate(ray_cluster, tiny_dir, reference, tmp_pat
 
 @pytest.mark.slow
 def test_ray_killed_actor_is_retried(ray_cluster, tiny_dir, reference, tmp_path):
+    from lantern_rt.export_cache import model_fingerprint
     from lantern_rt.families.loading import open_model_dir
-    from lantern_rt.generate import model_fingerprint
 
     marker, out = tmp_path / "killed", tmp_path / "set"
     job = SetJob(str(tiny_dir), None, "torch", MethodConfig("ar"), SamplingConfig(cfg_scale=2.0), seed=0)

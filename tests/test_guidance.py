@@ -12,14 +12,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
+from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import cached_bundle, generate, onnxruntime_pipeline, torch_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
@@ -57,8 +60,8 @@ def _tokens(pipe, sampling: SamplingConfig) -> tuple[torch.Tensor, list[int]]:
 def _rows(pipe) -> set[int]:
     """The rows of the pipeline's caches (target, and drafter when there is one)."""
     caches = [pipe.target.cache]
-    if pipe.spec is not None and hasattr(pipe.spec.drafter, "cache"):
-        caches.append(pipe.spec.drafter.cache)
+    if pipe.speculation is not None and hasattr(pipe.speculation.drafter, "cache"):
+        caches.append(pipe.speculation.drafter.cache)
     return {c.rows for c in caches}
 
 
@@ -66,8 +69,8 @@ def _rows(pipe) -> set[int]:
 @pytest.mark.parametrize("method", METHODS)
 def test_torch_one_row_gives_the_two_row_tokens(model_dir, method, sampling):
     for batch in (1, 2):
-        two = torch_pipeline(model_dir, METHODS[method], batch_size=batch)
-        one = torch_pipeline(model_dir, METHODS[method], batch_size=batch, guided=False)
+        two = torch_pipeline(model_dir, METHODS[method], RunShape(batch))
+        one = torch_pipeline(model_dir, METHODS[method], RunShape(batch, guided=False))
         assert _rows(two) == {2 * batch} and _rows(one) == {batch}
         assert two.guided and not one.guided
         (want, want_accepted), (got, got_accepted) = _tokens(two, sampling), _tokens(one, sampling)
@@ -86,7 +89,7 @@ def test_the_comparison_catches_a_mixing_rule_that_reads_the_unconditional_rows(
         cond, uncond = logits.unflatten(0, (2, -1))
         return uncond + scale * (cond - uncond)
 
-    one = _tokens(torch_pipeline(model_dir, METHODS["ar"], guided=False), OFF["below-1"])
+    one = _tokens(torch_pipeline(model_dir, METHODS["ar"], RunShape(guided=False)), OFF["below-1"])
     monkeypatch.setattr("lantern_rt.runtime.acceptance.cfg_mix", always_mixed)
     two = _tokens(torch_pipeline(model_dir, METHODS["ar"]), OFF["below-1"])
     assert not torch.equal(one[0], two[0])
@@ -120,8 +123,8 @@ def test_the_one_row_bundle_has_b_rows_per_call(one_row_bundle):
 def test_onnxruntime_one_row_gives_the_torch_two_row_tokens(model_dir, one_row_bundle, method):
     sampling = OFF["sampled"]
     for batch in (1, 2):
-        want = _tokens(torch_pipeline(model_dir, METHODS[method], batch_size=batch), sampling)
-        pipe = onnxruntime_pipeline(one_row_bundle, METHODS[method], threads=1, batch_size=batch)
+        want = _tokens(torch_pipeline(model_dir, METHODS[method], RunShape(batch)), sampling)
+        pipe = onnxruntime_pipeline(one_row_bundle, METHODS[method], RunShape(batch), threads=1)
         assert _rows(pipe) == {batch}
         got = _tokens(pipe, sampling)
         assert torch.equal(want[0], got[0]) and want[1] == got[1], batch
@@ -130,7 +133,7 @@ def test_onnxruntime_one_row_gives_the_torch_two_row_tokens(model_dir, one_row_b
 @pytest.mark.slow
 def test_a_one_row_pipeline_refuses_guidance(model_dir, one_row_bundle, tmp_path):
     for pipe in (
-        torch_pipeline(model_dir, METHODS["ar"], guided=False),
+        torch_pipeline(model_dir, METHODS["ar"], RunShape(guided=False)),
         onnxruntime_pipeline(one_row_bundle, METHODS["ar"], threads=1),
     ):
         with pytest.raises(ConfigError, match="--no-guidance"):
@@ -159,10 +162,12 @@ def test_a_model_directory_exports_one_row_graphs_for_cfg_1(model_dir, tmp_path:
         guided.append(kwargs["guided"])
         return fake(md, out, on_start, **kwargs)
 
-    monkeypatch.setattr("lantern_rt.export.bundle.export_bundle", export)
-    two, one = (cached_bundle(model_dir, METHODS["ar"], guided=g) for g in (True, False))
+    monkeypatch.setattr("lantern_rt.export.exporter.export_bundle", export)
+    two, one = (cached_bundle(model_dir, METHODS["ar"], RunShape(guided=g)) for g in (True, False))
     assert two != one and calls == [two, one] and guided == [True, False]
-    assert cached_bundle(model_dir, METHODS["ar"], guided=False) == one and len(calls) == 2  # reused
+    assert (
+        cached_bundle(model_dir, METHODS["ar"], RunShape(guided=False)) == one and len(calls) == 2
+    )  # reused
 
 
 @pytest.mark.slow

@@ -22,15 +22,17 @@ from click.testing import CliRunner
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
 from lantern_rt.eval.bench import method_config
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import generate, make_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.models.config import ConfigError
+from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime import jacobi
 from lantern_rt.runtime.acceptance import Relaxation, tree_plan, verify_tree
 from lantern_rt.runtime.decode import Condition, Speculation, decode_images
 from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
@@ -201,7 +203,7 @@ def no_drafter_bundle(tmp_path_factory) -> Bundle:
 
 
 def run(source, backend: str, method: MethodConfig, sampling: SamplingConfig, batch: int = 1):
-    pipe = make_pipeline(source, backend, method, threads=1, batch_size=batch)
+    pipe = build_pipeline(source, method, RunShape(batch), backend=backend, threads=1)
     return generate(pipe, LABELS, sampling, seed=5, progress=False)
 
 

@@ -653,11 +653,11 @@ def test_every_import_keeps_to_the_table_of_layers():
         pytest.fail(message + "\n".join(problems), pytrace=False)
 
 
-def test_only_the_command_line_and_generate_import_export():
-    """Bundles are written by ``export/`` (called by the command line and ``generate``'s first-use
-    export) and by ``calibration/``, which writes through ``lantern_rt.bundle``."""
+def test_only_the_command_line_and_the_export_cache_import_export():
+    """Bundles are written by ``export/`` (called by the command line and the export cache's
+    first-use export) and by ``calibration/``, which writes through ``lantern_rt.bundle``."""
     scan = real_package()
-    callers = (f"{PKG}.export", f"{PKG}.cli", f"{PKG}.generate")
+    callers = (f"{PKG}.export", f"{PKG}.cli", f"{PKG}.export_cache")
     bad = [
         str(e)
         for m in scan.files

@@ -12,7 +12,7 @@ from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
 from lantern_rt.runtime.streams import Stream, auto_streams, available_cores, decode_streams, stream_threads
-from lantern_rt.settings import AUTO_STREAMS_MAX
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX
 from tests.test_batching import LABELS, SAMPLED, jobs, torch_spec
 
 MORE_LABELS = LABELS + [4, 1, 3]  # 10 images, all classes, in no order a stream could guess
@@ -48,7 +48,9 @@ def test_streams_give_every_image_its_single_stream_tokens(trained_pair, method,
     model, drafter = trained_pair
     n = model.config.block_size
     (reference,) = streams_of(model, drafter, method, 1, 1)
-    expected = dict(decode_images(reference.target, jobs(model, MORE_LABELS), n, SAMPLED, reference.spec))
+    expected = dict(
+        decode_images(reference.target, jobs(model, MORE_LABELS), n, SAMPLED, reference.speculation)
+    )
     streams = streams_of(model, drafter, method, batch, 3)
     got = list(decode_streams(streams, jobs(model, MORE_LABELS), n, SAMPLED))
     assert sorted(i for i, _ in got) == list(range(len(MORE_LABELS)))

@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
+from lantern_rt.assembly import onnxruntime_pipeline
 from lantern_rt.bundle import Bundle
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import onnxruntime_pipeline
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.target import rope_table_2d
@@ -23,6 +23,7 @@ from lantern_rt.runtime.backends.base import CatchUp
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, decode_image, decode_images
 from lantern_rt.runtime.drafting import drafter_capacity, noise_rows
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig, cfg_mix, filter_inputs
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import PROMPT_SLOTS, randomize, tiny_gpt, tiny_vq, write_model_dir
@@ -190,7 +191,7 @@ def test_onnxruntime_tokens_equal_torch(t2i_bundle, method):
     features, mask = caption(2, seed=4)
     sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
     cond = Condition(torch.stack([features, model.null_condition]), mask)
-    got = decode_image(pipe.target, cond, 16, sampling, None, pipe.spec).tokens.tolist()
+    got = decode_image(pipe.target, cond, 16, sampling, None, pipe.speculation).tokens.tolist()
     assert got == llamagen_t2i_greedy(model, features, mask, 4.0, 16)
 
 
@@ -432,17 +433,17 @@ def test_onnxruntime_batch_of_different_captions_equals_one_at_a_time(t2i_bundle
     conds = [Condition(torch.stack([f, null]), m) for f, m in (caption(v, seed=v) for v in (6, 1, 3))]
     sampling = SamplingConfig(cfg_scale=4.0, temperature=1.0)
     method = MethodConfig("lantern++", "chain-2")
-    one, two = (onnxruntime_pipeline(bundle, method, threads=1, batch_size=b) for b in (1, 2))
+    one, two = (onnxruntime_pipeline(bundle, method, RunShape(b), threads=1) for b in (1, 2))
 
     def generators():
         return [torch.Generator().manual_seed(i) for i in range(len(conds))]
 
     alone = [
-        decode_image(one.target, c, 16, sampling, g, one.spec).tokens
+        decode_image(one.target, c, 16, sampling, g, one.speculation).tokens
         for c, g in zip(conds, generators(), strict=True)
     ]
     jobs = list(zip(conds, generators(), strict=True))
-    batched = dict(decode_images(two.target, jobs, 16, sampling, two.spec))
+    batched = dict(decode_images(two.target, jobs, 16, sampling, two.speculation))
     for i, tokens in enumerate(alone):
         assert torch.equal(batched[i].tokens, tokens), i
 
@@ -477,12 +478,14 @@ def test_a_text_encoder_of_another_width_is_refused(tmp_path, monkeypatch):
 def test_one_row_per_image_gives_the_two_row_tokens(prompt_model):
     """Guidance off (docs/method.md §13): the captions' rows alone, B instead of 2B (captions of
     different lengths, a batch of 2), give the tokens of the CFG rows."""
-    from lantern_rt.generate import generate, torch_pipeline
+    from lantern_rt.assembly import torch_pipeline
+    from lantern_rt.generate import generate
+    from lantern_rt.settings import MethodConfig
 
     md, prompts = open_model_dir(prompt_model), ["a red cat", "a dog"]
     for sampling in (SamplingConfig(1.0, temperature=0), SamplingConfig(1.0, temperature=1.0)):
         two, one = (
-            generate(torch_pipeline(md, batch_size=2, guided=g), prompts, sampling, progress=False)
+            generate(torch_pipeline(md, MethodConfig(), RunShape(2, g)), prompts, sampling, progress=False)
             for g in (True, False)
         )
         assert torch.equal(two.tokens, one.tokens)

@@ -11,10 +11,11 @@ import pytest
 import torch
 from token_fixture_cases import CASES, FIXTURE, LABELS, METHODS, SEED, TREE, method_config, sampling
 
+from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline
 from lantern_rt.bundle import Bundle
-from lantern_rt.export.bundle import export_bundle
+from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
-from lantern_rt.generate import generate, onnxruntime_pipeline, torch_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.runtime.tree import load_tree
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lantern_rt.export.bundle import (
+from lantern_rt.export.exporter import (
     IMAGE_CHECK_INPUTS,
     ExportError,
     compare_with_torch,

@@ -36,6 +36,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantTy
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from torch import Tensor
 
+from lantern_rt.assembly import Pipeline, bundle_pipeline, jacobi_speculation, speculation
 from lantern_rt.bundle import (
     DRAFTER_PREFILL_GRAPH,
     VQ_DECODE_GRAPH,
@@ -49,7 +50,7 @@ from lantern_rt.bundle import (
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.errors import LanternError
 from lantern_rt.families.loading import bundle_info, open_bundle
-from lantern_rt.generate import Pipeline, bundle_pipeline, generate, jacobi_speculation, speculation
+from lantern_rt.generate import generate
 from lantern_rt.graph_rules import check_graph, node_subgraphs, with_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
@@ -60,7 +61,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 )
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig, default_sampling, run_defaults
+from lantern_rt.settings import MethodConfig, calibration_method, default_sampling
 from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
 
@@ -201,7 +202,7 @@ def pipelines(
         return {
             name: dataclasses.replace(
                 ar,
-                spec=jacobi_speculation(ar.target, bundle.gpt, window, method, bundle.neighbors()),
+                speculation=jacobi_speculation(ar.target, bundle.gpt, window, method, bundle.neighbors()),
                 method=dataclasses.replace(method, tree=name),
             )
             for name, window in windows.items()
@@ -212,7 +213,7 @@ def pipelines(
     return {
         name: dataclasses.replace(
             ar,
-            spec=speculation(drafter, tree, method, bundle.neighbors(), ar.device),
+            speculation=speculation(drafter, tree, method, bundle.neighbors(), ar.device),
             method=dataclasses.replace(method, tree=name),
         )
         for name, tree in bundle_trees(bundle).items()
@@ -475,15 +476,6 @@ def qdq_problems(path: Path) -> list[str]:
     return problems
 
 
-def default_method(bundle: Bundle) -> MethodConfig:
-    """What calibration drives the graphs with: the run's default method (lantern++ with a
-    drafter, else ar), or sjd for a bundle without a drafter whose chains have verify graphs."""
-    windows = bundle_windows(bundle)
-    if not bundle.has_drafter and windows:
-        return MethodConfig("sjd", tree=next(iter(windows)))
-    return MethodConfig(run_defaults(bundle).method)
-
-
 def calibrate_bundle(
     bundle: Bundle,
     out: Path,
@@ -515,7 +507,7 @@ def calibrate_bundle(
     if out.exists() and not overwrite:
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
-    method = method or default_method(bundle)
+    method = method or calibration_method(bundle)
     recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, weight_bits)
     with staged_bundle(out) as tmp:
         graphs = _write_graphs(bundle, recorder, tmp, weight_bits)

@@ -9,12 +9,18 @@ import click
 
 from lantern_rt.cli.options import (
     IMAGES_PER_CLASS,
-    SEED,
+    BackendName,
+    bundle_option,
+    classes_option,
     compile_option,
+    cuda_graphs_option,
+    device_option,
     model_option,
     parse_batch_sizes,
     parse_stream_counts,
     prompt_options,
+    sampling_options,
+    seed_option,
     threads_option,
 )
 from lantern_rt.errors import reports_errors
@@ -23,13 +29,11 @@ from lantern_rt.prompt_files import read_prompts
 
 @click.command("bench")
 @model_option
-@click.option(
-    "--bundle", type=click.Path(path_type=Path), default=None, help="Benchmark an exported bundle instead."
-)
+@bundle_option("Benchmark an exported bundle instead.")
 @click.option(
     "--backend",
     "backends",
-    type=click.Choice(["torch", "onnxruntime"]),
+    type=BackendName(),
     multiple=True,
     help="Backend(s) to measure (repeatable). Default: torch and onnxruntime; onnxruntime for --bundle.",
 )
@@ -58,9 +62,9 @@ from lantern_rt.prompt_files import read_prompts
     show_default=True,
     help="Images per class and configuration (FD wants many: 50+ per class for figures that mean something).",
 )
-@click.option("--class", "--classes", "classes", multiple=True, help="Class ids or names. Default: all.")
+@classes_option
 @prompt_options
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@seed_option
 @click.option(
     "--warmup",
     type=click.IntRange(min=0),
@@ -90,26 +94,10 @@ from lantern_rt.prompt_files import read_prompts
     help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size. "
     "With --bundle it runs --model (default: the demo), the model the bundle was exported from.",
 )
-@click.option("--cfg-scale", type=float, default=None, help="CFG scale. Default: the model's.")
-@click.option(
-    "--temperature",
-    type=float,
-    default=None,
-    help="Sampling temperature. Default: the model's sampling_defaults, else 1.0.",
-)
-@click.option(
-    "--top-k",
-    type=int,
-    default=None,
-    help="Keep the k most likely tokens (0 = off). Default: the model's sampling_defaults, else 0.",
-)
-@click.option(
-    "--top-p",
-    type=float,
-    default=None,
-    help="Nucleus sampling mass in (0, 1]. Default: the model's sampling_defaults, else 1.0.",
-)
+@sampling_options
+@device_option
 @threads_option("CPU threads (0: the library default).")
+@cuda_graphs_option
 @compile_option
 @click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
 @click.option(
@@ -159,7 +147,9 @@ def bench_cmd(
     temperature,
     top_k,
     top_p,
+    device,
     threads,
+    cuda_graphs,
     compile_step,
     no_quality,
     ar_seeds,
@@ -189,7 +179,9 @@ def bench_cmd(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        device=device,
         threads=threads,
+        cuda_graphs=cuda_graphs,
         quality=not no_quality,
         ar_seeds=ar_seeds,
         features=features,

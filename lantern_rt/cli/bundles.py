@@ -12,9 +12,10 @@ from lantern_rt.cli.options import (
     parse_batch_sizes,
 )
 from lantern_rt.errors import UserError, reports_errors
+from lantern_rt.runtime.run_shape import CACHE_WINDOWS
 from lantern_rt.settings import (
-    CACHE_WINDOWS,
     CPU_DEFAULT_TREE,
+    DEFAULT_OPSET,
     GPU_DEFAULT_TREE,
 )
 
@@ -43,7 +44,7 @@ from lantern_rt.settings import (
     help="Bundle folder to write (written to a temporary folder, then renamed).",
 )
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (17..20).")
+@click.option("--opset", type=int, default=DEFAULT_OPSET, show_default=True, help="ONNX opset (17..20).")
 @click.option(
     "--batch-size",
     "batch_sizes",
@@ -72,7 +73,7 @@ from lantern_rt.settings import (
 @reports_errors
 def export_cmd(model_path, trees, device, out, dtype, opset, batch_sizes, windows, no_guidance, force, quiet):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
-    from lantern_rt.export.bundle import export_bundle
+    from lantern_rt.export.exporter import export_bundle
     from lantern_rt.families.loading import open_model_dir
     from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
     from lantern_rt.runtime.tree import load_tree

@@ -19,7 +19,7 @@ from lantern_rt.cli.options import (
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.fileio import check_writable
 from lantern_rt.prompt_files import read_prompts
-from lantern_rt.settings import AUTO_STREAMS_MAX
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX
 
 
 @click.command("generate")
@@ -111,8 +111,9 @@ def generate(
 
     from lantern_rt.fileio import write_together
     from lantern_rt.generate import generate as run
-    from lantern_rt.generate import make_pipeline
     from lantern_rt.images import grid, write_png
+    from lantern_rt.pipeline import build_pipeline
+    from lantern_rt.runtime.run_shape import RunShape
     from lantern_rt.training import codes_files
 
     if threads:
@@ -132,18 +133,16 @@ def generate(
     request = requested_run(md, source, prompts, None if drafter_path is None else str(drafter_path))
     class_ids, sampling, mc = request.conditions, request.sampling, request.method
     labels = [c for c in class_ids for _ in range(num_images)]
-    pipe = make_pipeline(
+    pipe = build_pipeline(
         source,
-        request.settings.backend,
         mc,
-        device,
-        threads,
-        cuda_graphs,
-        batch_size,
-        sampling.guided,
-        streams,
-        len(labels),
-        compile_step,
+        RunShape(batch_size, sampling.guided, streams=streams),
+        backend=request.settings.backend,
+        device=device,
+        threads=threads,
+        cuda_graphs=cuda_graphs,
+        compile=compile_step,
+        images=len(labels),
     )
     result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
     image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))

@@ -10,15 +10,14 @@ from typing import TYPE_CHECKING
 import click
 
 from lantern_rt.errors import UserError
+from lantern_rt.runtime.backends.registry import BACKENDS, backend_named
+from lantern_rt.runtime.run_shape import MAX_BATCH_SIZE, MAX_STREAMS, check_batch_sizes, check_stream_counts
 from lantern_rt.settings import (
-    BACKENDS,
     CPU_DEFAULT_TREE,
     DEFAULT_WINDOW,
     GPU_DEFAULT_TREE,
-    MAX_BATCH_SIZE,
     MAX_IMAGES_PER_CLASS,
     MAX_SEED,
-    MAX_STREAMS,
     METHODS,
     RunRequest,
     capped_threads,
@@ -62,6 +61,22 @@ class StreamCount(click.ParamType):
         return number
 
 
+class BackendName(click.Choice):
+    """``--backend``: a name in the backend registry, read when the option is parsed or shown (a
+    backend registered after this module is imported is a choice too)."""
+
+    def __init__(self) -> None:
+        super().__init__(list(BACKENDS))
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        return tuple(BACKENDS)
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        """The registry's names stand: what click's constructor sets is not kept."""
+
+
 def threads_option(help: str, minimum: int = 0, default: int | None = 0) -> Callable:
     """``--threads`` (``help`` first): capped at the cores the process may use, with a warning
     (``settings.capped_threads``)."""
@@ -79,12 +94,12 @@ def open_run_source(
     model_path: Path | None, bundle: Path | None, backend: str | None, drafter_path: Path | None
 ):
     """(model info, what to build the pipeline from: a model directory or the opened bundle)."""
-    from lantern_rt.generate import open_source
+    from lantern_rt.pipeline import open_source
 
     if bundle is not None and drafter_path is not None:
         raise UserError("--bundle runs an exported bundle with its own drafter: drop --drafter")
-    if bundle is not None and backend == "torch":
-        raise UserError("a bundle runs on onnxruntime or tensorrt: drop --backend torch or --bundle")
+    if bundle is not None and backend is not None:
+        backend_named(backend).check_bundle()
     return open_source(model_path, bundle)
 
 
@@ -97,30 +112,33 @@ model_option = click.option(
 )
 
 
-def run_options(command: Callable) -> Callable:
-    """The options ``generate`` and ``generate-set`` share: what to make and how (classes and
-    counts, sampling, method, backend, device, batch size), resolved by ``settings.run_request``."""
-    for option in reversed(_RUN_OPTIONS):
-        command = option(command)
-    return command
+def options(*decorators: Callable) -> Callable:
+    """The click options ``decorators`` as one decorator, in the order given (--help's order)."""
+
+    def apply(command: Callable) -> Callable:
+        for option in reversed(decorators):
+            command = option(command)
+        return command
+
+    return apply
 
 
-_RUN_OPTIONS = [
-    click.option(
-        "--class",
-        "--classes",
-        "classes",
-        multiple=True,
-        help="Class ids or names, comma-separated or repeated. Default: every class.",
-    ),
-    click.option(
-        "--num-images",
-        "-n",
-        type=IMAGES_PER_CLASS,
-        default=4,
-        show_default=True,
-        help="Images per class.",
-    ),
+classes_option = click.option(
+    "--class",
+    "--classes",
+    "classes",
+    multiple=True,
+    help="Class ids or names, comma-separated or repeated. Default: every class.",
+)
+seed_option = click.option(
+    "--seed",
+    type=SEED,
+    default=0,
+    show_default=True,
+    help="Random seed; the same seed and settings give the same tokens.",
+)
+# what each image samples: the CFG scale, temperature, top-k and top-p (settings.default_sampling)
+sampling_options = options(
     click.option(
         "--cfg-scale",
         type=float,
@@ -145,14 +163,43 @@ _RUN_OPTIONS = [
         default=None,
         help="Nucleus sampling mass in (0, 1]. Default: the model's sampling_defaults, else 1.0.",
     ),
-    click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
+)
+cuda_graphs_option = click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=True,
+    show_default=True,
+    help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
+)
+device_option = click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Where the run computes (cpu, cuda or cuda:N): the torch backend's device, and what the "
+    "default --backend and --tree are chosen for.",
+)
+
+
+def bundle_option(help: str) -> Callable:
+    """``--bundle``: an exported bundle to run instead of a model directory."""
+    return click.option("--bundle", type=click.Path(path_type=Path), default=None, help=help)
+
+
+# The options ``generate`` and ``generate-set`` share: what to make and how (classes and counts,
+# sampling, method, backend, device, batch size), resolved by ``settings.run_request``; ``bench``
+# takes the sampling, device and engine ones among them.
+run_options = options(
+    classes_option,
     click.option(
-        "--seed",
-        type=SEED,
-        default=0,
+        "--num-images",
+        "-n",
+        type=IMAGES_PER_CLASS,
+        default=4,
         show_default=True,
-        help="Random seed; the same seed and settings give the same tokens.",
+        help="Images per class.",
     ),
+    sampling_options,
+    click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
+    seed_option,
     click.option(
         "--method",
         type=click.Choice(METHODS),
@@ -186,33 +233,19 @@ _RUN_OPTIONS = [
     ),
     click.option(
         "--backend",
-        type=click.Choice(BACKENDS),
+        type=BackendName(),
         default=None,
         help="Runtime backend. Default on a CPU: onnxruntime (a model directory is exported once into "
         "$LANTERN_CACHE or ~/.cache/lantern-rt); torch for another --device or a --drafter override. "
         "tensorrt runs a bundle's plans from 'lantern build-engines'.",
     ),
-    click.option(
-        "--cuda-graphs/--no-cuda-graphs",
-        default=True,
-        show_default=True,
-        help="Replay each step from a captured CUDA graph (torch on a CUDA --device, tensorrt).",
-    ),
+    cuda_graphs_option,
     compile_option,
-    click.option(
-        "--bundle",
-        type=click.Path(path_type=Path),
-        default=None,
-        help="Run an exported bundle (from 'lantern export') instead of a model directory, on onnxruntime "
-        "or tensorrt (--backend).",
+    bundle_option(
+        "Run an exported bundle (from 'lantern export') instead of a model directory, on onnxruntime "
+        "or tensorrt (--backend)."
     ),
-    click.option(
-        "--device",
-        default="cpu",
-        show_default=True,
-        help="Where the run computes (cpu, cuda or cuda:N): the torch backend's device, and what the "
-        "default --backend and --tree are chosen for.",
-    ),
+    device_option,
     threads_option(
         "CPU threads (0: the library default; generate-set: per worker, 1 per Ray actor by default)."
     ),
@@ -223,7 +256,7 @@ _RUN_OPTIONS = [
         show_default=True,
         help="Images decoded together per step; the tokens do not depend on it (a bundle must hold graphs for it: lantern export --batch-size).",
     ),
-]
+)
 
 
 def requested_run(
@@ -281,13 +314,9 @@ def _integers(text: str, option: str, example: str) -> list[int]:
 
 def parse_batch_sizes(text: str) -> list[int]:
     """``--batch-size 1,8`` -> [1, 8]; :class:`UserError` for anything else."""
-    from lantern_rt.settings import check_batch_sizes
-
     return check_batch_sizes(_integers(text, "--batch-size", "1,8"))
 
 
 def parse_stream_counts(text: str) -> list[int]:
     """``--streams 1,2`` -> [1, 2]; :class:`UserError` for anything else."""
-    from lantern_rt.settings import check_stream_counts
-
     return check_stream_counts(_integers(text, "--streams", "1,2"))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from lantern_rt.assembly import Pipeline
 from lantern_rt.bundle import Bundle
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
 from lantern_rt.eval.features import load_features, load_reference, user_features
@@ -40,15 +41,19 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
+from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import load_target, load_vq, open_bundle, open_model_dir
-from lantern_rt.generate import Generation, Pipeline, cached_bundle, generate, make_pipeline, open_source
+from lantern_rt.generate import Generation, generate
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.pipeline import build_pipeline, open_source
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
+from lantern_rt.runtime.backends.registry import MODEL, backend_named, cpu_backends
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes, check_stream_counts
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import stream_threads
 from lantern_rt.runtime.tree import TreeError, load_tree
@@ -56,8 +61,7 @@ from lantern_rt.settings import (
     JACOBI_METHODS,
     METHODS,
     MethodConfig,
-    check_batch_sizes,
-    check_stream_counts,
+    check_device,
     requested_conditions,
     run_defaults,
     window_tree,
@@ -94,7 +98,6 @@ KEY_TYPES: dict[str, tuple[type, str]] = {
     "delta": (float, "a number"),
     "lambda": (float, "a number"),
 }
-BENCH_BACKENDS = ("torch", "onnxruntime")  # CPU backends measured by default
 MC_FIELDS = {"lambda": "lam"}  # spec key -> MethodConfig field, where they differ
 DEFAULT_CONFIGS = (
     "ar",
@@ -512,7 +515,7 @@ class BenchSettings:
     out: Path
     model: Path | None = None
     bundle: Path | None = None
-    backends: tuple[str, ...] = ()  # () = torch and onnxruntime; onnxruntime for a bundle
+    backends: tuple[str, ...] = ()  # () = the CPU backends (registry.cpu_backends): torch and onnxruntime
     configs: tuple[str, ...] = DEFAULT_CONFIGS
     trees: tuple[str, ...] = ()  # () = the tree `lantern generate` would use (settings.run_defaults)
     num_images: int = 4  # per class
@@ -524,7 +527,9 @@ class BenchSettings:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    device: str = "cpu"  # where the torch rows compute (and what onnxruntime's providers may use)
     threads: int = 0
+    cuda_graphs: bool = True  # torch on a CUDA device, tensorrt: each step replayed from a captured graph
     quality: bool = True
     ar_seeds: int = 2
     command: str = ""
@@ -539,9 +544,12 @@ class BenchSettings:
 
 
 def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
-    if bundle and "torch" in requested:
-        raise ConfigError("a bundle runs on onnxruntime: drop --backend torch or --bundle")
-    return tuple(dict.fromkeys(requested)) or (("onnxruntime",) if bundle else BENCH_BACKENDS)
+    """The backends to measure: ``requested`` (each able to run a ``bundle``), else the CPU ones."""
+    for name in requested:
+        if bundle:
+            backend_named(name).check_bundle()
+        backend_named(name).check_available()
+    return tuple(dict.fromkeys(requested)) or cpu_backends(bundle)
 
 
 def output_dir(out: Path) -> Path:
@@ -627,12 +635,12 @@ BASELINES = ("torch-batched",)
 def _bundle_for(
     source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], guided: bool
 ) -> ModelDir | Bundle:
-    """What a pipeline of ``backend`` is built from: a bundle, or the model directory for
-    torch; a model directory's bundle is exported (once, cached) with every batch size, with
-    two CFG rows per image or (not ``guided``) one."""
-    if backend == "torch" or not isinstance(source, ModelDir):
+    """What a pipeline of ``backend`` is built from: a bundle, or a model directory for a backend
+    that runs one; a model directory's bundle is exported (once, cached) with every batch size,
+    with two CFG rows per image or (not ``guided``) one."""
+    if isinstance(source, Bundle) or MODEL in backend_named(backend).runs:
         return source
-    return open_bundle(cached_bundle(source, mc, batch_sizes=sizes, guided=guided))
+    return open_bundle(cached_bundle(source, mc, RunShape(guided=guided), batch_sizes=sizes))
 
 
 def baseline_model(name: str, source: ModelDir | Bundle, model: Path | None) -> ModelDir:
@@ -697,10 +705,13 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     from lantern_rt.eval.report import write_report
 
     # beside a bundle, --model names what the baseline runs
+    check_device(s.device)
     info, source = open_source(None if s.bundle and s.baseline else s.model, s.bundle)
     md = source if isinstance(source, ModelDir) else None
     backends = resolve_backends(s.backends, md is None)
-    trees = s.trees or tuple(dict.fromkeys(run_defaults(source, backend=b).tree for b in backends))
+    trees = s.trees or tuple(
+        dict.fromkeys(run_defaults(source, backend=b, device=s.device).tree for b in backends)
+    )
     configs = expand_configs(s.configs, trees, info.gpt.block_size)
     classes = requested_conditions(info, s.classes, s.prompts)
     labels = [c for c in classes for _ in range(s.num_images)]
@@ -710,15 +721,16 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
     sizes = check_batch_sizes(list(s.batch_sizes))
     stream_counts = check_stream_counts(list(s.streams))
-    if max(stream_counts) > 1 and "onnxruntime" not in backends:
+    streaming = [b for b in backends if backend_named(b).streams]
+    if max(stream_counts) > 1 and not streaming:
         raise ConfigError("--streams above 1 runs on onnxruntime: add --backend onnxruntime")
     stream_threads(s.threads, max(stream_counts))  # enough threads, checked before any work
     if s.compile:
-        if "torch" not in backends:
+        if not any(backend_named(b).compiles for b in backends):
             raise CompileError(
                 "--compile compiles the torch rows' decode steps: add --backend torch or use --no-compile"
             )
-        require_compiler("cpu")
+        require_compiler(s.device)
     baseline = None if s.baseline is None else baseline_model(s.baseline, source, s.model)
     for size in sizes if isinstance(source, Bundle) else ():
         source.batch(size)  # refused before any run
@@ -733,16 +745,15 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, sampling.guided)
     runs = [
         Measurement.of_pipeline(
-            make_pipeline(
+            build_pipeline(
                 sources[b, mc.tree],
-                b,
                 mc,
-                "cpu",
-                s.threads,
-                batch_size=size,
-                guided=sampling.guided,
-                streams=streams,
-                compile=s.compile and b == "torch",
+                RunShape(size, sampling.guided, streams=streams),
+                backend=b,
+                device=s.device,
+                threads=s.threads,
+                cuda_graphs=s.cuda_graphs,
+                compile=s.compile and backend_named(b).compiles,
             ),
             sampling,
             s.seed,
@@ -751,7 +762,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         for size in sizes
         for streams in stream_counts
         for b in backends
-        if streams == 1 or b == "onnxruntime"
+        if streams == 1 or b in streaming
         for mc in configs
     ]
     if s.baseline is not None:

@@ -38,11 +38,12 @@ import torch
 
 from lantern_rt.eval.baseline import CompiledLoopStep, LoopStep, torch_batched_ar
 from lantern_rt.families.loading import load_target, open_model_dir
-from lantern_rt.generate import generate, make_pipeline
+from lantern_rt.generate import generate
 from lantern_rt.models.config import gpt_config
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.models.target import Transformer
+from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, relax_inputs
 from lantern_rt.runtime.backends.base import Draft, FilterInputs
 from lantern_rt.runtime.backends.compiled import Compiled
@@ -59,14 +60,14 @@ GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
 RELAX = Relaxation("lantern++", k=10, lam=5.0)
 
 
-def paths(device: str) -> list[tuple[str, str, bool, str]]:
-    """(name, backend, cuda_graphs, LANTERN++ tree) for every path this machine can run: a path
-    on the GPU drafts its default tree, the onnxruntime CPU path the CPU's."""
-    found = [("onnxruntime-cpu", "onnxruntime", False, CPU_DEFAULT_TREE)]
+def paths(device: str) -> list[tuple[str, str, bool, str, str]]:
+    """(name, backend, cuda_graphs, LANTERN++ tree, device) for every path this machine can run:
+    a path on the GPU drafts its default tree, the onnxruntime CPU path the CPU's."""
+    found = [("onnxruntime-cpu", "onnxruntime", False, CPU_DEFAULT_TREE, "cpu")]
     if device.startswith("cuda"):
         gpu = [
-            ("torch-eager", "torch", False, GPU_DEFAULT_TREE),
-            ("torch-cudagraphs", "torch", True, GPU_DEFAULT_TREE),
+            ("torch-eager", "torch", False, GPU_DEFAULT_TREE, device),
+            ("torch-cudagraphs", "torch", True, GPU_DEFAULT_TREE, device),
         ]
         found = [*gpu, *found]
     return found
@@ -77,7 +78,7 @@ def run_path(
 ) -> dict[str, Any]:
     """Sampling-mode speed and greedy tokens for one path and method (first image: warm-up)."""
     md = open_model_dir(DEMO_DIR)
-    pipe = make_pipeline(md, backend, method, device if backend == "torch" else "cpu", 1, graphs)
+    pipe = build_pipeline(md, method, backend=backend, device=device, threads=1, cuda_graphs=graphs)
     generate(pipe, labels[:1], SAMPLING, seed=99, progress=False)
     timed = generate(pipe, labels, SAMPLING, seed=0, progress=False)
     greedy = generate(pipe, labels[:2], GREEDY, seed=0, progress=False)
@@ -94,14 +95,14 @@ def demo_rows(device: str, labels: list[int]) -> list[dict[str, Any]]:
     speedup vs AR on that path, greedy agreement with the first path of the same method and tree
     (sjd's greedy tokens are AR's)."""
     rows, reference = [], {}
-    for name, backend, graphs, tree in paths(device):
+    for name, backend, graphs, tree, path_device in paths(device):
         ar = None
         for method in (
             MethodConfig("ar"),
             MethodConfig("lantern++", tree=tree),
             MethodConfig("sjd", tree="chain-5"),
         ):
-            r = run_path(backend, graphs, method, device, labels)
+            r = run_path(backend, graphs, method, path_device, labels)
             ar = ar or r["s_per_image"]
             tokens = r.pop("greedy_tokens")
             first = reference.setdefault((method.method, method.tree), tokens)

@@ -73,7 +73,7 @@ class DecodeStep:
     states [2B, R, D]: the next step's pending pairs."""
 
     target: TargetBackend
-    spec: Speculation | None
+    speculation: Speculation | None
     tree: StaticTree
     filters: FilterInputs
     relax: RelaxInputs
@@ -91,14 +91,18 @@ class DecodeStep:
         bonus_noise: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         target = self.target
-        jacobi = self.spec.drafter if self.spec and isinstance(self.spec.drafter, JacobiDrafter) else None
+        jacobi = (
+            self.speculation.drafter
+            if self.speculation and isinstance(self.speculation.drafter, JacobiDrafter)
+            else None
+        )
         if jacobi:
             with span("draft"):
                 drafted = jacobi.draft(pending, m, target.cache.length, draft_noise, self.relax.greedy)
-        elif self.spec:
+        elif self.speculation:
             with span("draft"):
                 drafted = draft(
-                    self.spec.drafter,
+                    self.speculation.drafter,
                     self.tree,
                     pending,
                     hidden,
@@ -176,11 +180,13 @@ def decode_image(
     num_tokens: int,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-    spec: Speculation | None = None,
+    speculation: Speculation | None = None,
     step_graphs: StepCache | None = None,
 ) -> ImageResult:
     """One image: :func:`decode_images` of the single job (``cond``, ``generator``)."""
-    ((_, result),) = decode_images(target, [(cond, generator)], num_tokens, sampling, spec, step_graphs)
+    ((_, result),) = decode_images(
+        target, [(cond, generator)], num_tokens, sampling, speculation, step_graphs
+    )
     return result
 
 
@@ -189,7 +195,7 @@ def decode_images(
     jobs: Iterable[Job],
     num_tokens: int,
     sampling: SamplingConfig,
-    spec: Speculation | None = None,
+    speculation: Speculation | None = None,
     step_graphs: StepCache | None = None,
 ) -> Iterator[tuple[int, ImageResult]]:
     """Generate ``num_tokens`` image tokens for each job, B at a time (the target's batch:
@@ -206,7 +212,7 @@ def decode_images(
     (a :class:`StepCache` the caller keeps across calls) each step is compiled and/or replayed
     from one captured CUDA graph, as it says.
     """
-    tree = spec.tree if spec else ROOT_ONLY
+    tree = speculation.tree if speculation else ROOT_ONLY
     cache = target.cache
     batch = cache.images
     queue = enumerate(jobs)
@@ -229,7 +235,7 @@ def decode_images(
         longest = max((len(slot.tokens) for slot in slots if slot is not None), default=0)
         cache.fit(window_needed(target.cls_token_num, longest, tree.max_depth))
         if fresh:
-            state = _prefill(target, spec, slots, fresh, sampling, tree, state)
+            state = _prefill(target, speculation, slots, fresh, sampling, tree, state)
         finished = [b for b, slot in enumerate(slots) if slot is not None and len(slot.tokens) >= num_tokens]
         for b in finished:
             slot = slots[b]
@@ -242,9 +248,9 @@ def decode_images(
             continue  # the freed slots take the next jobs before the next step
         if all(slot is None for slot in slots):
             return
-        draft_noise, noise, bonus_noise = _step_noise(slots, tree, spec is not None, sampling, state)
+        draft_noise, noise, bonus_noise = _step_noise(slots, tree, speculation is not None, sampling, state)
         step = steps.get(cache.window) or steps.setdefault(
-            cache.window, _step(target, spec, tree, state, step_graphs)
+            cache.window, _step(target, speculation, tree, state, step_graphs)
         )
         m, pending, hidden = step(
             state.pending, state.hidden, state.m, state.active(slots), draft_noise, noise, bonus_noise
@@ -282,7 +288,7 @@ class _State:
 
 def _prefill(
     target: TargetBackend,
-    spec: Speculation | None,
+    speculation: Speculation | None,
     slots: list[_Slot | None],
     fresh: list[int],
     sampling: SamplingConfig,
@@ -305,14 +311,18 @@ def _prefill(
     prefix, cond = prefix.to(device), cond.to(device)
     with span("prefill"):
         logits, hidden = target.prefill(cond, prefix, is_fresh)
-        if spec:
-            spec.drafter.prefill(hidden[:, :-1], is_fresh, cond, prefix)
+        if speculation:
+            speculation.drafter.prefill(hidden[:, :-1], is_fresh, cond, prefix)
     hidden = hidden[:, -1]
     vocab = logits.shape[-1]
     if state is None:
         check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
         relax = relax_inputs(
-            spec.relax if spec else EXACT, spec.neighbors if spec else None, vocab, sampling.greedy, device
+            speculation.relax if speculation else EXACT,
+            speculation.neighbors if speculation else None,
+            vocab,
+            sampling.greedy,
+            device,
         )
         pending = tree.max_depth + 1
         state = _State(
@@ -376,7 +386,7 @@ def _step_noise(
 
 def _step(
     target: TargetBackend,
-    spec: Speculation | None,
+    speculation: Speculation | None,
     tree: StaticTree,
     state: _State,
     cache: StepCache | None,
@@ -384,13 +394,13 @@ def _step(
     """The step of these backends and settings, compiled and/or captured once in ``cache``
     when given."""
     filters, relax, device = state.filters, state.relax, state.device
-    key = (id(target), id(spec), tree.paths, target.cache.window, *map(id, filters), *map(id, relax))
+    key = (id(target), id(speculation), tree.paths, target.cache.window, *map(id, filters), *map(id, relax))
     if cache is not None and key in cache.steps:
         return cache.steps[key]
     batch = target.cache.images
     step = DecodeStep(
         target,
-        spec,
+        speculation,
         tree,
         filters,
         relax,
@@ -401,19 +411,19 @@ def _step(
         return step
     if cache.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device}")
-    state_tensors = (target.cache.length, *_drafter_state(spec))
+    state_tensors = (target.cache.length, *_drafter_state(speculation))
     run = Compiled(step, state_tensors) if cache.compile else step
     cache.steps[key] = CudaGraphed(run, state_tensors) if cache.cuda_graphs else run
     return cache.steps[key]
 
 
-def _drafter_state(spec: Speculation | None) -> tuple[Tensor, ...]:
+def _drafter_state(speculation: Speculation | None) -> tuple[Tensor, ...]:
     """What a step's drafting updates in place: the drafter cache's length, or the Jacobi state."""
-    if spec is None:
+    if speculation is None:
         return ()
-    if isinstance(spec.drafter, JacobiDrafter):
-        return spec.drafter.state
-    return (spec.drafter.cache.length,)
+    if isinstance(speculation.drafter, JacobiDrafter):
+        return speculation.drafter.state
+    return (speculation.drafter.cache.length,)
 
 
 def _uniform(

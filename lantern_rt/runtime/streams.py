@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.decode import ImageResult, Job, Speculation, StepCache, decode_images
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, available_cores
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import AUTO_STREAMS_MAX, available_cores
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Stream:
     the drafter's own cache) and where its compiled or captured steps are kept (None: eager)."""
 
     target: TargetBackend
-    spec: Speculation | None = None
+    speculation: Speculation | None = None
     step_graphs: StepCache | None = None
 
 
@@ -59,7 +59,7 @@ def decode_streams(
     streams = list(streams)
     if len(streams) == 1:
         s = streams[0]
-        yield from decode_images(s.target, jobs, num_tokens, sampling, s.spec, s.step_graphs)
+        yield from decode_images(s.target, jobs, num_tokens, sampling, s.speculation, s.step_graphs)
         return
     shared = enumerate(jobs)
     lock = threading.Lock()
@@ -80,7 +80,7 @@ def decode_streams(
         numbers: list[int] = []
         try:
             decoded = decode_images(
-                stream.target, taken(numbers), num_tokens, sampling, stream.spec, stream.step_graphs
+                stream.target, taken(numbers), num_tokens, sampling, stream.speculation, stream.step_graphs
             )
             for local, result in decoded:
                 results.put((numbers[local], result))

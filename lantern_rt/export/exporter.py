@@ -1,4 +1,4 @@
-"""The bundle: fixed-shape ONNX graphs plus ``manifest.json``, the contract with every runtime.
+"""The exporter: writes a model directory's bundle (its format: :mod:`lantern_rt.bundle`).
 
 :func:`export_bundle` exports, lints and numerically checks every graph against the torch model
 in a temporary folder beside ``out`` and renames it into place only when all of them pass
@@ -58,13 +58,13 @@ from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import cache_windows
+from lantern_rt.runtime.run_shape import CACHE_WINDOWS, check_batch_sizes, check_cache_windows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
-from lantern_rt.settings import CACHE_WINDOWS, check_batch_sizes, check_cache_windows
+from lantern_rt.settings import DEFAULT_OPSET
 from lantern_rt.shared_weights import share_weights
 from lantern_rt.version import package_version
 
 NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
-DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 # compute dtype -> (atol, rtol against the largest reference value), on one random input
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2)}

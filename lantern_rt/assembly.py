@@ -1,0 +1,253 @@
+"""A pipeline and its assembly: what turns conditions into images on one backend (:class:`Pipeline`),
+the one assembly of a :class:`~lantern_rt.runtime.decode.Speculation`, and each kind of backend's
+pipeline: torch's over a model directory's models, a bundle's over an engine's graph runners.
+The backend registry (:mod:`lantern_rt.runtime.backends.registry`) builds through these;
+:func:`lantern_rt.pipeline.build_pipeline` is the entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lantern_rt.bundle import BatchGraphs, Bundle
+from lantern_rt.errors import warn
+from lantern_rt.families.loading import bundle_info, load_drafter, load_neighbors, load_target, load_vq
+from lantern_rt.families.registry import family_named
+from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.models.target import grid_codes
+from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
+from lantern_rt.runtime.backends.bundle_graphs import (
+    BundleDrafter,
+    BundleTarget,
+    BundleVQDecoder,
+    RunnerFactory,
+    bundle_trees,
+    bundle_windows,
+)
+from lantern_rt.runtime.backends.compiled import require_compiler
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.decode import Condition, Speculation, StepCache
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
+from lantern_rt.runtime.jacobi import JacobiDrafter
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, RunShape
+from lantern_rt.runtime.streams import Stream, auto_streams, stream_threads
+from lantern_rt.runtime.tree import StaticTree, load_tree
+
+if TYPE_CHECKING:  # the settings read the backend registry, which builds through this module
+    from lantern_rt.settings import MethodConfig
+
+
+def speculation(
+    drafter: DrafterBackend | JacobiDrafter,
+    tree: StaticTree,
+    method: MethodConfig,
+    neighbors: torch.Tensor | Callable[[int], torch.Tensor],
+    device: torch.device | str,
+) -> Speculation:
+    """A speculative ``method``'s drafter, tree, acceptance rule and neighbour table on
+    ``device``: ``neighbors`` itself (a bundle's whole table, which its acceptance graphs take
+    whatever the method), or ``neighbors(k)`` for the relaxed methods (none for exact)."""
+    relax = method.relaxation()
+    if isinstance(neighbors, torch.Tensor):
+        table = neighbors.to(device)
+    else:
+        table = neighbors(relax.k).to(device) if relax.relaxed else None
+    return Speculation(drafter, tree, relax, table)
+
+
+def jacobi_speculation(
+    target: TargetBackend,
+    gpt: GPTConfig,
+    tree: StaticTree,
+    method: MethodConfig,
+    neighbors: torch.Tensor | Callable[[int], torch.Tensor],
+) -> Speculation:
+    """A Jacobi ``method``'s window (``tree``, a chain) over ``target``'s batch and cache, on the
+    target's device: no drafter (docs/method.md §11)."""
+    cache = target.cache
+    row = gpt.grid_size + gpt.row_end  # tokens per image row: the spatial drafts' "above"
+    window = JacobiDrafter(
+        tree, cache.images, gpt.vocab_size, cache.capacity, target.cls_token_num, row, cache.length.device
+    )
+    return speculation(window, tree, method, neighbors, cache.length.device)
+
+
+@dataclass
+class Pipeline:
+    """Everything that turns class labels (or prompts) into images on one backend."""
+
+    info: ModelDir  # names, classes and geometry (for a bundle: rebuilt from its manifest)
+    backend: str
+    target: TargetBackend
+    speculation: Speculation | None
+    condition: Callable[[int | str], Condition]  # class id or prompt -> the image's condition
+    decode_codes: Callable[[torch.Tensor], torch.Tensor]  # codes [N, T] -> images [N, C, H, W]
+    method: MethodConfig
+    device: str = "cpu"
+    step_graphs: StepCache | None = None  # whole decode steps compiled or captured (torch), kept here
+    more_streams: tuple[Stream, ...] = ()  # decode streams beside the first (docs/method.md §15)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        """The decode streams: ``target``/``speculation``/``step_graphs``, then :attr:`more_streams`."""
+        return (Stream(self.target, self.speculation, self.step_graphs), *self.more_streams)
+
+    @property
+    def batch_size(self) -> int:
+        """Images decoded per step."""
+        return self.target.cache.images
+
+    @property
+    def guided(self) -> bool:
+        """Whether each image runs its two CFG rows (False: one row, CFG scales of at most 1
+        only; docs/method.md §13)."""
+        return self.target.cache.guided
+
+
+def torch_pipeline(
+    md: ModelDir,
+    method: MethodConfig,
+    shape: RunShape = RunShape(),
+    device: str = "cpu",
+    cuda_graphs: bool = False,
+    compile: bool = False,
+) -> Pipeline:
+    """The reference pipeline: the torch models of a model directory in the run ``shape`` (one
+    stream), eager or compiled (``compile``: ``torch.compile`` of each whole decode step,
+    :mod:`lantern_rt.runtime.backends.compiled`), and (``cuda_graphs``, on a CUDA device) with
+    every decode step replayed from one captured CUDA graph."""
+    if compile:
+        require_compiler(device)
+    target_model = load_target(md, device)
+    vq = load_vq(md, device)
+    grid = md.gpt.grid_size
+    target = TorchTarget(target_model, shape.batch_size, shape.cache_windows, shape.guided)
+    spec = None
+    if method.jacobi:
+        window = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
+        spec = jacobi_speculation(target, md.gpt, window, method, lambda k: load_neighbors(md, k))
+    elif method.method != "ar":
+        drafter = load_drafter(md, method.drafter, device)
+        capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
+        spec = speculation(
+            TorchDrafter(
+                drafter,
+                target_model.output,
+                capacity,
+                shape.batch_size,
+                md.gpt.cls_token_num - 1,
+                md.gpt,
+                shape.guided,
+            ),
+            load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
+            method,
+            lambda k: load_neighbors(md, k),
+            device,
+        )
+
+    @torch.inference_mode()
+    def decode_codes(codes: torch.Tensor) -> torch.Tensor:
+        return vq.decode_code(grid_codes(codes.to(device), md.gpt), grid)
+
+    return Pipeline(
+        info=md,
+        backend="torch",
+        target=target,
+        speculation=spec,
+        condition=family_named(md.family).torch_conditioner(md, target_model, device, warn),
+        decode_codes=decode_codes,
+        method=method,
+        device=device,
+        step_graphs=StepCache(cuda_graphs, compile) if cuda_graphs or compile else None,
+    )
+
+
+def bundle_pipeline(
+    graphs: BatchGraphs, method: MethodConfig, runner: RunnerFactory, backend: str
+) -> Pipeline:
+    """A bundle's graphs for one batch size (:meth:`Bundle.batch`) run by an engine's graph
+    runners (``backend`` names it); no torch model is built."""
+    bundle = graphs.bundle
+    info = bundle_info(bundle)
+    first = bundle_stream(graphs, method, runner, backend)
+    target = first.target
+    decoder = BundleVQDecoder(bundle, runner)
+    condition = family_named(info.family).bundle_conditioner(bundle, runner, target.cache.k.device, warn)
+    return Pipeline(
+        info=info,
+        backend=backend,
+        target=target,
+        speculation=first.speculation,
+        condition=condition,
+        decode_codes=decoder.decode,
+        method=method,
+        device=str(target.cache.k.device),
+    )
+
+
+def bundle_stream(graphs: BatchGraphs, method: MethodConfig, runner: RunnerFactory, backend: str) -> Stream:
+    """The target (its own cache) and the speculation ``method`` runs over a bundle's graphs for
+    one batch size: what a decode stream holds."""
+    bundle = graphs.bundle
+    target = BundleTarget(graphs, runner, backend)
+    spec = None
+    if method.jacobi:
+        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
+        if window.paths not in {t.paths for t in bundle_windows(bundle).values()}:
+            raise ConfigError(
+                f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
+                f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
+            )
+        spec = jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors())
+    elif method.method != "ar":
+        if not bundle.has_drafter:
+            raise ConfigError(
+                f"bundle {bundle.path} has no drafter graphs: re-export a model that has a drafter"
+            )
+        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
+        if tree.paths not in {t.paths for t in bundle.trees.values()}:
+            raise ConfigError(
+                f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
+            )
+        drafter = BundleDrafter(graphs, runner, backend)
+        spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
+    return Stream(target, spec)
+
+
+def onnxruntime_pipeline(
+    bundle: Bundle,
+    method: MethodConfig,
+    shape: RunShape = RunShape(),
+    threads: int = 0,
+    images: int | None = None,
+) -> Pipeline:
+    """A bundle on onnxruntime (CPU, or CUDA with onnxruntime-gpu), decoding ``shape.streams``
+    batches at once on the CPU, each with its share of ``threads`` (the streams share one
+    session per graph, so the weights are loaded once). Streams None: one on a GPU, else
+    :func:`~lantern_rt.runtime.streams.auto_streams` for ``images`` images (None: a run of
+    any length)."""
+    from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, default_providers, ort_runner
+
+    streams = shape.streams
+    if streams is None:
+        streams = 1
+        if default_providers()[0] != CUDA:
+            batches = AUTO_STREAMS_MAX if images is None else -(-images // shape.batch_size)
+            streams, threads = auto_streams(threads, batches)
+    graphs = bundle.batch(shape.batch_size)
+    # one stream calls its sessions alone: their pools may spin within a call (not measured
+    # shared by several streams)
+    runner = ort_runner(stream_threads(threads, streams), spin=streams == 1)
+    pipe = bundle_pipeline(graphs, method, runner, "onnxruntime")
+    if streams > 1 and pipe.device != "cpu":
+        raise ConfigError(
+            f"--streams shares out CPU cores; this pipeline runs on {pipe.device}: use --streams 1 "
+            "(and a larger --batch-size)"
+        )
+    more = tuple(bundle_stream(graphs, method, runner, "onnxruntime") for _ in range(streams - 1))
+    return dataclasses.replace(pipe, more_streams=more)
