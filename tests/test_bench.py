@@ -134,6 +134,33 @@ def test_bad_spec_is_one_line_exit_2(tmp_path):
     assert not out.exists()
 
 
+def test_bench_takes_generate_s_run_options(tmp_path):
+    """bench shares generate's option decorators: --top-k, --top-p, --device and --cuda-graphs
+    parse, and are checked as generate checks them (one line, exit 2, nothing written); its
+    --backend lists the registry's backends and refuses torch a bundle in the registry's words."""
+    import torch
+
+    from lantern_rt.cli.bench import bench_cmd
+    from lantern_rt.cli.generate import generate
+
+    shared = {"--top-k", "--top-p", "--device", "--cuda-graphs", "--cfg-scale", "--temperature", "--seed"}
+    for command in (bench_cmd, generate):
+        assert shared <= {name for p in command.params for name in p.opts}
+    out = tmp_path / "never"
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(main, ["bench", "--device", "cuda", "--no-quality", "--out", str(out)])
+        assert r.exit_code == 2 and "this machine has no CUDA device" in r.output, r.output
+    r = CliRunner().invoke(main, ["bench", "--device", "tpu", "--out", str(out)])
+    assert r.exit_code == 2 and "is not a torch device" in r.output, r.output
+    r = CliRunner().invoke(main, ["bench", "--top-p", "2", "--out", str(out)])
+    assert r.exit_code == 2 and r.output.startswith("error: top-p must be in (0, 1]"), r.output
+    r = CliRunner().invoke(
+        main, ["bench", "--bundle", str(tmp_path), "--backend", "torch", "--out", str(out)]
+    )
+    assert r.exit_code == 2 and r.output.strip().count("\n") == 0, r.output
+    assert not out.exists()
+
+
 # --- the run order and the numbers ---------------------------------------------------------
 
 
