@@ -113,6 +113,7 @@ def torch_pipeline(
     md: ModelDir,
     method: MethodConfig,
     shape: RunShape = RunShape(),
+    *,
     device: str = "cpu",
     cuda_graphs: bool = False,
     compile: bool = False,
@@ -223,6 +224,7 @@ def onnxruntime_pipeline(
     bundle: Bundle,
     method: MethodConfig,
     shape: RunShape = RunShape(),
+    *,
     threads: int = 0,
     images: int | None = None,
 ) -> Pipeline:

@@ -35,7 +35,7 @@ def main(threads: int) -> None:
     sampling = SamplingConfig(4.0, 1.0)
     labels = [i % 10 for i in range(64)]
     for batch in (4, 16):
-        pipe = onnxruntime_pipeline(bundle, method, RunShape(batch), threads)
+        pipe = onnxruntime_pipeline(bundle, method, RunShape(batch), threads=threads)
         generate(pipe, labels[:batch], sampling, progress=False)  # warm-up
 
         def batchwise(pipe=pipe, batch=batch) -> None:

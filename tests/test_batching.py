@@ -441,8 +441,8 @@ def test_one_stream_s_pools_spin_only_within_a_call(batched_bundle):
         return {tuple(entry(o, k) for k in keys) for o in options}
 
     method = MethodConfig("lantern++", tree="chain-5")
-    one = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=1), 2)
-    two = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=2), 2)
+    one = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=1), threads=2)
+    two = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=2), threads=2)
     assert spinning(one) == {("1", "1")} and spinning(two) == {("0", "")}
     sampling = SamplingConfig(cfg_scale=3.0)
     tokens = [generate(p, [0, 3, 1], sampling, progress=False).tokens for p in (one, two)]

@@ -11,8 +11,8 @@ import torch
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
-from lantern_rt.runtime.streams import Stream, auto_streams, available_cores, decode_streams, stream_threads
-from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, available_cores
+from lantern_rt.runtime.streams import Stream, auto_streams, decode_streams, stream_threads
 from tests.test_batching import LABELS, SAMPLED, jobs, torch_spec
 
 MORE_LABELS = LABELS + [4, 1, 3]  # 10 images, all classes, in no order a stream could guess

@@ -481,6 +481,7 @@ def calibrate_bundle(
     out: Path,
     samples: int,
     method: MethodConfig | None = None,
+    *,
     seed: int = 0,
     validate: int | None = None,
     threads: int = 0,

@@ -109,13 +109,13 @@ def calibrate_cmd(
         out,
         samples,
         config,
-        seed,
-        validate,
-        threads,
-        force,
-        not quiet,
-        prompts,
-        None if weight_bits is None else int(weight_bits),
+        seed=seed,
+        validate=validate,
+        threads=threads,
+        overwrite=force,
+        progress=not quiet,
+        prompts=prompts,
+        weight_bits=None if weight_bits is None else int(weight_bits),
     )
     click.echo(markdown_table(report))
     if report_json is not None:

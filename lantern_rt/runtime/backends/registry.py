@@ -94,7 +94,9 @@ def _torch(
     from lantern_rt.assembly import torch_pipeline
 
     graphs = options.cuda_graphs and options.device.startswith("cuda")
-    return torch_pipeline(source, method, shape, options.device, graphs, options.compile)  # type: ignore[arg-type]
+    return torch_pipeline(
+        source, method, shape, device=options.device, cuda_graphs=graphs, compile=options.compile
+    )  # type: ignore[arg-type]
 
 
 def _onnxruntime(
@@ -102,7 +104,7 @@ def _onnxruntime(
 ) -> Pipeline:
     from lantern_rt.assembly import onnxruntime_pipeline
 
-    return onnxruntime_pipeline(source, method, shape, options.threads, options.images)  # type: ignore[arg-type]
+    return onnxruntime_pipeline(source, method, shape, threads=options.threads, images=options.images)  # type: ignore[arg-type]
 
 
 def _tensorrt(
