@@ -262,7 +262,7 @@ def test_package_version_without_an_installed_distribution(monkeypatch):
 
 
 def test_a_bundle_with_a_model_or_drafter_is_one_line_exit_2(tiny_model_dir, tmp_path):
-    """generate and bench share generate.open_source: a bundle and a model directory together
+    """generate and bench share pipeline.open_source: a bundle and a model directory together
     are refused before anything is opened."""
     bundle = tmp_path / "no-bundle"
     for args, says in (
