@@ -350,7 +350,7 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
     from lantern_rt.settings import MethodConfig
 
     pipe = onnxruntime_pipeline(
-        batched_bundle, MethodConfig("lantern++", tree="chain-5"), RunShape(3, streams=2), 2
+        batched_bundle, MethodConfig("lantern++", tree="chain-5"), RunShape(3, streams=2), threads=2
     )
     first, second = pipe.streams
     assert first.target.cache is not second.target.cache
