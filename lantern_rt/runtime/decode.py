@@ -173,7 +173,7 @@ class JobSource(Protocol):
 
     def keep(self, key: Hashable, tokens: int) -> bool:
         """Called after each step for each image decoding, with its tokens so far (the last call
-        has them all); False frees its slot at once (the image is dropped)."""
+        has them all); False frees an unfinished image's slot at once (the image is dropped)."""
 
 
 class Jobs:
@@ -301,7 +301,7 @@ def decode_images(
                 emitted = committed[: min(n, num_tokens - len(slot.tokens))]
                 slot.tokens.extend(emitted)
                 slot.accepted.append(len(emitted))
-                if not source.keep(slot.index, len(slot.tokens)):
+                if not source.keep(slot.index, len(slot.tokens)) and len(slot.tokens) < num_tokens:
                     slots[b] = None
 
 

@@ -80,6 +80,42 @@ class ServeSettings:
     request_timeout: float
 
 
+class RequestIds:
+    """ASGI middleware: a uuid4 ``X-Request-Id`` on every response, the generation requests
+    counted by status and timed, and any error that escaped the handlers a JSON 500 (no
+    traceback). Plain ASGI, so that a handler still sees its client disconnect."""
+
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = str(uuid.uuid4()).encode()
+        t0 = time.monotonic()
+        status = [500]
+        started = [False]
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # no traceback leaves the server
+            if started[0]:
+                raise
+            response = JSONResponse(error_body(f"internal error: {first_line(exc)}", 500), 500)
+            await response(scope, receive, send_with_id)
+        if scope["path"] == GENERATIONS:
+            self.metrics.requests.labels(status=str(status[0])).inc()
+            self.metrics.request_seconds.observe(time.monotonic() - t0)
+
+
 def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     """The app over ``engine`` (started with the app, closed when it stops: the requests in
     flight finish first, as uvicorn waits for them)."""
@@ -93,19 +129,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="lantern-rt", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def request_ids(request: Request, call_next):
-        request_id = str(uuid.uuid4())
-        t0 = time.monotonic()
-        try:
-            response = await call_next(request)
-        except Exception as exc:  # no traceback leaves the server
-            response = JSONResponse(error_body(f"internal error: {first_line(exc)}", 500), 500)
-        response.headers["X-Request-Id"] = request_id
-        if request.url.path == GENERATIONS:
-            metrics.requests.labels(status=str(response.status_code)).inc()
-            metrics.request_seconds.observe(time.monotonic() - t0)
-        return response
+    app.add_middleware(RequestIds, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):

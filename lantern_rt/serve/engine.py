@@ -180,12 +180,12 @@ class Engine:
             seconds if not self._image_seconds else 0.9 * self._image_seconds + 0.1 * seconds
         )
         m = self.metrics
-        m.images.inc()
-        m.image_seconds.observe(seconds)
         m.target_calls.inc(1 + len(result.accepted))
         m.accepted_tokens.inc(sum(result.accepted))
-        if request.cancelled:
+        if request.cancelled:  # counted as cancelled
             return
+        m.images.inc()
+        m.image_seconds.observe(seconds)
         request.results[index] = result
         if len(request.results) == request.n:
             tokens = torch.stack([request.results[i].tokens for i in range(request.n)])

@@ -18,7 +18,7 @@ class Metrics:
         self.requests = Counter(
             "lantern:requests", "Image-generation requests by HTTP status.", ["status"], registry=r
         )
-        self.images = Counter("lantern:images", "Images finished.", registry=r)
+        self.images = Counter("lantern:images", "Images finished and sent.", registry=r)
         self.images_cancelled = Counter(
             "lantern:images_cancelled",
             "Images dropped unfinished (client gone, deadline passed, server stopping).",
