@@ -17,13 +17,14 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lantern_rt.api import Generator
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.images import pil_image
 from lantern_rt.serve.engine import Closed, Engine, ImageRequest, QueueFull
@@ -196,8 +197,8 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
                 return Response(status_code=499)
         if job.error is not None:
             raise ApiError(500, job.error)
-        data = await asyncio.to_thread(_png_data, job.images)
         gen = engine.generator
+        data = await asyncio.to_thread(_png_data, gen, job.tokens)  # off the decode loop's thread
         return {
             "created": int(time.time()),
             "data": data,
@@ -279,10 +280,10 @@ def _labels(engine: Engine, settings: ServeSettings, body: GenerationBody) -> tu
     return [condition] * body.n, seed
 
 
-def _png_data(images: np.ndarray) -> list[dict]:
-    """OpenAI's ``data``: each image as a base64 PNG."""
+def _png_data(generator: Generator, tokens: torch.Tensor) -> list[dict]:
+    """OpenAI's ``data``: the images of ``tokens`` [n, T] (the VQ decoder), each a base64 PNG."""
     data = []
-    for array in images:
+    for array in generator.to_uint8(tokens):
         buffer = io.BytesIO()
         pil_image(array).save(buffer, format="PNG")
         data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode()})

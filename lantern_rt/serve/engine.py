@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from lantern_rt.api import Generator
@@ -51,7 +50,6 @@ class ImageRequest:
     started: float | None = None  # its first image entered a slot
     taken: int = 0  # images handed to the loop
     results: dict[int, ImageResult] = field(default_factory=dict)
-    images: np.ndarray | None = None  # uint8 [n, H, W, C] once complete
     error: str | None = None
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -59,6 +57,11 @@ class ImageRequest:
     @property
     def n(self) -> int:
         return len(self.labels)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The tokens [n, T] of a complete request."""
+        return torch.stack([self.results[i].tokens for i in range(self.n)])
 
     def finish(self) -> None:
         if not self.done.is_set():
@@ -188,8 +191,6 @@ class Engine:
         m.image_seconds.observe(seconds)
         request.results[index] = result
         if len(request.results) == request.n:
-            tokens = torch.stack([request.results[i].tokens for i in range(request.n)])
-            request.images = self.generator.to_uint8(tokens)
             request.finish()
 
     def _run(self) -> None:
