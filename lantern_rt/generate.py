@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +17,7 @@ from lantern_rt.assembly import Pipeline
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime import profiling
-from lantern_rt.runtime.decode import ImageResult
+from lantern_rt.runtime.decode import ImageResult, Jobs
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import decode_streams
 from lantern_rt.runtime.tree import tree_to_json
@@ -47,6 +47,7 @@ def generate(
     progress: bool = True,
     start_index: int = 0,
     profile: bool = False,
+    watch: Callable[[int, int], bool] | None = None,
 ) -> Generation:
     """Generate one image per entry of ``labels`` (class ids, or prompts for a text-conditional
     model); timings and acceptance stats in ``stats``. ``sampling`` None samples as the model's
@@ -55,7 +56,10 @@ def generate(
     Image ``i`` draws from the random stream ``(seed, start_index + i)``, so a run split into
     pieces gives the same images as one run. ``profile`` records NVTX ranges (see
     :mod:`lantern_rt.runtime.profiling`) and brackets every image after the first (the warm-up)
-    and the VQ decode with cudaProfilerStart/Stop.
+    and the VQ decode with cudaProfilerStart/Stop. ``watch(i, tokens)`` is called after each
+    decode step for each image decoding (the tokens it has so far; all of them at its last):
+    False stops the run, which returns the images finished before it
+    (:class:`~lantern_rt.runtime.decode.Jobs`).
     """
     t_start = time.perf_counter()
     sampling = default_sampling(pipe.info) if sampling is None else sampling
@@ -72,6 +76,8 @@ def generate(
         (pipe.condition(label), image_generator(seed, start_index + i, pipe.device))
         for i, label in enumerate(labels)
     )
+    if watch is not None:
+        jobs = Jobs(jobs, watch)
     results: dict[int, ImageResult] = {}
     per_image = []
     compiled_before = pipe.step_graphs.compile_seconds if pipe.step_graphs else 0.0
@@ -91,7 +97,9 @@ def generate(
                 per_image.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 bar.update()
-        ordered = [results[i] for i in range(len(labels))]
+        done = sorted(results)  # every image, unless watch stopped the run
+        labels = [labels[i] for i in done]
+        ordered = [results[i] for i in done]
         accepted = [a for r in ordered for a in r.accepted]
         tokens = (
             torch.stack([r.tokens for r in ordered])

@@ -33,9 +33,14 @@ def grid(images: np.ndarray, rows: int, pad: int = 2, scale: int = 1) -> np.ndar
     return out
 
 
+def pil_image(array: np.ndarray) -> Image.Image:
+    """uint8 [H, W, C] (C = 1: greyscale, or 3) as a PIL image."""
+    return Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
+
+
 def write_png(array: np.ndarray, path: Path) -> None:
     """Write uint8 [H, W, C] (C = 1 or 3) as a PNG at ``path`` (as it is: see :func:`save_png`)."""
-    Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(path, format="PNG")
+    pil_image(array).save(path, format="PNG")
 
 
 def save_png(array: np.ndarray, path: Path) -> None:

@@ -10,6 +10,7 @@ from lantern_rt.calibration.cli import calibrate_cmd
 from lantern_rt.cli.bench import bench_cmd
 from lantern_rt.cli.bundles import export_cmd, inspect_cmd
 from lantern_rt.cli.generate import generate, generate_set_cmd
+from lantern_rt.cli.serve import serve_cmd
 from lantern_rt.cli.train import train_drafter_cmd
 from lantern_rt.engines.cli import build_engines_cmd
 from lantern_rt.errors import OneLineErrors
@@ -30,5 +31,6 @@ for command in (
     bench_cmd,
     build_engines_cmd,
     calibrate_cmd,
+    serve_cmd,
 ):
     main.add_command(command)

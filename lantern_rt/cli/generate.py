@@ -109,17 +109,11 @@ def generate(
     text-to-image model)."""
     t0 = time.perf_counter()
 
+    from lantern_rt.api import load
     from lantern_rt.fileio import write_together
-    from lantern_rt.generate import generate as run
     from lantern_rt.images import grid, write_png
-    from lantern_rt.pipeline import build_pipeline
-    from lantern_rt.runtime.run_shape import RunShape
     from lantern_rt.training import codes_files
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     md, source = open_run_source(model_path, bundle, backend, drafter_path)
     stats_out = None if stats_json is None or str(stats_json) == "-" else stats_json  # "-": stdout
     files = [p for p in (output, save_tokens, stats_out) if p is not None]
@@ -131,21 +125,33 @@ def generate(
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
     prompts = read_prompts(prompt_texts, prompts_file)
     request = requested_run(md, source, prompts, None if drafter_path is None else str(drafter_path))
-    class_ids, sampling, mc = request.conditions, request.sampling, request.method
-    labels = [c for c in class_ids for _ in range(num_images)]
-    pipe = build_pipeline(
+    class_ids, mc = request.conditions, request.method
+    generator = load(
         source,
-        mc,
-        RunShape(batch_size, sampling.guided, streams=streams),
-        backend=request.settings.backend,
+        backend=backend,
         device=device,
+        method=method,
+        tree=tree,
+        window=window,
+        batch_size=batch_size,
+        streams=streams,
         threads=threads,
         cuda_graphs=cuda_graphs,
         compile=compile_step,
-        images=len(labels),
+        cfg_scale=cfg_scale,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        greedy=greedy,
+        lantern_k=lantern_k,
+        lantern_delta=lantern_delta,
+        lantern_lambda=lantern_lambda,
+        drafter=drafter_path,
+        images=len(class_ids) * num_images,
     )
-    result = run(pipe, labels, sampling, seed=seed, progress=not quiet, profile=profile)
-    image = grid(result.images, rows=len(class_ids), scale=max(1, 64 // md.image_size))
+    pipe = generator.pipeline
+    result = generator(class_ids, n=num_images, seed=seed, progress=not quiet, profile=profile)
+    image = grid(result.array, rows=len(class_ids), scale=max(1, 64 // md.image_size))
     stats = result.stats
     stats.total_seconds = time.perf_counter() - t0
     stats.extra["output"] = str(output)

@@ -187,19 +187,9 @@ def bundle_option(help: str) -> Callable:
 # The options ``generate`` and ``generate-set`` share: what to make and how (classes and counts,
 # sampling, method, backend, device, batch size), resolved by ``settings.run_request``; ``bench``
 # takes the sampling, device and engine ones among them.
-run_options = options(
-    classes_option,
-    click.option(
-        "--num-images",
-        "-n",
-        type=IMAGES_PER_CLASS,
-        default=4,
-        show_default=True,
-        help="Images per class.",
-    ),
-    sampling_options,
-    click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
-    seed_option,
+greedy_option = click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0).")
+# how a run decodes (method, tree, engine, device, threads, batch size): what a server fixes
+decode_options = options(
     click.option(
         "--method",
         type=click.Choice(METHODS),
@@ -257,6 +247,23 @@ run_options = options(
         help="Images decoded together per step; the tokens do not depend on it (a bundle must hold graphs for it: lantern export --batch-size).",
     ),
 )
+run_options = options(
+    classes_option,
+    click.option(
+        "--num-images",
+        "-n",
+        type=IMAGES_PER_CLASS,
+        default=4,
+        show_default=True,
+        help="Images per class.",
+    ),
+    sampling_options,
+    greedy_option,
+    seed_option,
+    decode_options,
+)
+# the run options a server fixes: all but a request's own (its classes, count and seed)
+served_run_options = options(sampling_options, greedy_option, decode_options)
 
 
 def requested_run(

@@ -7,10 +7,11 @@ The steps are described in docs/method.md (§4 drafting, §5 acceptance, §6 KV 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +163,43 @@ class Condition(NamedTuple):
 # One image to decode: its condition (or just its two condition rows) and its random stream.
 Job = tuple["Condition | Tensor", "torch.Generator | None"]
 
+IDLE = object()  # JobSource.take: no job waiting now, more may come
+
+
+@runtime_checkable
+class JobSource(Protocol):
+    """Where :func:`decode_images` takes jobs while it runs (continuous batching): it polls
+    :meth:`take` whenever a slot is free, and waits in it only when every slot is idle."""
+
+    def take(self, wait: bool) -> tuple[Hashable, Job] | object | None:
+        """The next job with its key, :data:`IDLE` when none is waiting (only when not ``wait``),
+        or None when no more will come."""
+
+    def keep(self, key: Hashable, tokens: int) -> bool:
+        """Called after each step for each image decoding, with its tokens so far (the last call
+        has them all); False frees an unfinished image's slot at once (the image is dropped)."""
+
+
+class Jobs:
+    """The :class:`JobSource` of an iterable of jobs, keyed by their index; ``watch(index,
+    tokens)`` (:meth:`JobSource.keep`) returning False stops the run: no further job is
+    taken and every image still decoding is dropped. Safe to share between streams."""
+
+    def __init__(self, jobs: Iterable[Job], watch: Callable[[int, int], bool] | None = None) -> None:
+        self._jobs = enumerate(jobs)
+        self._watch = watch
+        self._lock = threading.Lock()
+        self.stopped = False
+
+    def take(self, wait: bool) -> tuple[int, Job] | None:
+        with self._lock:
+            return None if self.stopped else next(self._jobs, None)
+
+    def keep(self, key: Hashable, tokens: int) -> bool:
+        if self._watch is not None and not self.stopped and not self._watch(key, tokens):
+            self.stopped = True
+        return not self.stopped
+
 
 @dataclass
 class _Slot:
@@ -192,7 +230,7 @@ def decode_image(
 
 def decode_images(
     target: TargetBackend,
-    jobs: Iterable[Job],
+    jobs: Iterable[Job] | JobSource,
     num_tokens: int,
     sampling: SamplingConfig,
     speculation: Speculation | None = None,
@@ -208,14 +246,18 @@ def decode_images(
     then reads one small tensor, the accepted lengths and tokens. Each step reads the smallest
     cache window that holds the batch's longest image (docs/method.md §12). A finished image's
     slot takes the next job at once (its prefill runs with the other slots' rows untouched);
-    slots with no job left are inactive until the batch drains (docs/method.md §7). With ``step_graphs``
+    slots with no job left are inactive until the batch drains (docs/method.md §7). ``jobs`` may
+    be a :class:`JobSource` instead, polled for jobs that arrive while the batch runs: a new job
+    joins at the next step, the loop waits only when every slot is idle, it yields each result
+    under the job's key, and an image the source no longer keeps frees its slot before the next
+    step. With ``step_graphs``
     (a :class:`StepCache` the caller keeps across calls) each step is compiled and/or replayed
     from one captured CUDA graph, as it says.
     """
     tree = speculation.tree if speculation else ROOT_ONLY
     cache = target.cache
     batch = cache.images
-    queue = enumerate(jobs)
+    source = jobs if isinstance(jobs, JobSource) else Jobs(jobs)
     slots: list[_Slot | None] = [None] * batch
     exhausted = False
     state: _State | None = None
@@ -224,7 +266,9 @@ def decode_images(
         fresh = []
         for b in range(batch):
             if slots[b] is None and not exhausted:
-                job = next(queue, None)
+                job = source.take(wait=not fresh and all(slot is None for slot in slots))
+                if job is IDLE:
+                    break
                 if job is None:
                     exhausted = True
                 else:
@@ -257,11 +301,14 @@ def decode_images(
         )
         state.pending, state.hidden, state.m = pending, hidden, m
         read = torch.cat([m[:, None], pending], 1).tolist()  # the step's one read
-        for slot, (n, *committed) in zip(slots, read, strict=True):
+        for b, (n, *committed) in enumerate(read):
+            slot = slots[b]
             if slot is not None:
                 emitted = committed[: min(n, num_tokens - len(slot.tokens))]
                 slot.tokens.extend(emitted)
                 slot.accepted.append(len(emitted))
+                if not source.keep(slot.index, len(slot.tokens)) and len(slot.tokens) < num_tokens:
+                    slots[b] = None
 
 
 @dataclass

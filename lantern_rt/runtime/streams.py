@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
-from lantern_rt.runtime.decode import ImageResult, Job, Speculation, StepCache, decode_images
+from lantern_rt.runtime.decode import ImageResult, Job, JobSource, Speculation, StepCache, decode_images
 from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, available_cores
 from lantern_rt.runtime.sampling import SamplingConfig
 
@@ -46,7 +46,7 @@ def auto_streams(threads: int, batches: int, cores: int | None = None) -> tuple[
 
 
 def decode_streams(
-    streams: Iterable[Stream], jobs: Iterable[Job], num_tokens: int, sampling: SamplingConfig
+    streams: Iterable[Stream], jobs: Iterable[Job] | JobSource, num_tokens: int, sampling: SamplingConfig
 ) -> Iterator[tuple[int, ImageResult]]:
     """:func:`~lantern_rt.runtime.decode.decode_images` of ``jobs`` over ``streams``, each in its
     own thread, yielding (job index, result) as images finish in any stream.
@@ -55,13 +55,15 @@ def decode_streams(
     the streams go; a single stream runs in the caller's thread. The first error in a stream
     stops the others (each at its next finished image) and is raised here; so is a caller
     that stops early. The threads overlap where the graphs release Python's lock (onnxruntime
-    does while it runs a graph)."""
+    does while it runs a graph). A :class:`~lantern_rt.runtime.decode.JobSource` is shared as
+    it is (results under its keys): every stream polls it."""
     streams = list(streams)
     if len(streams) == 1:
         s = streams[0]
         yield from decode_images(s.target, jobs, num_tokens, sampling, s.speculation, s.step_graphs)
         return
-    shared = enumerate(jobs)
+    sourced = isinstance(jobs, JobSource)
+    shared = enumerate(() if sourced else jobs)
     lock = threading.Lock()
     stop = threading.Event()
     results: queue.Queue = queue.Queue()
@@ -80,10 +82,15 @@ def decode_streams(
         numbers: list[int] = []
         try:
             decoded = decode_images(
-                stream.target, taken(numbers), num_tokens, sampling, stream.speculation, stream.step_graphs
+                stream.target,
+                jobs if sourced else taken(numbers),
+                num_tokens,
+                sampling,
+                stream.speculation,
+                stream.step_graphs,
             )
-            for local, result in decoded:
-                results.put((numbers[local], result))
+            for key, result in decoded:
+                results.put((key if sourced else numbers[key], result))
                 if stop.is_set():
                     break
         except BaseException as error:  # re-raised in the caller's thread

@@ -1,0 +1,168 @@
+"""``lantern serve``: the image-generation HTTP service (:mod:`lantern_rt.serve`)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+
+from lantern_rt.cli.options import StreamCount, model_option, open_run_source, served_run_options
+from lantern_rt.errors import EXIT_BAD_INPUT, UserError, reports_errors
+from lantern_rt.runtime.run_shape import MAX_STREAMS
+
+
+@click.command("serve")
+@model_option
+@served_run_options
+@click.option(
+    "--streams",
+    type=StreamCount(),
+    default="1",
+    show_default=True,
+    help=f"Batches decoded at once on the CPU (onnxruntime), each on its share of --threads (1..{MAX_STREAMS}).",
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface)."
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port.")
+@click.option(
+    "--max-queue-images",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Images waiting for a decode slot, at most; a request that does not fit gets 429 with Retry-After.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Seconds a request may take; past it, 504 and its images are cancelled.",
+)
+@click.option(
+    "--ray",
+    "use_ray",
+    is_flag=True,
+    help="Run as a Ray Serve deployment (one replica per GPU; needs ray[serve]).",
+)
+@reports_errors
+def serve_cmd(
+    model_path,
+    cfg_scale,
+    temperature,
+    top_k,
+    top_p,
+    greedy,
+    method,
+    tree,
+    window,
+    lantern_k,
+    lantern_delta,
+    lantern_lambda,
+    backend,
+    cuda_graphs,
+    compile_step,
+    bundle,
+    device,
+    threads,
+    batch_size,
+    streams,
+    host,
+    port,
+    max_queue_images,
+    request_timeout,
+    use_ray,
+):
+    """Serve POST /v1/images/generations (OpenAI's shape), /v1/models, /health, /health/ready and
+    /metrics, decoding every request's images in one continuously batched decode loop."""
+    if use_ray:
+        from lantern_rt.serve.ray_serve import import_ray_serve
+
+        import_ray_serve()  # before any work: the install hint, not a traceback
+    try:
+        import uvicorn  # noqa: F401
+        from fastapi import FastAPI  # noqa: F401
+        from prometheus_client import Counter  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"lantern serve needs {exc.name}: pip install 'lantern-rt[serve]'") from None
+    from lantern_rt.settings import check_device, run_defaults
+
+    md, source = open_run_source(model_path, bundle, backend, None)
+    check_device(device)
+    run_defaults(  # bad settings: one line and exit 2 before the server starts
+        source,
+        backend=backend,
+        method=method,
+        tree=tree,
+        cfg_scale=cfg_scale,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        greedy=greedy,
+        device=device,
+        window=window,
+    )
+
+    def load():
+        from lantern_rt.api import load
+
+        return load(
+            source,
+            backend=backend,
+            device=device,
+            method=method,
+            tree=tree,
+            window=window,
+            batch_size=batch_size,
+            streams=streams,
+            threads=threads,
+            cuda_graphs=cuda_graphs,
+            compile=compile_step,
+            cfg_scale=cfg_scale,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            greedy=greedy,
+            lantern_k=lantern_k,
+            lantern_delta=lantern_delta,
+            lantern_lambda=lantern_lambda,
+        )
+
+    if use_ray:
+        from lantern_rt.serve.ray_serve import run_on_ray
+
+        run_on_ray(load, md.name, max_queue_images, request_timeout, host, port)
+        return
+    sys.exit(_run_server(load, md.name, max_queue_images, request_timeout, host, port))
+
+
+def _run_server(load, model: str, max_queue_images: int, request_timeout: float, host: str, port: int) -> int:
+    """Run uvicorn until SIGTERM or SIGINT (the requests in flight finish first): exit code 0, or
+    2 when the model fails to load."""
+    import uvicorn
+
+    from lantern_rt.serve.app import ServeSettings, create_app
+    from lantern_rt.serve.engine import Engine
+    from lantern_rt.serve.metrics import Metrics
+
+    failure: list[str] = []
+
+    def on_failure(message: str) -> None:
+        failure.append(message)
+        server.should_exit = True
+
+    engine = Engine(load, max_queue_images, Metrics(), on_failure)
+    app = create_app(engine, ServeSettings(model, request_timeout))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    # uvicorn re-raises the signal that stopped it once it has drained; a stop asked for is a clean exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    click.echo(
+        f"lantern serve: {model} on http://{host}:{port} (ready once GET /health/ready is 200)", err=True
+    )
+    server.run()
+    if failure:
+        click.echo(f"error: {failure[0]}", err=True)
+        return EXIT_BAD_INPUT
+    return 0
