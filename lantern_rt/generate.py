@@ -46,7 +46,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     bundle_windows,
 )
 from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
-from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
+from lantern_rt.runtime.backends.torch_backend import SCRATCH_SLOTS, TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
@@ -158,11 +158,12 @@ def torch_pipeline(
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
-    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS, guided)
+    tree = None if method.method == "ar" else load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
+    scratch = max(SCRATCH_SLOTS, tree.num_nodes + 1 if tree else 1)  # a verify's new K/V
+    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS, guided, scratch)
     spec = None
     if method.jacobi:
-        window = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
-        spec = jacobi_speculation(target, md.gpt, window, method, lambda k: load_neighbors(md, k))
+        spec = jacobi_speculation(target, md.gpt, tree, method, lambda k: load_neighbors(md, k))
     elif method.method != "ar":
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
@@ -170,7 +171,7 @@ def torch_pipeline(
             TorchDrafter(
                 drafter, target_model.output, capacity, batch_size, md.gpt.cls_token_num - 1, md.gpt, guided
             ),
-            load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
+            tree,
             method,
             lambda k: load_neighbors(md, k),
             device,
