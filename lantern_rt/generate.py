@@ -46,7 +46,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     bundle_windows,
 )
 from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
-from lantern_rt.runtime.backends.torch_backend import SCRATCH_SLOTS, TorchDrafter, TorchTarget
+from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, ImageResult, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
@@ -159,8 +159,8 @@ def torch_pipeline(
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
     tree = None if method.method == "ar" else load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
-    scratch = max(SCRATCH_SLOTS, tree.num_nodes + 1 if tree else 1)  # a verify's new K/V
-    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS, guided, scratch)
+    nodes = tree.num_nodes + 1 if tree else 1  # the K/V a verify writes into the cache
+    target = TorchTarget(target_model, batch_size, CACHE_WINDOWS, guided, scratch=nodes)
     spec = None
     if method.jacobi:
         spec = jacobi_speculation(target, md.gpt, tree, method, lambda k: load_neighbors(md, k))

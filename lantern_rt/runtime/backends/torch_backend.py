@@ -33,8 +33,9 @@ from lantern_rt.runtime.kv_cache import KVCache, cache_windows, prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
-# The most nodes (the root included) of a tree a torch target verifies unless built for more:
-# the scratch slots its cache keeps after each window (the presets have at most 58).
+# The most nodes (the root included) of a tree a torch target verifies unless built for another
+# count: the scratch slots its cache keeps after each window (the presets have at most 58; a run
+# builds its target for its own tree).
 SCRATCH_SLOTS = 64
 
 
