@@ -127,11 +127,12 @@ def torch_pipeline(
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
-    target = TorchTarget(target_model, shape.batch_size, shape.cache_windows, shape.guided)
+    tree = None if method.method == "ar" else load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
+    nodes = tree.num_nodes + 1 if tree else 1  # the K/V a verify writes into the cache
+    target = TorchTarget(target_model, shape.batch_size, shape.cache_windows, shape.guided, scratch=nodes)
     spec = None
     if method.jacobi:
-        window = load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
-        spec = jacobi_speculation(target, md.gpt, window, method, lambda k: load_neighbors(md, k))
+        spec = jacobi_speculation(target, md.gpt, tree, method, lambda k: load_neighbors(md, k))
     elif method.method != "ar":
         drafter = load_drafter(md, method.drafter, device)
         capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
@@ -145,7 +146,7 @@ def torch_pipeline(
                 md.gpt,
                 shape.guided,
             ),
-            load_tree(method.tree, max_width=MAX_DRAFT_WIDTH),
+            tree,
             method,
             lambda k: load_neighbors(md, k),
             device,

@@ -9,12 +9,16 @@ them) and how many generated kernels its code calls (on a CPU each a C++ functio
 more of those loop nests: ``kernel_count.generated_calls``), the compile time, and eager and
 compiled milliseconds per call (alternated rounds). A benchmark, not a test.
 
-    .venv/bin/python scripts/compile_kernels.py [--preset GPT-B|demo] [--tree chain-5] [--threads 1]
+    .venv/bin/python scripts/compile_kernels.py [--preset GPT-B|demo] [--tree chain-5] [--threads 1] [--layers N]
+
+``--layers N`` keeps the preset's shape with N layers: the generated kernels of one layer are the
+difference between two runs (N + 1 and N layers), without the step's head and acceptance.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from functools import partial
@@ -46,10 +50,13 @@ def main() -> None:
     parser.add_argument("--tree", default=None, help="a draft tree to verify besides the AR step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=10, help="timed calls per mode and round")
+    parser.add_argument("--layers", type=int, default=None, help="the preset's shape with this many layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = open_model_dir(None).gpt if args.preset == "demo" else _config(args.preset, "c2i")
+    if args.layers is not None:
+        config = dataclasses.replace(config, n_layer=args.layers)
     model = Transformer(config).eval()
     vocab, cpu = config.vocab_size, torch.device("cpu")
     relax = relax_inputs(RELAX, torch.randint(vocab, (vocab, 10)), vocab, False, cpu)

@@ -3,8 +3,10 @@ the top-level nodes of a bundle's graphs after onnxruntime's CPU fusions.
 
     .venv/bin/python scripts/count_kernels.py [--bundle BUNDLE] [--preset GPT-B] [--ops]
 
-Torch: one ``Transformer.step`` of random weights over a cache of 128 entries, 2 CFG rows, for an
-AR step (1 new token) and a chain-5 verify (6), profiled with ``torch.profiler`` on the CPU. A
+Torch: one ``Transformer.step_in_place`` (the torch target's step: the new K/V written into each
+layer's cache, attention over the cache where it lies) of random weights over a cache of 128
+entries, 2 CFG rows, for an AR step (1 new token) and a chain-5 verify (6), profiled with
+``torch.profiler`` on the CPU. A
 kernel is an aten op with no kernel below it: views, allocations and casts that return their
 input are left out (``lantern_rt.eval.kernel_count``). Per layer is the difference between the model with two layers
 and with one, so the step's head and embedding are not in it; the whole step with the preset's
@@ -32,18 +34,20 @@ CACHE = 128  # committed entries before the step (half of LlamaGen's 256 image t
 
 
 def torch_kernels(model: Transformer, new: int) -> collections.Counter[str]:
-    """Leaf aten kernels of one ``model.step`` over ``new`` tokens after :data:`CACHE` entries."""
+    """Leaf aten kernels of one ``model.step_in_place`` over ``new`` tokens after :data:`CACHE`
+    entries (each layer's cache: the window, then the slots the new entries are written into)."""
     c = model.config
     rows, capacity = 2, c.cls_token_num + c.block_size
-    shape = (c.n_layer, rows, c.kv_heads, capacity, c.head_dim)
-    past_k, past_v = torch.randn(shape), torch.randn(shape)
+    shape = (rows, c.kv_heads, capacity + new, c.head_dim)
+    cache_k = tuple(torch.randn(shape) for _ in range(c.n_layer))
+    cache_v = tuple(torch.randn(shape) for _ in range(c.n_layer))
     h = torch.randn(rows, new, c.dim)
     positions = torch.arange(CACHE, CACHE + new)
     past = (torch.arange(capacity) < CACHE).expand(new, -1)
     mask = torch.cat([past, torch.ones(new, new, dtype=torch.bool).tril()], dim=-1)[None, None]
     with torch.inference_mode():
-        model.step(h, positions, mask, past_k, past_v)  # warm-up
-        return eager_kernels(lambda: model.step(h, positions, mask, past_k, past_v))
+        model.step_in_place(h, positions, mask, cache_k, cache_v)  # warm-up
+        return eager_kernels(lambda: model.step_in_place(h, positions, mask, cache_k, cache_v))
 
 
 def report_torch(preset: str) -> None:

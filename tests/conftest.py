@@ -175,7 +175,7 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
     from lantern_rt.runtime.tree import ROOT_ONLY
 
     tree = tree or ROOT_ONLY
-    device, n = target.cache.k.device, tree.num_nodes + 1
+    device, n = target.cache.length.device, tree.num_nodes + 1
     filters = filter_inputs(SamplingConfig(cfg_scale=2.0, temperature=0.0), device)
     relax = relax_inputs(Relaxation("exact"), None, vocab, True, device)
     draft = Draft(
@@ -192,7 +192,7 @@ def verify_step(target, tokens: torch.Tensor, vocab: int, tree=None, commit: boo
         relax,
     )
     if commit:
-        target.cache.write(out.new_k, out.new_v, out.length + 1)
+        target.cache.commit(out.new_k, out.new_v, out.kept, out.length + 1)
     return out
 
 

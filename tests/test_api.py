@@ -119,7 +119,9 @@ def test_a_job_source_joins_the_running_batch_and_cancels(generator) -> None:
     )
     fresh = [(pipe.condition(c), image_generator(1, i, pipe.device)) for i, c in enumerate([0, 2, 4, 6])]
     source = Arrivals(fresh, due=[0, 3, 5, 500], drop=2, drop_after=20)
-    got = dict(decode_images(pipe.target, source, generator.tokens_per_image, generator.sampling, pipe.speculation))
+    got = dict(
+        decode_images(pipe.target, source, generator.tokens_per_image, generator.sampling, pipe.speculation)
+    )
     assert source.taken_at[1] == 3  # joined at the step it arrived, beside image 0
     assert source.taken_at[2] > 3  # the batch was full: image 2 waited for a slot
     assert source.waits == 1  # waited once, when every slot was idle (job 3, due late)

@@ -66,6 +66,9 @@ def test_ar_steps_match_torch(bundle, model_dir):
     for t in (7, 11, 13):
         got, want = (verify_step(target, torch.tensor([t]), 64) for target in (ours, reference))
         for name, g, w in zip(got._fields, got, want, strict=True):
+            if name in ("new_k", "new_v"):  # the torch target wrote them into its cache: see below
+                assert w is None
+                continue
             assert g.shape == w.shape, name
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=name)
     assert int(ours.cache.length) == int(reference.cache.length) == 4
@@ -116,5 +119,6 @@ def test_fp16_text_bundle_follows_torch(tmp_path_factory):
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
     for t in (7, 11, 13):
         got, want = (verify_step(target, torch.tensor([t]), 64) for target in (ours, reference))
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g.to(w.dtype), w, atol=2e-2, rtol=1e-2)
+        for name, g, w in zip(got._fields, got, want, strict=True):
+            if name not in ("new_k", "new_v"):  # the torch target wrote them into its cache
+                torch.testing.assert_close(g.to(w.dtype), w, atol=2e-2, rtol=1e-2)

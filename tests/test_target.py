@@ -12,7 +12,11 @@ from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.models.checkpoint import CheckpointError, load_strict
 from lantern_rt.models.config import GPTConfig, gpt_config
 from lantern_rt.models.target import Transformer, apply_rope, rope_rows
+from lantern_rt.runtime.acceptance import Relaxation, relax_inputs, tree_step_inputs
+from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
+from lantern_rt.runtime.sampling import SamplingConfig, cfg_rows, filter_inputs
+from lantern_rt.runtime.tree import ROOT_ONLY, build_tree
 from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, verify_step, write_model_dir
 from tests.llamagen_reference import apply_rotary_emb, reference_logits
 
@@ -84,11 +88,69 @@ def test_cache_ignores_stale_entries():
     target.prefill(rows)
     vocab = model.config.vocab_size
     before = verify_step(target, torch.tensor([7]), vocab, commit=False)
-    target.cache.k[:, :, :, 5:] = 123.0
-    target.cache.v[:, :, :, 5:] = -77.0
+    for k, v in zip(target.cache.layers_k, target.cache.layers_v, strict=True):  # views of the cache
+        k[:, :, 5:] = 123.0
+        v[:, :, 5:] = -77.0
     after = verify_step(target, torch.tensor([7]), vocab, commit=False)
     for got, want in zip(after, before, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_tree_verified_in_the_cache_matches_a_full_forward_and_commits_the_kept_rows():
+    """The torch target writes a tree's new K/V into its cache's scratch slots and attends there
+    (``KVCache.in_place``): for two images at different lengths every node's logits must be a
+    full causal forward's over the image's committed tokens and the node's path, and the
+    model's own step's (the cache and the new K/V joined), and a commit must put exactly the
+    kept nodes' K/V after each image's length, leaving the entries before it as they were."""
+    model = tiny_gpt(6)
+    cfg, vocab = model.config, model.config.vocab_size
+    target = TorchTarget(model, batch=2)
+    cache = target.cache
+    rows = torch.tensor([1, 4, cfg.num_classes, cfg.num_classes])  # 2 images, then their null rows
+    target.prefill(rows)
+    filters = filter_inputs(SamplingConfig(cfg_scale=2.0, temperature=0.0), "cpu")
+    relax = relax_inputs(Relaxation("exact"), None, vocab, True, "cpu")
+
+    def verify(tree, tokens):
+        n = tokens.shape[1]
+        draft = Draft(tokens, torch.ones(2, n, dtype=torch.bool), torch.zeros(2, n, vocab))
+        return target.verify(tree, draft, torch.zeros(2, n), torch.zeros(2, vocab), filters, relax)
+
+    history = torch.randint(vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    for t in range(6):  # image 0 commits every step, image 1 every other one
+        out = verify(ROOT_ONLY, history[:, t : t + 1])
+        cache.commit(out.new_k, out.new_v, out.kept, torch.tensor([1, 1 - t % 2]))
+    committed = [history[0], history[1, ::2]]
+    assert cache.length.tolist() == [cfg.cls_token_num + 6, cfg.cls_token_num + 3]
+
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tokens = torch.randint(vocab, (2, tree.num_nodes + 1), generator=torch.Generator().manual_seed(2))
+    positions, mask = tree_step_inputs(
+        tree.depth, tree.mask, cache.length, cache.window, cache.rows, cache.prefix
+    )
+    h = model.tok_embeddings(cfg_rows(tokens, cache.rows))
+    with torch.no_grad():
+        own, _, own_k, own_v = model.step(h, positions, mask, cache.k, cache.v)
+    before = cache.k.clone(), cache.v.clone()
+    out = verify(tree, tokens)
+    torch.testing.assert_close(out.logits, own, atol=1e-6, rtol=1e-6)
+    for b in range(2):
+        for node in range(tree.num_nodes + 1):
+            path = tokens[b, tree.mask[node]]  # the root, then the node's ancestors by depth, the node
+            seq = torch.cat([committed[b], path])[None].expand(2, -1)
+            with torch.no_grad():
+                full = model(seq, rows[[b, b + 2]])[:, seq.shape[1]]
+            torch.testing.assert_close(out.logits[[b, b + 2], node], full, atol=1e-4, rtol=1e-4)
+
+    kept, count = torch.tensor([[0, 3, 6], [0, 2, 5]]), torch.tensor([3, 2])
+    lengths = cache.length.tolist()
+    cache.commit(out.new_k, out.new_v, kept, count)
+    assert cache.length.tolist() == [lengths[0] + 3, lengths[1] + 2]
+    for b, length in enumerate(lengths):
+        for mine, old, new in ((cache.k, before[0], own_k), (cache.v, before[1], own_v)):
+            torch.testing.assert_close(mine[:, [b, b + 2], :, :length], old[:, [b, b + 2], :, :length])
+            want = new[:, [b, b + 2]][:, :, :, kept[b, : count[b]]]
+            torch.testing.assert_close(mine[:, [b, b + 2], :, length : length + count[b]], want)
 
 
 LLAMAGEN_C2I_KEYS = {
@@ -180,14 +242,21 @@ def test_config_validation():
 
 
 def step_kernels(model: Transformer, new: int = 1) -> collections.Counter[str]:
-    """The kernels one ``model.step`` over ``new`` tokens after 5 cached ones runs on the CPU."""
+    """The kernels one ``model.step_in_place`` (the torch target's step) over ``new`` tokens
+    after 5 cached ones runs on the CPU."""
     c = model.config
-    past = torch.randn(c.n_layer, 2, c.kv_heads, 8, c.head_dim)
+    cache = tuple(torch.randn(2, c.kv_heads, 8 + new, c.head_dim) for _ in range(c.n_layer))
     mask = torch.ones(1, 1, new, 8 + new, dtype=torch.bool)
     mask[..., 5:8] = False
-    args = (torch.randn(2, new, c.dim), torch.arange(5, 5 + new), mask, past, past.clone())
+    args = (
+        torch.randn(2, new, c.dim),
+        torch.arange(5, 5 + new),
+        mask,
+        cache,
+        tuple(t.clone() for t in cache),
+    )
     with torch.inference_mode():
-        return eager_kernels(lambda: model.step(*args))
+        return eager_kernels(lambda: model.step_in_place(*args))
 
 
 def test_a_decode_step_runs_each_layer_in_few_kernels():
@@ -197,7 +266,8 @@ def test_a_decode_step_runs_each_layer_in_few_kernels():
     assert per_layer["aten::mm"] == 4
     assert per_layer["aten::index"] == 0  # the RoPE rows
     assert per_layer["aten::where"] == per_layer["aten::scalar_tensor"] == 0  # the bool mask as a bias
-    assert per_layer["aten::mul"] <= 9 and per_layer["aten::cat"] <= 2  # the K/V joins
+    assert per_layer["aten::mul"] <= 9
+    assert per_layer["aten::cat"] == 0  # no join of the cache and the new K/V: written in place
     assert per_layer.total() <= 30, per_layer  # 43 before issue 47
 
 

@@ -245,12 +245,16 @@ class Attention(nn.Module):
         mask: Tensor | None = None,
         past_k: Tensor | None = None,
         past_v: Tensor | None = None,
+        cache: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Attend ``x`` [B, S, dim] over past K/V [B, Hkv, P, D] plus itself.
 
         ``rope``: :func:`rope_rows` at the positions of ``x``; ``mask`` [B or 1, 1, S, P + S] is
         True (or 0 in an additive bias) where attention is allowed; None means causal over ``x``
-        alone (training). Returns (output, k, v) with k/v of the new positions only.
+        alone (training). ``cache``: instead of ``past_k``/``past_v``, the layer's K and V [B,
+        Hkv, P + S, D] with the past in the first P slots: the new k/v are written into the last
+        S slots in place and attention reads the keys and values where they lie (no join).
+        Returns (output, k, v) with k/v of the new positions only.
         """
         b, s, _ = x.shape
         qkv = self.wqkv(x).view(b, s, self.n_head + 2 * self.n_kv_head, self.head_dim)
@@ -261,7 +265,13 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, rope).transpose(1, 2).split([self.n_head, self.n_kv_head], dim=1)
         v = v.transpose(1, 2)
         dropout = self.attn_dropout_p if self.training else 0.0
-        out = cached_attention(q, k, v, past_k, past_v, mask, dropout)
+        if cache is None:
+            out = cached_attention(q, k, v, past_k, past_v, mask, dropout)
+        else:
+            keys, values = cache
+            keys[:, :, -s:].copy_(k)
+            values[:, :, -s:].copy_(v)
+            out = cached_attention(q, keys, values, None, None, mask, dropout)
         return self.resid_dropout(self.wo(out)), k, v
 
 
@@ -280,8 +290,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x, rope, mask=None, past_k=None, past_v=None):
-        a, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v)
+    def forward(self, x, rope, mask=None, past_k=None, past_v=None, cache=None):
+        a, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v, cache)
         h = x + a
         return h + self.feed_forward(self.ffn_norm(h)), k, v
 
@@ -450,6 +460,25 @@ class Transformer(nn.Module):
             new_v.append(v)
         hidden = self.norm(h)
         return self.logits(hidden, positions), hidden, torch.stack(new_k), torch.stack(new_v)
+
+    def step_in_place(
+        self,
+        h: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        cache_k: tuple[Tensor, ...],
+        cache_v: tuple[Tensor, ...],
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`step` over a cache the new keys/values are written into: ``cache_k``/``cache_v``
+        hold per layer [B, Hkv, P + S, D] (views of the runtime's cache: the window, then S
+        free slots); each layer writes its S new K/V into the last S slots before attending over
+        all P + S in place (docs/method.md §6). Same numbers as :meth:`step` (keys in the same
+        order); returns the fp32 logits [B, S, V] and the final-norm hidden state [B, S, dim]."""
+        rope, bias = rope_rows(self.freqs_cis, positions), attention_bias(mask, h.dtype)
+        for layer, k, v in zip(self.layers, cache_k, cache_v, strict=True):
+            h, _, _ = layer(h, rope, bias, cache=(k, v))
+        hidden = self.norm(h)
+        return self.logits(hidden, positions), hidden
 
     def logits(self, hidden: Tensor, positions: Tensor) -> Tensor:
         """fp32 logits of final-norm ``hidden`` [B, S, dim] at ``positions`` [S] or [B, S],

@@ -399,8 +399,8 @@ class Verified(NamedTuple):
     kept: Tensor  # [B, D + 1] int64: the root, then the accepted nodes (0 past length + 1)
     tokens: Tensor  # [B, D + 1] int64: the accepted nodes' tokens, then the bonus at index length
     hidden: Tensor  # [2B, D + 1, dim]: the target's hidden states at the kept nodes
-    new_k: Tensor  # [n_layer, 2B, Hkv, D + 1, head_dim]: their K, to commit to the cache
-    new_v: Tensor
+    new_k: Tensor | None  # [n_layer, 2B, Hkv, D + 1, head_dim]: their K, to commit to the cache
+    new_v: Tensor | None  # (None: the step wrote every node's K/V into the cache: KVCache.commit)
     logits: Tensor  # [2B, N + 1, V] fp32: the target's logits at every node
     probs: Tensor  # [B, N + 1, V] fp32: the target distribution at every node (target_probabilities),
     # what a Jacobi window drafts the next positions from (docs/method.md §11)
@@ -410,8 +410,8 @@ def verify_tree(
     plan: TreePlan,
     logits: Tensor,
     hidden: Tensor,
-    new_k: Tensor,
-    new_v: Tensor,
+    new_k: Tensor | None,
+    new_v: Tensor | None,
     tokens: Tensor,
     valid: Tensor,
     q: Tensor,
@@ -424,14 +424,14 @@ def verify_tree(
     ``hidden`` [2B, N+1, dim], ``new_k``/``new_v`` [n_layer, 2B, Hkv, N+1, head_dim]): the
     target distribution (:func:`target_probabilities`), :func:`accept_tree` over the drafted
     ``tokens``/``valid`` [B, N+1] and ``q`` [B, N+1, V] with ``noise`` [B, N+1] and
-    ``bonus_noise`` [B, V], and the kept nodes' hidden states and K/V gathered on the device.
+    ``bonus_noise`` [B, V], and the kept nodes' hidden states and K/V gathered on the device
+    (no K/V when ``new_k``/``new_v`` are None: the torch target wrote them into its cache).
     Every verify graph of a bundle is the target's step followed by this function; the torch
     backend runs it eagerly."""
     p = target_probabilities(logits, sampling, tokens.shape[0])
     out = accept_tree(plan, tokens, valid, p, q, relax, noise, bonus_noise)
     if plan.depth:  # the root-only tree's one node is kept as it is
-        hidden, new_k, new_v = (
-            gather_rows(hidden, out.kept, 0, 1),
-            *(gather_rows(t, out.kept, 1, 3) for t in (new_k, new_v)),
-        )
+        hidden = gather_rows(hidden, out.kept, 0, 1)
+        if new_k is not None and new_v is not None:
+            new_k, new_v = (gather_rows(t, out.kept, 1, 3) for t in (new_k, new_v))
     return Verified(out.length, out.kept, out.tokens, hidden, new_k, new_v, logits, p)

@@ -98,6 +98,15 @@ class KVCache:
     its first P slots (the condition prefix) each CFG row's later tokens see: all but a
     caption's or a prompt's padding. ``guided`` False: B rows, one per image (guidance off,
     docs/method.md §13); ``rows`` is the row count, 2B or B, and ``images`` is B.
+
+    ``scratch`` > 0 keeps that many spare slots after every window, for a step that writes its
+    new K/V into the cache before attending (the torch target's verify, docs/method.md §6):
+    :meth:`in_place` gives each layer's window and the step's first scratch slots, and
+    :meth:`commit` moves the kept ones into place. Such a cache keeps one tensor per layer
+    (``k``/``v`` are then stacked copies): a compiled step that writes a view of a storage
+    shared by all layers gets that storage copied (functionalization), one per layer writes in
+    place. Without scratch all layers share one tensor (a commit is one copy for all layers),
+    and each window is one contiguous tensor per layer, as the bundles' graphs take it.
     """
 
     def __init__(
@@ -112,16 +121,19 @@ class KVCache:
         prefix: int = 0,
         windows: Sequence[int] = (),
         guided: bool = True,
+        scratch: int = 0,
     ):
         self.images, self.guided = images, guided
         self.rows = guided_rows(images, guided)
         self._rows = (self.rows, heads)
-        self._head_dim = head_dim
-        size = self.rows * heads * capacity * head_dim
-        self._k = torch.zeros(n_layer, size, dtype=dtype, device=device)
-        self._v = torch.zeros(n_layer, size, dtype=dtype, device=device)
+        self._head_dim, self.scratch = head_dim, scratch
+        size = self.rows * heads * (capacity + scratch) * head_dim
+        parts, per_part = (n_layer, 1) if scratch else (1, n_layer)
+        self._k = [torch.zeros(per_part, size, dtype=dtype, device=device) for _ in range(parts)]
+        self._v = [torch.zeros(per_part, size, dtype=dtype, device=device) for _ in range(parts)]
         # The storage as rows of head_dim values: a commit copies whole rows (see write).
-        self._k_rows, self._v_rows = self._k.view(-1, head_dim), self._v.view(-1, head_dim)
+        self._k_rows = [part.view(-1, head_dim) for part in self._k]
+        self._v_rows = [part.view(-1, head_dim) for part in self._v]
         self._slots = torch.arange(capacity, device=device)
         self.capacity = capacity
         self.windows = tuple(sorted({w for w in windows if 0 < w < capacity} | {capacity}))
@@ -134,17 +146,37 @@ class KVCache:
 
     def _views(self, window: int) -> None:
         self.window = window
-        layers, (rows, heads), device = self._k.shape[0], self._rows, self._k.device
-        shape = (layers, rows, heads, window, self._head_dim)
+        per_part, (rows, heads), device = self._k[0].shape[0], self._rows, self._k[0].device
+        width = window + self.scratch
+        shape = (per_part, rows, heads, width, self._head_dim)
         count = math.prod(shape[1:])
-        self.k, self.v = self._k[:, :count].view(shape), self._v[:, :count].view(shape)
-        self.layers_k, self.layers_v = tuple(self.k.unbind(0)), tuple(self.v.unbind(0))
-        # [n_layer, rows / B, B, heads, 1]: the storage row (of head_dim values) of each layer,
-        # CFG row and head's slot 0 in this window; slot s is s rows further.
-        per_layer = self._k.shape[1] // self._head_dim
-        layer = torch.arange(layers, device=device)[:, None, None, None] * per_layer
-        row_head = torch.arange(rows * heads, device=device).view(-1, self.images, heads) * window
+        wide_k = [part[:, :count].view(shape) for part in self._k]
+        wide_v = [part[:, :count].view(shape) for part in self._v]
+        self._window_k = [wide[..., :window, :] for wide in wide_k]
+        self._window_v = [wide[..., :window, :] for wide in wide_v]
+        self.layers_k = tuple(layer for part in self._window_k for layer in part.unbind(0))
+        self.layers_v = tuple(layer for part in self._window_v for layer in part.unbind(0))
+        # Each layer's rows of window + scratch slots, made here: a compiled step reads each as
+        # its own input, which it writes in place (a view it selected itself it would copy).
+        self._wide_k = tuple(layer for wide in wide_k for layer in wide.unbind(0))
+        self._wide_v = tuple(layer for wide in wide_v for layer in wide.unbind(0))
+        # [layers of a part, rows / B, B, heads, 1]: the storage row (of head_dim values) of each
+        # layer, CFG row and head's slot 0 in this window; slot s is s rows further.
+        per_layer = self._k[0].shape[1] // self._head_dim
+        layer = torch.arange(per_part, device=device)[:, None, None, None] * per_layer
+        row_head = torch.arange(rows * heads, device=device).view(-1, self.images, heads) * width
         self._slot0 = (layer + row_head)[..., None]
+
+    @property
+    def k(self) -> Tensor:
+        """K [n_layer, rows, heads, window, head_dim]: a view of the storage, or a stacked copy
+        when each layer has its own (a cache with scratch)."""
+        return self._window_k[0] if len(self._window_k) == 1 else torch.stack(self.layers_k)
+
+    @property
+    def v(self) -> Tensor:
+        """V as :attr:`k` holds K."""
+        return self._window_v[0] if len(self._window_v) == 1 else torch.stack(self.layers_v)
 
     def fit(self, needed: int) -> None:
         """Read the cache through its smallest window of at least ``needed`` slots (the whole
@@ -154,10 +186,21 @@ class KVCache:
         if window == self.window:
             return
         keep = min(window, self.window)
-        k, v = self.k[..., :keep, :].clone(), self.v[..., :keep, :].clone()
+        saved = [part[..., :keep, :].clone() for part in (*self._window_k, *self._window_v)]
         self._views(window)
-        self.k[..., :keep, :] = k
-        self.v[..., :keep, :] = v
+        for part, values in zip((*self._window_k, *self._window_v), saved, strict=True):
+            part[..., :keep, :] = values
+
+    def in_place(self, count: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Per layer K and V [rows, heads, window + ``count``, head_dim]: the window, then its
+        first ``count`` scratch slots, where a step writes its ``count`` new entries and which it
+        attends over in place (views of the storage, keys in the order of the window and the new
+        entries joined, as :func:`cache_mask` orders its columns). :meth:`commit` with no new
+        K/V then keeps the ones accepted."""
+        if count > self.scratch:
+            raise ValueError(f"{count} new entries per row, but the cache keeps {self.scratch} scratch slots")
+        end = self.window + count
+        return tuple(k[..., :end, :] for k in self._wide_k), tuple(v[..., :end, :] for v in self._wide_v)
 
     def restart(
         self, new_k: Tensor, new_v: Tensor, fresh: Tensor | None = None, prefix: Tensor | None = None
@@ -195,8 +238,33 @@ class KVCache:
         holds a committed entry (capacities have one to spare: a decode commits at most capacity
         - 1, and a window is chosen with :func:`~lantern_rt.bundle.window_needed`), so clamped copies only overwrite
         stale data; a count of 0 leaves an image as it was."""
-        slots = (self.length[:, None] + self._slots[: new_k.shape[3]]).clamp_max_(self.window - 1)  # [B, S]
-        storage_rows = (self._slot0 + slots[:, None, :]).view(-1)  # in new_k's order
-        self._k_rows.index_copy_(0, storage_rows, new_k.reshape(-1, self._head_dim))
-        self._v_rows.index_copy_(0, storage_rows, new_v.reshape(-1, self._head_dim))
+        rows = self._storage_rows(self.length[:, None] + self._slots[: new_k.shape[3]])  # in new_k's order
+        per_part = self._slot0.shape[0]
+        for i, (k_rows, v_rows) in enumerate(zip(self._k_rows, self._v_rows, strict=True)):
+            layers = slice(i * per_part, (i + 1) * per_part)
+            k_rows.index_copy_(0, rows, new_k[layers].reshape(-1, self._head_dim))
+            v_rows.index_copy_(0, rows, new_v[layers].reshape(-1, self._head_dim))
         self.length += count
+
+    def commit(self, new_k: Tensor | None, new_v: Tensor | None, kept: Tensor, count: Tensor) -> None:
+        """Keep a verify's accepted path: :meth:`write` of its kept nodes' K/V ``new_k``/``new_v``
+        as a graph returned them, or, when None (a step that wrote its nodes' K/V through
+        :meth:`in_place`), a move on the device of the nodes ``kept`` [B, K] (node ids, the root
+        first) from their scratch slots to slots ``length``.. (clamped as :meth:`write` clamps),
+        then ``count`` [B] more entries per image."""
+        if new_k is not None and new_v is not None:
+            self.write(new_k, new_v, count)
+            return
+        source = self._storage_rows(self.window + kept, clamp=False)
+        target = self._storage_rows(self.length[:, None] + self._slots[: kept.shape[1]])
+        for rows in (*self._k_rows, *self._v_rows):
+            rows.index_copy_(0, target, rows.index_select(0, source))
+        self.length += count
+
+    def _storage_rows(self, slots: Tensor, clamp: bool = True) -> Tensor:
+        """The storage rows (of head_dim values) of each image's ``slots`` [B, S] in every layer
+        of a storage part, CFG row and head, flattened in the order of [layers, rows, heads, S];
+        ``clamp``: slots past the window's last one go to it."""
+        if clamp:
+            slots = slots.clamp_max(self.window - 1)
+        return (self._slot0 + slots[:, None, :]).view(-1)

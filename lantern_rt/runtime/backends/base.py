@@ -79,7 +79,8 @@ class TargetBackend(Protocol):
         acceptance on this backend's device
         (:func:`~lantern_rt.runtime.acceptance.verify_tree`, from the draft's valid flags and q,
         uniform ``noise`` [B, N+1] and ``bonus_noise`` [B, V]). The kept nodes' K/V come first
-        in ``new_k``/``new_v``: ``cache.write(new_k, new_v, length + 1)`` commits the accepted
+        in ``new_k``/``new_v`` (or, None there, the step wrote every node's K/V into the cache's
+        scratch slots): ``cache.commit(new_k, new_v, kept, length + 1)`` commits the accepted
         paths. Nothing is read back to the host."""
         ...
 

@@ -33,17 +33,33 @@ from lantern_rt.runtime.kv_cache import KVCache, cache_windows, prefill_mask
 from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
+# The most nodes (the root included) of a tree a torch target verifies unless built for another
+# count: the scratch slots its cache keeps after each window (the presets have at most 58; a run
+# builds its target for its own tree).
+SCRATCH_SLOTS = 64
+
 
 class TorchTarget:
-    """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's own
-    ``step`` then :func:`~lantern_rt.runtime.acceptance.verify_tree` (``torch.compile`` and
-    CUDA graphs take whole decode steps: ``runtime.decode.StepCache``). Its cache is
-    read through ``windows`` windows (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default:
-    the whole cache alone); ``guided`` False runs one row per image (docs/method.md §13)."""
+    """``TargetBackend`` over a torch ``Transformer`` (any device and dtype): the model's
+    ``step_in_place``, which writes the tree's new K/V into the cache's scratch slots and
+    attends over the cache where it lies, then :func:`~lantern_rt.runtime.acceptance.verify_tree`
+    (``torch.compile`` and CUDA graphs take whole decode steps: ``runtime.decode.StepCache``);
+    the commit copies the kept nodes' rows from the scratch slots into place (docs/method.md §6).
+    Its cache is read through ``windows`` windows
+    (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default: the whole cache alone) and
+    keeps ``scratch`` slots after each: trees of at most that many nodes, the root included;
+    ``guided`` False runs one row per image (docs/method.md §13)."""
 
     name = "torch"
 
-    def __init__(self, model: Transformer, batch: int = 1, windows: int = 1, guided: bool = True):
+    def __init__(
+        self,
+        model: Transformer,
+        batch: int = 1,
+        windows: int = 1,
+        guided: bool = True,
+        scratch: int = SCRATCH_SLOTS,
+    ):
         cfg = model.config
         capacity = cfg.cls_token_num + cfg.block_size
         self.model = model
@@ -60,6 +76,7 @@ class TorchTarget:
             prefix=cfg.cls_token_num,
             windows=cache_windows(capacity, windows),
             guided=guided,
+            scratch=scratch,
         )
         self._tables: dict[tuple, tuple[TreePlan, Tensor, Tensor]] = {}  # by paths: plan, depth, mask
         self.tables(ROOT_ONLY)
@@ -70,7 +87,7 @@ class TorchTarget:
         by the step's eager first run: ``runtime.backends.compiled``)."""
         tables = self._tables.get(tree.paths)
         if tables is None:
-            device = self.cache.k.device
+            device = self.cache.length.device
             tables = self._tables[tree.paths] = (
                 tree_plan(tree, device),
                 tree.depth.to(device),
@@ -105,13 +122,13 @@ class TorchTarget:
             depth, tree_mask, cache.length, cache.window, cache.rows, cache.prefix
         )
         h = self.model.tok_embeddings(cfg_rows(draft.tokens, cache.rows))
-        logits, hidden, k, v = self.model.step(h, positions, mask, self.cache.k, self.cache.v)
+        logits, hidden = self.model.step_in_place(h, positions, mask, *cache.in_place(h.shape[1]))
         return verify_tree(
             plan,
             logits,
             hidden,
-            k,
-            v,
+            None,
+            None,
             draft.tokens,
             draft.valid,
             draft.q,
