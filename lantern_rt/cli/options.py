@@ -12,7 +12,9 @@ import click
 from lantern_rt.errors import UserError
 from lantern_rt.settings import (
     BACKENDS,
+    COUPLINGS,
     CPU_DEFAULT_TREE,
+    DEFAULT_COUPLING,
     DEFAULT_WINDOW,
     GPU_DEFAULT_TREE,
     MAX_BATCH_SIZE,
@@ -173,7 +175,16 @@ _RUN_OPTIONS = [
         type=int,
         default=None,
         help=f"Draft positions per step of --method sjd or sjd++ (a chain of N; a bundle needs 'lantern export "
-        f"--tree chain-N'). Default: {DEFAULT_WINDOW}.",
+        f"--tree chain-N'; --tree pac-K-D-N instead: K candidates per position down to depth D, N verify "
+        f"tokens). Default: {DEFAULT_WINDOW}.",
+    ),
+    click.option(
+        "--coupling",
+        type=click.Choice(COUPLINGS),
+        default=None,
+        help="How --method sjd or sjd++ draws a position's draft from one call to the next: maximal (keep "
+        "the last draft where a test allows), gumbel (the position's Gumbel noise kept), none (afresh); all "
+        f"exact. Default: {DEFAULT_COUPLING}.",
     ),
     click.option(
         "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
@@ -250,6 +261,7 @@ def requested_run(
         delta=given["lantern_delta"],
         lam=given["lantern_lambda"],
         drafter=drafter,
+        coupling=given["coupling"],
     )
 
 
