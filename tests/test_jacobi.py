@@ -189,12 +189,14 @@ def test_spatial_drafts_read_the_row_above_or_the_root():
 
 
 def test_the_continuation_of_a_pac_tree_follows_rank_0():
-    """pac-2-2-7: nodes 1, 2 (depth 1), 3..6 (depth 2: children of 1, then of 2), 7 below node 3."""
+    """pac-2-2-7: nodes 1, 2 (depth 1), 3..6 (depth 2: children of 1, then of 2), 7 below node 3;
+    below a node with no rank-0 child the continuation is the rank-0 path's."""
     tree = load_tree("pac-2-2-7")
     assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1), (0, 0, 0))
     table = jacobi.descendants(tree)
     assert table[0].tolist() == [0, 1, 3, 7, -1]
-    assert table[2].tolist() == [2, 5, -1, -1, -1] and table[7].tolist() == [7, -1, -1, -1, -1]
+    assert table[2].tolist() == [2, 5, 7, -1, -1] and table[6].tolist() == [6, 7, -1, -1, -1]
+    assert table[7].tolist() == [7, -1, -1, -1, -1]
 
 
 def _plant_argmax_drafts(monkeypatch):

@@ -51,18 +51,29 @@ def is_window(tree: StaticTree) -> bool:
 
 
 def descendants(tree: StaticTree) -> Tensor:
-    """LongTensor [N+1, L+2] (L the tree's depth): column j of row v is v's rank-0 descendant j
-    levels below it (column 0: v), -1 where there is none: the continuation past an accepted
-    path that the next call's positions were scored on."""
+    """LongTensor [N+1, L+2] (L the tree's depth): column j of row v is the node j levels below v
+    that the next call reads after a path ending at v was accepted (column 0: v): v's rank-0
+    descendant, and past the last of those the node at that depth on the rank-0 path from the
+    root (scored given one more stale token, as a chain's are after a rejection); -1 past the
+    tree's depth."""
     first_child = [kids[0] if kids else -1 for kids in tree.children]
+    spine = [0]  # the rank-0 path: spine[d] is its node at depth d
+    while first_child[spine[-1]] >= 0:
+        spine.append(first_child[spine[-1]])
     table = torch.full((tree.num_nodes + 1, tree.max_depth + 2), -1, dtype=torch.long)
     for v in range(tree.num_nodes + 1):
-        node = v
-        for j in range(tree.max_depth + 2):
+        node, depth = v, tree.depths[v]
+        for j in range(tree.max_depth + 2 - depth):
+            table[v, j] = node
+            node = (
+                first_child[node]
+                if first_child[node] >= 0
+                else spine[depth + j + 1]
+                if depth + j + 1 < len(spine)
+                else -1
+            )
             if node < 0:
                 break
-            table[v, j] = node
-            node = first_child[node]
     return table
 
 
