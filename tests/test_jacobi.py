@@ -314,6 +314,10 @@ def test_the_check_catches_a_planted_bug(plant, coupling, window, monkeypatch):
 
 SJD = MethodConfig("sjd", tree="chain-3")
 SJD_PP = MethodConfig("sjd++", tree="chain-3", k=4, lam=5.0)
+PAC = "pac-2-2-7"
+COUPLED = [
+    MethodConfig("sjd", tree=t, coupling=c) for t in ("chain-3", PAC) for c in ("maximal", "gumbel", "none")
+]
 SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
 LABELS = [0, 3, 1, 4, 2]
 
@@ -322,12 +326,14 @@ LABELS = [0, 3, 1, 4, 2]
 def no_drafter_bundle(tmp_path_factory) -> Bundle:
     """A random tiny target (no drafter) whose greedy and sampled images Jacobi drafts well enough
     (tau 1.3-1.5: a pattern-trained target, each token fixed by the one before, gives 1.0),
-    exported with a chain-3 verify graph at B 1 and 2."""
+    exported with the verify graphs of chain-3 and pac-2-2-7 at B 1 and 2."""
     target = tiny_gpt(1)
     path = tmp_path_factory.mktemp("jacobi") / "bundle"
     model = write_model_dir(path.with_name("bundle-model"), target, tiny_vq())
     return Bundle.open(
-        export_bundle(open_model_dir(model), path, [load_tree("chain-3")], threads=1, batch_sizes=(1, 2))
+        export_bundle(
+            open_model_dir(model), path, [load_tree("chain-3"), load_tree(PAC)], threads=1, batch_sizes=(1, 2)
+        )
     )
 
 
@@ -343,15 +349,16 @@ def test_greedy_sjd_gives_ar_tokens_on_every_backend_and_batch(no_drafter_bundle
     ar = run(md, "torch", MethodConfig("ar"), GREEDY)
     for source, backend in ((md, "torch"), (no_drafter_bundle, "onnxruntime")):
         for batch in (1, 2):
-            got = run(source, backend, SJD, GREEDY, batch)
-            assert torch.equal(got.tokens, ar.tokens), (backend, batch)
-            assert got.stats.mean_accepted_length > 1.25  # drafts were accepted
+            for method in COUPLED:
+                got = run(source, backend, method, GREEDY, batch)
+                assert torch.equal(got.tokens, ar.tokens), (backend, batch, method)
+                assert got.stats.mean_accepted_length > 1.25  # drafts were accepted
     relaxed = run(md, "torch", SJD_PP, GREEDY)
     assert not torch.equal(relaxed.tokens, ar.tokens)  # sanity: the credit changes greedy tokens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [SJD, SJD_PP])
+@pytest.mark.parametrize("method", [SJD_PP, *COUPLED])
 def test_sampled_tokens_depend_on_neither_batch_nor_backend(no_drafter_bundle, method):
     md = open_model_dir(no_drafter_bundle.path.with_name("bundle-model"))
     reference = run(md, "torch", method, SAMPLED)
@@ -389,6 +396,19 @@ def test_a_bundle_without_the_window_names_the_export(no_drafter_bundle, tmp_pat
         and "--tree chain-4" in r.output
     )
     assert not (tmp_path / "x.png").exists()
+    args = [
+        "generate",
+        "-q",
+        "--bundle",
+        str(no_drafter_bundle.path),
+        "--method",
+        "sjd",
+        "--tree",
+        "pac-2-1-4",
+    ]
+    r = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "x.png")])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "no verify graph for --tree pac-2-1-4" in r.output and "lantern export" in r.output
     shown = CliRunner().invoke(main, ["inspect", str(no_drafter_bundle.path)])
     assert "tree     chain-3: 3 nodes, verified by target_verify_0 (a Jacobi window" in shown.output
 
