@@ -166,7 +166,8 @@ _RUN_OPTIONS = [
     click.option(
         "--tree",
         default=None,
-        help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
+        help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths (--method sjd, "
+        "sjd++: chain-N or pac-K-D-N). Default: "
         f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
         f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
     ),
