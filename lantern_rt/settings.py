@@ -32,7 +32,7 @@ DEFAULT_WINDOW = 5
 # How a Jacobi window's carried drafts are coupled across calls (runtime/jacobi.py); the default
 # measured the higher tau on the demo (BENCHMARKS.md, issue 50)
 COUPLINGS = ("maximal", "gumbel", "none")
-DEFAULT_COUPLING = "gumbel"
+DEFAULT_COUPLING = "maximal"
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 # Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
 # on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
