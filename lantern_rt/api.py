@@ -173,6 +173,7 @@ def load(
     lantern_delta: float = 0.1,
     lantern_lambda: float = 5.0,
     drafter: str | Path | None = None,
+    coupling: str | None = None,
     images: int | None = None,
 ) -> Generator:
     """A :class:`Generator` for a model directory or a bundle (a folder with a manifest.json;
@@ -210,6 +211,7 @@ def load(
         lantern_delta,
         lantern_lambda,
         None if drafter is None else str(drafter),
+        coupling,
     )
     mc.relaxation()  # validates k, delta and lambda before any work
     if threads:

@@ -67,12 +67,19 @@ def jacobi_speculation(
     method: MethodConfig,
     neighbors: torch.Tensor | Callable[[int], torch.Tensor],
 ) -> Speculation:
-    """A Jacobi ``method``'s window (``tree``, a chain) over ``target``'s batch and cache, on the
-    target's device: no drafter (docs/method.md §11)."""
+    """A Jacobi ``method``'s window (``tree``, a chain or a pac tree) with its coupling over
+    ``target``'s batch and cache, on the target's device: no drafter (docs/method.md §11)."""
     cache = target.cache
     row = gpt.grid_size + gpt.row_end  # tokens per image row: the spatial drafts' "above"
     window = JacobiDrafter(
-        tree, cache.images, gpt.vocab_size, cache.capacity, target.cls_token_num, row, cache.length.device
+        tree,
+        cache.images,
+        gpt.vocab_size,
+        cache.capacity,
+        target.cls_token_num,
+        row,
+        cache.length.device,
+        method.drafts_coupling,
     )
     return speculation(window, tree, method, neighbors, cache.length.device)
 
@@ -201,8 +208,13 @@ def bundle_stream(graphs: BatchGraphs, method: MethodConfig, runner: RunnerFacto
     if method.jacobi:
         window = load_tree(method.tree, MAX_DRAFT_WIDTH)
         if window.paths not in {t.paths for t in bundle_windows(bundle).values()}:
+            named = (
+                f"--window {window.num_nodes}"
+                if method.tree.startswith("chain-")
+                else f"--tree {method.tree}"
+            )
             raise ConfigError(
-                f"bundle {bundle.path} has no verify graph for --window {window.num_nodes}: export one "
+                f"bundle {bundle.path} has no verify graph for {named}: export one "
                 f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
             )
         spec = jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors())

@@ -27,9 +27,13 @@ if TYPE_CHECKING:  # torch-free at import: the command line reads the lists belo
 
 METHODS = ("ar", "exact", "lantern", "lantern++", "sjd", "sjd++")
 # Drafter-free methods: a Jacobi window of --window positions (docs/method.md §11), exact or
-# with LANTERN++'s neighbour credit. Their tree is the chain of the window.
+# with LANTERN++'s neighbour credit. Their tree is the chain of the window, or a pac tree.
 JACOBI_METHODS = ("sjd", "sjd++")
 DEFAULT_WINDOW = 5
+# How a Jacobi window's carried drafts are coupled across calls (runtime/jacobi.py); the default
+# measured the higher tau on the demo (BENCHMARKS.md, issue 50)
+COUPLINGS = ("maximal", "gumbel", "none")
+DEFAULT_COUPLING = "maximal"
 # Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
 # on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
 # verify and drafting cost grow with its size there. On a GPU the wide tree: in one H200 run
@@ -72,12 +76,24 @@ class MethodConfig:
     delta: float = 0.1
     lam: float = 5.0
     drafter: str | None = None  # an EAGLE-layout folder overriding the model's drafter
+    coupling: str | None = None  # a Jacobi method's (COUPLINGS; None: DEFAULT_COUPLING)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if self.jacobi and self.drafter is not None:
             raise ConfigError(f"--method {self.method} drafts without a drafter: drop --drafter")
+        if self.coupling is not None and not self.jacobi:
+            raise ConfigError(
+                f"--coupling sets how --method {' or '.join(JACOBI_METHODS)} draft, not {self.method}: drop it"
+            )
+        if self.coupling is not None and self.coupling not in COUPLINGS:
+            raise ConfigError(f"unknown coupling {self.coupling!r}; choose from {', '.join(COUPLINGS)}")
+
+    @property
+    def drafts_coupling(self) -> str:
+        """The coupling a Jacobi method's window runs (``coupling``, else :data:`DEFAULT_COUPLING`)."""
+        return self.coupling or DEFAULT_COUPLING
 
     @property
     def jacobi(self) -> bool:
@@ -99,7 +115,9 @@ class MethodConfig:
         if self.method == "ar":
             return {}
         if self.jacobi:
-            window = {"window": int(self.tree.removeprefix("chain-"))}
+            chain = self.tree.startswith("chain-")
+            window = {"window": int(self.tree.removeprefix("chain-"))} if chain else {"tree": self.tree}
+            window["coupling"] = self.drafts_coupling
             return window | ({"k": self.k, "lambda": self.lam} if self.method == "sjd++" else {})
         extra = {
             "lantern": {"k": self.k, "delta": self.delta},
@@ -191,12 +209,29 @@ def capped_threads(threads: int | None) -> int | None:
 
 
 def window_tree(method: str, tree: str | None, window: int | None, image_tokens: int | None) -> str:
-    """The tree of a Jacobi ``method``: ``chain-{window}`` (:data:`DEFAULT_WINDOW` when None),
-    :class:`ConfigError` for a ``tree`` (a window is a chain: ``--window``) or a window outside
-    1..image_tokens - 1 (the image's first token is drawn before any window; no upper bound
-    when ``image_tokens`` is None)."""
+    """The tree of a Jacobi ``method``: ``tree`` when given (``chain-N`` or ``pac-K-D-N``, N
+    verify tokens below the root), else ``chain-{window}`` (:data:`DEFAULT_WINDOW` when None);
+    :class:`ConfigError` for both, another tree, or N outside 1..image_tokens - 1 (the image's
+    first token is drawn before any window; no upper bound when ``image_tokens`` is None)."""
     if tree is not None:
-        raise ConfigError(f"--method {method} drafts a Jacobi window: give --window N instead of --tree")
+        from lantern_rt.runtime.tree import TreeError, load_tree
+
+        if window is not None:
+            raise ConfigError(f"--method {method}: give --window N or --tree, not both")
+        if not tree.startswith(("chain-", "pac-")):
+            raise ConfigError(
+                f"--method {method} drafts a Jacobi window: --tree takes chain-N or pac-K-D-N, not {tree!r}"
+            )
+        try:
+            nodes = load_tree(tree).num_nodes
+        except TreeError as exc:
+            raise ConfigError(f"--tree {tree}: {exc}") from None
+        if image_tokens is not None and nodes >= image_tokens:
+            raise ConfigError(
+                f"--tree {tree} verifies {nodes} tokens; at most {image_tokens - 1} (the image has "
+                f"{image_tokens} tokens)"
+            )
+        return tree
     window = DEFAULT_WINDOW if window is None else window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"--window must be an integer >= 1, not {window}")
@@ -315,6 +350,7 @@ def run_request(
     window: int | None = None,
     backend: str | None = None,
     drafter: str | None = None,
+    coupling: str | None = None,
 ) -> RunRequest:
     """What a run asks for over ``md`` (its info) and ``source`` (what it runs: the model
     directory or the opened bundle), validated before any work: the conditions
@@ -336,6 +372,6 @@ def run_request(
         window=window,
     )
     conditions = requested_conditions(md, classes, prompts)
-    mc = MethodConfig(settings.method, settings.tree, k, delta, lam, drafter)
+    mc = MethodConfig(settings.method, settings.tree, k, delta, lam, drafter, coupling)
     mc.relaxation()  # validates k, delta and lambda before any work
     return RunRequest(conditions, settings.sampling, mc, settings)

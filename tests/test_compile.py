@@ -167,8 +167,10 @@ def test_generate_compile_reports_its_compile_time_once(tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_compiled_jacobi_steps_give_eager_tokens():
-    """sjd (a Jacobi window, no drafter) compiles whole too: eager's greedy tokens."""
+@pytest.mark.parametrize(("tree", "coupling"), [("chain-3", "maximal"), ("pac-2-2-7", "gumbel")])
+def test_compiled_jacobi_steps_give_eager_tokens(tree, coupling):
+    """sjd (a Jacobi window, no drafter; a chain or a pac tree, its coupling's state updated in
+    place) compiles whole too: eager's greedy tokens."""
     from lantern_rt.assembly import jacobi_speculation
     from lantern_rt.settings import MethodConfig
 
@@ -177,8 +179,8 @@ def test_compiled_jacobi_steps_give_eager_tokens():
     results = []
     for steps in (None, StepCache(compile=True)):
         target = TorchTarget(model)
-        method = MethodConfig("sjd", tree="chain-3")
-        spec = jacobi_speculation(target, model.config, load_tree("chain-3"), method, lambda k: None)
+        method = MethodConfig("sjd", tree=tree, coupling=coupling)
+        spec = jacobi_speculation(target, model.config, load_tree(tree), method, lambda k: None)
         results.append(decode_image(target, cond, model.config.block_size, GREEDY, None, spec, steps))
     assert torch.equal(results[0].tokens, results[1].tokens)
     assert results[0].accepted == results[1].accepted

@@ -50,6 +50,17 @@ def test_chameleon_shaped_step_costs_run_on_a_cpu():
     )
 
 
+def test_a_pac_window_s_verify_cost_and_projection_run_on_a_cpu(monkeypatch):
+    """The drafter-free rows: a pac tree's verify against an AR step, the projection from tau."""
+    tiny = GPTConfig(**{**TINY_GPT, "block_size": 256, "num_classes": 10})
+    monkeypatch.setattr(gpu_check, "gpt_config", lambda preset, **kw: tiny)
+    row = gpu_check.window_costs("tiny", "pac-2-1-9", 4.5, "cpu", torch.float32, 2)
+    assert row["ms_ar_step"] > 0 and row["verify_over_ar_step"] == row["ms_verify"] / row["ms_ar_step"]
+    assert row["projected_speedup"] == 4.5 / row["verify_over_ar_step"]
+    text = "\n".join(gpu_check.window_report([row]))
+    assert "| tiny | float32 | pac-2-1-9 |" in text and "projected speedup" in text
+
+
 def test_a_demo_path_runs_on_a_cpu():
     """One path of the demo table (torch eager, AR, one image): the fields the report reads."""
     row = gpu_check.run_path("torch", False, gpu_check.MethodConfig("ar"), "cpu", [3])

@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from lantern_rt.runtime.tree import MAX_DEPTH, PRESETS, TreeError, build_tree, load_tree, tree_to_json
+from lantern_rt.runtime.tree import (
+    MAX_DEPTH,
+    PRESETS,
+    TreeError,
+    build_tree,
+    load_tree,
+    pac_shape,
+    tree_to_json,
+)
 
 
 @pytest.mark.parametrize(
@@ -128,3 +136,34 @@ def test_load_errors(tmp_path) -> None:
     wide.write_text(json.dumps([[0], [1], [2]]))
     with pytest.raises(TreeError, match="width 2"):
         load_tree(str(wide), max_width=2)
+
+
+def test_pac_trees() -> None:
+    """pac-K-D-N: the full K-ary tree to depth D, then a rank-0 chain below its first leaf; N
+    nodes; its JSON form names it and reads back as itself."""
+    tree = load_tree("pac-3-2-15")
+    assert tree.num_nodes == 15 and tree.width == 3 and tree.max_depth == 5
+    assert [len(level) for level in tree.levels] == [1, 3, 9, 1, 1, 1]
+    assert tree.paths[-3:] == ((0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0))
+    assert load_tree("pac-2-1-2").paths == ((0,), (1,))  # no chain: the full tree alone
+    data = tree_to_json(tree)
+    again = build_tree(data["paths"], name=data["name"])
+    assert again == tree and pac_shape(again) == (3, 2)
+    assert pac_shape(build_tree([(0,), (1,)], name="pac-2-1-3")) is None  # the name lies
+    assert pac_shape(load_tree("chain-4")) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("pac-1-2-8", "2 <= K <= 10"),
+        ("pac-11-1-20", "2 <= K <= 10"),
+        ("pac-2-0-8", "D must be >= 1"),
+        ("pac-2-3-13", "has 14 nodes"),
+        ("pac-2-1-40", "39 deep; the maximum is 32"),
+        ("pac-2-99999-3", "D must be >= 1 and that count at most N=3"),
+    ],
+)
+def test_bad_pac_trees(spec: str, match: str) -> None:
+    with pytest.raises(TreeError, match=match):
+        load_tree(spec)

@@ -42,8 +42,10 @@ from lantern_rt.prompt_files import read_prompts
     "configs",
     multiple=True,
     help="METHOD[:key=val,...] (repeatable): ar, exact[:tree=T], lantern[:tree=T,k=K,delta=D], "
-    "lantern++[:tree=T,k=K,lambda=L], sjd[:window=N], sjd++[:window=N,k=K,lambda=L] (no drafter: "
-    "a Jacobi window; N defaults to 5), e.g. 'lantern++:k=5,lambda=10'. Default: ar, exact, "
+    "lantern++[:tree=T,k=K,lambda=L], sjd[:window=N|tree=T,coupling=C], "
+    "sjd++[:window=N|tree=T,coupling=C,k=K,lambda=L] (no drafter: a Jacobi window, a chain of N, 5 by "
+    "default, or T = chain-N or pac-K-D-N; C = maximal, gumbel or none), e.g. 'lantern++:k=5,lambda=10', "
+    "'sjd:tree=pac-2-1-33,coupling=maximal'. Default: ar, exact, "
     "lantern:k=1000,delta=0.1 and lantern++ with (k, lambda) = (10, 5), (5, 10), (5, 20). "
     "AR on every backend is always run: it is the speedup reference.",
 )

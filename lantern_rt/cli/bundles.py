@@ -26,7 +26,7 @@ from lantern_rt.settings import (
     "--tree",
     "trees",
     multiple=True,
-    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N or JSON file. "
+    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N, pac-K-D-N (a Jacobi window of --method sjd) or JSON file. "
     f"Default: the tree 'lantern generate' chooses on --device: {CPU_DEFAULT_TREE} on a CPU, "
     f"{GPU_DEFAULT_TREE} on a GPU.",
 )

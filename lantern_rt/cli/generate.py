@@ -87,6 +87,7 @@ def generate(
     method,
     tree,
     window,
+    coupling,
     lantern_k,
     lantern_delta,
     lantern_lambda,
@@ -147,6 +148,7 @@ def generate(
         lantern_delta=lantern_delta,
         lantern_lambda=lantern_lambda,
         drafter=drafter_path,
+        coupling=coupling,
         images=len(class_ids) * num_images,
     )
     pipe = generator.pipeline
@@ -228,6 +230,7 @@ def generate_set_cmd(
     method,
     tree,
     window,
+    coupling,
     lantern_k,
     lantern_delta,
     lantern_lambda,

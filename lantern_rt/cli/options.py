@@ -13,7 +13,9 @@ from lantern_rt.errors import UserError
 from lantern_rt.runtime.backends.registry import BACKENDS, backend_named
 from lantern_rt.runtime.run_shape import MAX_BATCH_SIZE, MAX_STREAMS, check_batch_sizes, check_stream_counts
 from lantern_rt.settings import (
+    COUPLINGS,
     CPU_DEFAULT_TREE,
+    DEFAULT_COUPLING,
     DEFAULT_WINDOW,
     GPU_DEFAULT_TREE,
     MAX_IMAGES_PER_CLASS,
@@ -201,7 +203,8 @@ decode_options = options(
     click.option(
         "--tree",
         default=None,
-        help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths. Default: "
+        help="Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths (--method sjd, "
+        "sjd++: chain-N or pac-K-D-N). Default: "
         f"the bundle's first tree with --bundle, else {CPU_DEFAULT_TREE} on a CPU (a tree's cost grows with "
         f"its size there; measured best in BENCHMARKS.md), {GPU_DEFAULT_TREE} on a GPU (tensorrt, or a CUDA --device).",
     ),
@@ -210,7 +213,16 @@ decode_options = options(
         type=int,
         default=None,
         help=f"Draft positions per step of --method sjd or sjd++ (a chain of N; a bundle needs 'lantern export "
-        f"--tree chain-N'). Default: {DEFAULT_WINDOW}.",
+        f"--tree chain-N'; --tree pac-K-D-N instead: K candidates per position down to depth D, N verify "
+        f"tokens). Default: {DEFAULT_WINDOW}.",
+    ),
+    click.option(
+        "--coupling",
+        type=click.Choice(COUPLINGS),
+        default=None,
+        help="How --method sjd or sjd++ draws a position's draft from one call to the next: maximal (keep "
+        "the last draft where a test allows), gumbel (the position's Gumbel noise kept), none (afresh); all "
+        f"exact. Default: {DEFAULT_COUPLING}.",
     ),
     click.option(
         "--lantern-k", type=int, default=10, show_default=True, help="Latent neighbours per drafted token."
@@ -290,6 +302,7 @@ def requested_run(
         delta=given["lantern_delta"],
         lam=given["lantern_lambda"],
         drafter=drafter,
+        coupling=given["coupling"],
     )
 
 

@@ -60,6 +60,7 @@ def serve_cmd(
     lantern_k,
     lantern_delta,
     lantern_lambda,
+    coupling,
     backend,
     cuda_graphs,
     compile_step,
@@ -86,11 +87,11 @@ def serve_cmd(
         from prometheus_client import Counter  # noqa: F401
     except ImportError as exc:
         raise UserError(f"lantern serve needs {exc.name}: pip install 'lantern-rt[serve]'") from None
-    from lantern_rt.settings import check_device, run_defaults
+    from lantern_rt.settings import MethodConfig, check_device, run_defaults
 
     md, source = open_run_source(model_path, bundle, backend, None)
     check_device(device)
-    run_defaults(  # bad settings: one line and exit 2 before the server starts
+    settings = run_defaults(  # bad settings: one line and exit 2 before the server starts
         source,
         backend=backend,
         method=method,
@@ -103,6 +104,9 @@ def serve_cmd(
         device=device,
         window=window,
     )
+    MethodConfig(
+        settings.method, settings.tree, lantern_k, lantern_delta, lantern_lambda, None, coupling
+    ).relaxation()
 
     def load():
         from lantern_rt.api import load
@@ -127,6 +131,7 @@ def serve_cmd(
             lantern_k=lantern_k,
             lantern_delta=lantern_delta,
             lantern_lambda=lantern_lambda,
+            coupling=coupling,
         )
 
     if use_ray:

@@ -82,8 +82,8 @@ SPEC_KEYS: dict[str, tuple[str, ...]] = {  # the keys each of settings.METHODS t
     "exact": ("tree",),
     "lantern": ("tree", "k", "delta"),
     "lantern++": ("tree", "k", "lambda"),
-    "sjd": ("window",),
-    "sjd++": ("window", "k", "lambda"),
+    "sjd": ("window", "tree", "coupling"),
+    "sjd++": ("window", "tree", "coupling", "k", "lambda"),
 }
 assert tuple(SPEC_KEYS) == METHODS
 SPEC_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -94,6 +94,7 @@ SPEC_DEFAULTS: dict[str, dict[str, Any]] = {
 KEY_TYPES: dict[str, tuple[type, str]] = {
     "tree": (str, "a tree name or file"),
     "window": (int, "an integer"),
+    "coupling": (str, "maximal, gumbel or none"),
     "k": (int, "an integer"),
     "delta": (float, "a number"),
     "lambda": (float, "a number"),
@@ -146,12 +147,16 @@ def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
 
 def method_config(spec: str, tree: str, image_tokens: int | None = None) -> MethodConfig:
     """The validated method config of ``spec`` (running on ``tree`` unless the spec names one; a
-    Jacobi method on the chain of its window, at most ``image_tokens`` - 1 when given)."""
+    Jacobi method on the chain of its window or the chain or pac tree it names, of at most
+    ``image_tokens`` - 1 nodes when given)."""
     method, params = parse_config(spec)
     if method == "ar":
         return MethodConfig("ar")
     if method in JACOBI_METHODS:
-        tree = window_tree(method, None, params.pop("window", None), image_tokens)
+        try:
+            tree = window_tree(method, params.pop("tree", None), params.pop("window", None), image_tokens)
+        except ConfigError as exc:
+            raise ConfigError(f"--config {spec!r}: {exc}") from None
     merged = {**SPEC_DEFAULTS.get(method, {}), "tree": tree, **params}
     mc = MethodConfig(method, **{MC_FIELDS.get(k, k): v for k, v in merged.items()})
     try:

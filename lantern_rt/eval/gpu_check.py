@@ -20,6 +20,9 @@
 4. The GPU peer: LlamaGen's own sampling loop (:mod:`lantern_rt.eval.baseline`) compiled as its
    ``--compile`` does (``torch.compile(decode_one_token, mode="reduce-overhead",
    fullgraph=True)``) over the demo and the same random-weight shapes, in the same run.
+5. A drafter-free window (issue 50): a pac tree's verify (``PAC_TREE``, exact ``sjd``) against
+   an AR step at B = 1 at LlamaGen-XL's and, on a GPU, Anole-7B's shapes, with the speedup
+   projected from the demo's tau with that tree (``PAC_TAU``).
 Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
 the tests on a CPU; ``scripts/gpu_check.sh --quick`` runs it on a CPU).
 """
@@ -58,6 +61,9 @@ from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig
 SAMPLING = SamplingConfig(cfg_scale=3.0)
 GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
 RELAX = Relaxation("lantern++", k=10, lam=5.0)
+# The drafter-free window of the check's pac-tree rows and the tau `sjd` made with it on the demo
+# (BENCHMARKS.md, "Issue 50": onnxruntime, 100 images; tau does not depend on the hardware)
+PAC_TREE, PAC_TAU = "pac-2-1-33", 4.54
 
 
 def paths(device: str) -> list[tuple[str, str, bool, str, str]]:
@@ -184,21 +190,7 @@ def step_costs(
     name = {"c2i": preset, "t2i": f"{preset} T2I", "chameleon": "Anole-7B shape"}[kind]
     out = {"preset": name, "tree": tree, "dtype": str(dtype).removeprefix("torch."), "batch": batch}
     out["n_layer"] = config.n_layer
-    if kind == "chameleon":
-        cond = torch.randint(config.text_vocab_size, (2 * batch, config.cls_token_num), device=device)
-        slots = torch.arange(config.cls_token_num, device=device)
-        prefix = torch.cat(
-            [(slots >= 40).expand(batch, -1), (slots >= 62).expand(batch, -1)]
-        )  # 24 and 2 tokens
-    elif kind == "t2i":
-        captions = torch.randn(batch, config.cls_token_num, config.caption_dim, device=device, dtype=dtype)
-        cond = torch.cat([captions, model.null_condition.expand(batch, -1, -1)])
-        padding = config.cls_token_num * 5 // 6  # 100 of LlamaGen's 120 slots: a 20-token prompt
-        prefix = (torch.arange(config.cls_token_num, device=device) >= padding).expand(batch, -1)
-    else:
-        labels = torch.arange(batch, device=device) % config.num_classes
-        cond = torch.cat([labels, torch.full_like(labels, config.num_classes)])
-        prefix = None
+    cond, prefix = _conditions(model, kind, batch, device, dtype)
     for name, t in (("ar_step", ROOT_ONLY), ("verify", verify)):
         call, args = verify_call(model, t, batch, cond, prefix, filters, relax)
         out[f"kernels_{name}"] = kernels_per_call(call, args)
@@ -237,6 +229,63 @@ def step_costs(
     out["ms_whole_step"] = seconds / (steps[0] / 2) * 1e3  # _timed ran 3 warm-up + 3 timed batches
     out["verify_over_ar_step"] = out["ms_verify"] / out["ms_ar_step"]
     out["whole_step_over_verify"] = out["ms_whole_step"] / out["ms_verify"]
+    return out
+
+
+def _conditions(
+    model: Transformer, kind: str, batch: int, device: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CFG condition rows [2B, ...] and prefix visibility [2B, T] (None: all) of a step-cost
+    row's ``batch`` images: class labels; a caption prefix, five sixths padding (t2i); a prompt
+    with per-row padding (chameleon)."""
+    config = model.config
+    if kind == "chameleon":
+        cond = torch.randint(config.text_vocab_size, (2 * batch, config.cls_token_num), device=device)
+        slots = torch.arange(config.cls_token_num, device=device)
+        prefix = torch.cat(
+            [(slots >= 40).expand(batch, -1), (slots >= 62).expand(batch, -1)]
+        )  # 24 and 2 tokens
+        return cond, prefix
+    if kind == "t2i":
+        captions = torch.randn(batch, config.cls_token_num, config.caption_dim, device=device, dtype=dtype)
+        cond = torch.cat([captions, model.null_condition.expand(batch, -1, -1)])
+        padding = config.cls_token_num * 5 // 6  # 100 of LlamaGen's 120 slots: a 20-token prompt
+        return cond, (torch.arange(config.cls_token_num, device=device) >= padding).expand(batch, -1)
+    labels = torch.arange(batch, device=device) % config.num_classes
+    return torch.cat([labels, torch.full_like(labels, config.num_classes)]), None
+
+
+def window_costs(
+    preset: str,
+    tree: str,
+    tau: float,
+    device: str,
+    dtype: torch.dtype,
+    repeats: int,
+    kind: str = "c2i",
+    shape: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A drafter-free window's verify (``tree``, e.g. a pac tree; acceptance included) against an
+    AR step at B = 1 on the runtime's path (CUDA graphs on a GPU), random weights, and the
+    speedup projected from them with the demo's measured ``tau`` (its Jacobi drafting, a few
+    small tensor ops, left out): tau / (verify / AR step)."""
+    config = _config(preset, kind, shape)
+    with torch.device(device):
+        model = Transformer(config).to(dtype).eval()
+    graphs = device.startswith("cuda")
+    vocab = config.vocab_size
+    relax = relax_inputs(Relaxation("exact"), None, vocab, False, torch.device(device))
+    filters = filter_inputs(SAMPLING, torch.device(device))
+    cond, prefix = _conditions(model, kind, 1, device, dtype)
+    name = {"c2i": preset, "t2i": f"{preset} T2I", "chameleon": "Anole-7B shape"}[kind]
+    out: dict[str, Any] = {"preset": name, "tree": tree, "dtype": str(dtype).removeprefix("torch.")}
+    for step, t in (("ar_step", ROOT_ONLY), ("verify", load_tree(tree))):
+        call, args = verify_call(model, t, 1, cond, prefix, filters, relax)
+        run = step_runs(call, graphs, compile=False)["graphed" if graphs else "eager"]
+        out[f"ms_{step}"] = _timed(partial(run, *args), repeats, graphs)
+    out["verify_over_ar_step"] = out["ms_verify"] / out["ms_ar_step"]
+    out["tau"] = tau
+    out["projected_speedup"] = tau / out["verify_over_ar_step"]
     return out
 
 
@@ -465,8 +514,28 @@ def report(result: dict[str, Any]) -> str:
         f"AR step, LANTERN++ at the demo's measured tau ({result['projection_tau']:.2f}) tokens per "
         "whole step, B images per call.",
     ]
+    lines += window_report(result.get("window_costs", []))
     lines += step_mode_report(result) + llamagen_report(result.get("llamagen", []))
     return "\n".join(lines)
+
+
+def window_report(rows: list[dict[str, Any]]) -> list[str]:
+    """The drafter-free window table: a pac tree's verify against an AR step, and the speedup
+    projected with the demo's tau (:func:`window_costs`)."""
+    if not rows:
+        return []
+    lines = ["", "## Drafter-free window: a pac tree's verify vs an AR step (B = 1, exact sjd)", ""]
+    lines += [
+        "| preset | dtype | tree | ms AR step | ms verify | verify / AR | demo tau | projected speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['preset']} | {r['dtype']} | {r['tree']} | {r['ms_ar_step']:.3f} | {r['ms_verify']:.3f} | "
+            f"{r['verify_over_ar_step']:.2f} | {r['tau']:.2f} | {r['projected_speedup']:.2f}x |"
+        )
+    lines += ["", "Projected speedup = tau / (verify / AR step): a projection, drafting left out."]
+    return lines
 
 
 MODES = ("eager", "compiled", "graphed", "compiled_graphed")
@@ -619,6 +688,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 bandwidth=bw,
             )
         ]
+    kinds = [(presets[-1], "c2i")] + ([("", "chameleon")] if cuda and not args.quick else [])
+    windows = [window_costs(p, PAC_TREE, PAC_TAU, args.device, dtype, repeats, kind) for p, kind in kinds]
     demo_model = load_target(open_model_dir(DEMO_DIR), args.device)
     peers = [("demo", demo_model)]
     if not args.quick:
@@ -634,6 +705,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "demo": demo,
         "projection_tau": tau,
         "step_costs": [with_projection(c, tau) for c in costs],
+        "window_costs": windows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))

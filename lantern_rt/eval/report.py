@@ -26,8 +26,10 @@ def fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
 
 
 def params_text(params: dict[str, Any]) -> str:
-    """``k=10 lambda=5``: the method parameters other than the tree."""
-    return " ".join(f"{k}={v:g}" for k, v in params.items() if k != "tree")
+    """``k=10 lambda=5 coupling=gumbel``: the method parameters other than the tree."""
+    return " ".join(
+        f"{k}={v}" if isinstance(v, str) else f"{k}={v:g}" for k, v in params.items() if k != "tree"
+    )
 
 
 def row_label(row: Row) -> str:

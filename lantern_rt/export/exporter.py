@@ -277,7 +277,7 @@ def _graphs(
 
 def verified(tree: StaticTree, has_drafter: bool) -> bool:
     """Whether a bundle holds ``tree``'s verify graph: with a drafter, every tree's; without one,
-    a chain's alone, which serves the Jacobi window of its length (docs/method.md §11)."""
+    a chain's or a pac tree's alone, which serves a Jacobi window (docs/method.md §11)."""
     return has_drafter or is_window(tree)
 
 

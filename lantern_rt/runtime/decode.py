@@ -119,7 +119,7 @@ class DecodeStep:
             out = target.verify(self.tree, drafted, noise, bonus_noise, self.filters, self.relax)
         if jacobi:
             with span("draft"):
-                jacobi.record(out.probs, active)
+                jacobi.record(out, active)
         with span("kv_compaction"):
             committed = out.length + 1  # the accepted tokens and the bonus
             target.cache.commit(out.new_k, out.new_v, out.kept, committed * active)
@@ -292,7 +292,7 @@ def decode_images(
             continue  # the freed slots take the next jobs before the next step
         if all(slot is None for slot in slots):
             return
-        draft_noise, noise, bonus_noise = _step_noise(slots, tree, speculation is not None, sampling, state)
+        draft_noise, noise, bonus_noise = _step_noise(slots, tree, _draft_rows(speculation), sampling, state)
         step = steps.get(cache.window) or steps.setdefault(
             cache.window, _step(target, speculation, tree, state, step_graphs)
         )
@@ -399,15 +399,24 @@ def _prefill(
     return state
 
 
+def _draft_rows(spec: Speculation | None) -> int:
+    """Rows of V uniforms a step's drafting takes: the Jacobi window's, or one per node that
+    draws children; 0 without speculation."""
+    if spec is None:
+        return 0
+    return spec.drafter.noise_rows if isinstance(spec.drafter, JacobiDrafter) else noise_rows(spec.tree)
+
+
 def _step_noise(
-    slots: list[_Slot | None], tree: StaticTree, drafting: bool, sampling: SamplingConfig, state: _State
+    slots: list[_Slot | None], tree: StaticTree, rows: int, sampling: SamplingConfig, state: _State
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A step's uniform noise: the drafter's [B, noise_rows, V] (drafting methods), the tests'
-    [B, N+1] and the bonus draws' [B, V], each image's drawn from its own generator in the order
-    one image alone draws them (zeros for an empty slot; greedy: constants, no draw)."""
+    """A step's uniform noise: the drafter's [B, ``rows``, V] (drafting methods: ``rows`` > 0),
+    the tests' [B, N+1] and the bonus draws' [B, V], each image's drawn from its own generator in
+    the order one image alone draws them (zeros for an empty slot; greedy: constants, no draw)."""
     vocab, device, batch = state.vocab, state.device, len(slots)
     noises = tree.num_nodes + 1
-    rows = noise_rows(tree) if drafting else 1
+    drafting = rows > 0
+    rows = rows or 1
     if sampling.greedy:
         draft_noise = draw_noise(batch * rows, vocab, True, None, device).view(batch, rows, vocab)
         uniform = _zeros(batch * (noises + vocab), device).view(batch, -1)

@@ -7,6 +7,7 @@ last committed token. Nodes are numbered 0 = root, then 1..N sorted by (depth, p
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import reprlib
@@ -54,6 +55,8 @@ PRESETS: dict[str, tuple[TreePath, ...]] = {
 }
 
 _CHAIN = re.compile(r"chain-(\d{1,9})")  # more digits: an unknown tree, not a huge int()
+_PAC = re.compile(r"pac-(\d{1,9})-(\d{1,9})-(\d{1,9})")
+MAX_PAC_WIDTH = 10  # candidates per position of a pac tree (drawn without replacement)
 
 
 def _node_key(path: TreePath) -> tuple[int, TreePath]:
@@ -237,6 +240,37 @@ def chain_tree(n: int) -> StaticTree:
     return build_tree([(0,) * d for d in range(1, n + 1)], name=f"chain-{n}")
 
 
+def pac_tree(k: int, d: int, n: int) -> StaticTree:
+    """``pac-K-D-N``: the full K-ary tree down to depth D (K candidates per position, drawn without
+    replacement), then a chain along rank 0 below its first leaf, N nodes in all: the static
+    window of SJD-PAC (docs/method.md §11)."""
+    if not 2 <= k <= MAX_PAC_WIDTH:
+        raise TreeError(f"pac-K-D-N needs 2 <= K <= {MAX_PAC_WIDTH} candidates per position, got K={k}")
+    full = sum(k**i for i in range(1, d + 1)) if 1 <= d <= MAX_DEPTH else MAX_NODES + 1
+    if d < 1 or full > min(n, MAX_NODES):
+        raise TreeError(
+            f"pac-{k}-{d}-{n}: the full {k}-ary tree down to depth D={d} has {full} nodes; D must be "
+            f">= 1 and that count at most N={n} (and {MAX_NODES})"
+        )
+    if d + n - full > MAX_DEPTH:
+        raise TreeError(f"pac-{k}-{d}-{n} is {d + n - full} deep; the maximum is {MAX_DEPTH}: lower N")
+    paths = [p for depth in range(1, d + 1) for p in itertools.product(range(k), repeat=depth)]
+    paths += [(0,) * depth for depth in range(d + 1, d + n - full + 1)]
+    return build_tree(paths, name=f"pac-{k}-{d}-{n}")
+
+
+def pac_shape(tree: StaticTree) -> tuple[int, int] | None:
+    """(K, D) when ``tree`` is the pac tree its name says (:func:`pac_tree`), else None."""
+    match = _PAC.fullmatch(tree.name)
+    if not match:
+        return None
+    k, d, n = map(int, match.groups())
+    try:
+        return (k, d) if pac_tree(k, d, n).paths == tree.paths else None
+    except TreeError:
+        return None
+
+
 def _read_json(file: Path) -> Any:
     try:
         if file.stat().st_size > MAX_TREE_FILE_BYTES:
@@ -269,15 +303,19 @@ def _tree_from_json(data: Any, default_name: str, max_width: int | None) -> Stat
 
 
 def load_tree(spec: str, max_width: int | None = None) -> StaticTree:
-    """A preset name, ``chain-N``, or a JSON file of paths (a list, or ``{"name", "paths"}``)."""
+    """A preset name, ``chain-N``, ``pac-K-D-N`` (:func:`pac_tree`), or a JSON file of paths (a list, or ``{"name", "paths"}``)."""
     if spec in PRESETS:
         return build_tree(PRESETS[spec], name=spec, max_width=max_width)
     if match := _CHAIN.fullmatch(spec):
         return chain_tree(int(match.group(1)))
+    if match := _PAC.fullmatch(spec):
+        return pac_tree(*map(int, match.groups()))
     file = Path(spec)
     if not file.is_file():
         known = ", ".join(PRESETS)
-        raise TreeError(f"unknown tree {spec!r}: use {known}, chain-N or the path of a JSON file of paths")
+        raise TreeError(
+            f"unknown tree {spec!r}: use {known}, chain-N, pac-K-D-N or the path of a JSON file of paths"
+        )
     data = _read_json(file)
     try:
         return _tree_from_json(data, file.stem, max_width)

@@ -269,5 +269,5 @@ def bundle_trees(bundle: Bundle) -> dict[str, StaticTree]:
 
 def bundle_windows(bundle: Bundle) -> dict[str, StaticTree]:
     """The bundle's trees that can serve a Jacobi window (docs/method.md §11), by name: its chains
-    with a verify graph."""
+    and pac trees with a verify graph."""
     return {n: t for n, t in bundle_trees(bundle).items() if is_window(t) and bundle.trees[n].verify}
