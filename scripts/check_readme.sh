@@ -7,9 +7,11 @@
 #   bash scripts/check_readme.sh --list   # print the commands it would run (shrunk), run none
 #
 # What it does:
-# - Takes the ```bash fenced blocks of README.md in order. A block whose previous non-blank line
-#   is `<!-- readme-check: skip: REASON -->` is skipped (GPU, TensorRT, nsys, pip extras, the
-#   hours-long training); every other block is run, one logical line (`\` joins lines) at a time.
+# - Takes the ```bash and ```python fenced blocks of README.md in order. A block whose previous
+#   non-blank line is `<!-- readme-check: skip: REASON -->` is skipped (GPU, TensorRT, nsys, pip
+#   extras, the hours-long training, a running server); every other bash block is run, one
+#   logical line (`\` joins lines) at a time, and every other python block as one script
+#   (`.venv/bin/python FILE`).
 # - Runs them in a fresh temporary folder holding `git clone -q` of this repository plus, unless
 #   --head is given, the working tree's uncommitted changes and untracked (not ignored) files:
 #   it checks the README and code as they are now; on CI (a clean checkout) that is HEAD.
@@ -58,6 +60,7 @@ done
 
 # Patterns of this script (in variables: bash reads them literally there).
 RC_FENCE_BASH='^```bash[[:space:]]*$'
+RC_FENCE_PYTHON='^```python[[:space:]]*$'
 RC_FENCE_OPEN='^```'
 RC_FENCE_CLOSE='^```[[:space:]]*$'
 RC_MARKER='^<!-- readme-check: skip: (.*[^[:space:]]) -->$'
@@ -78,20 +81,23 @@ trap 'cd /; rm -rf "$RC_WORK"' EXIT
 RC_CLONE=$RC_WORK/clone
 RC_SMALL_DATA=$RC_WORK/fashion-mnist-small
 
-# --- the README's bash blocks -----------------------------------------------------------------
+# --- the README's bash and python blocks ----------------------------------------------------
 # RC_BLOCK_SKIP[i]: the skip reason ("" = run); RC_BLOCK_LINE[i]: README line of the fence;
 # RC_BLOCK_CMDS[i]: its logical command lines, newline-separated (comments and blanks dropped),
-# each as "README-LINE<tab>COMMAND".
+# each as "README-LINE<tab>COMMAND" (a python block: one command running the block's file).
 RC_BLOCK_SKIP=() RC_BLOCK_LINE=() RC_BLOCK_CMDS=()
 rc_parse() {
-  local line n=0 in_fence="" marker="" marker_line=0 cmds="" pending="" start=0
+  local line n=0 in_fence="" marker="" marker_line=0 cmds="" pending="" start=0 script=""
   while IFS= read -r line || [ -n "$line" ]; do
     n=$((n + 1))
     if [ -n "$in_fence" ]; then
       if [[ $line =~ $RC_FENCE_CLOSE ]]; then
         [ -z "$pending" ] || rc_die "README.md:$n: a block ends in a '\\' continuation"
         if [ "$in_fence" = bash ]; then RC_BLOCK_CMDS+=("$cmds"); fi
+        if [ "$in_fence" = python ]; then RC_BLOCK_CMDS+=("${RC_BLOCK_LINE[-1]}"$'\t'".venv/bin/python $script"$'\n'); fi
         in_fence="" cmds=""
+      elif [ "$in_fence" = python ]; then
+        printf '%s\n' "$line" >>"$script"
       elif [ "$in_fence" = bash ]; then
         [ -n "$pending" ] || start=$n
         if [[ $line == *\\ ]]; then
@@ -103,24 +109,28 @@ rc_parse() {
       fi
       continue
     fi
-    if [[ $line =~ $RC_FENCE_BASH ]]; then
+    if [[ $line =~ $RC_FENCE_BASH || $line =~ $RC_FENCE_PYTHON ]]; then
       in_fence=bash
+      if [[ $line =~ $RC_FENCE_PYTHON ]]; then
+        in_fence=python script=$RC_WORK/readme-line-$n.py
+        : >"$script"
+      fi
       RC_BLOCK_LINE+=("$n")
       if [ -n "$marker" ]; then RC_BLOCK_SKIP+=("$marker"); else RC_BLOCK_SKIP+=(""); fi
       marker=""
     elif [[ $line =~ $RC_FENCE_OPEN ]]; then
       in_fence=other
-      [ -z "$marker" ] || rc_die "README.md:$marker_line: the skip marker is not followed by a bash block"
+      [ -z "$marker" ] || rc_die "README.md:$marker_line: the skip marker is not followed by a bash or python block"
     elif [[ $line =~ $RC_MARKER ]]; then
       marker=${BASH_REMATCH[1]} marker_line=$n
     elif [[ $line == '<!--'*readme-check* ]]; then
       rc_die "README.md:$n: malformed marker (expected '<!-- readme-check: skip: REASON -->')"
     elif [[ -n $marker && $line =~ [^[:space:]] ]]; then
-      rc_die "README.md:$marker_line: the skip marker is not followed by a bash block"
+      rc_die "README.md:$marker_line: the skip marker is not followed by a bash or python block"
     fi
   done <"$1"
   [ -z "$in_fence" ] || rc_die "README.md: unterminated code block"
-  [ -z "$marker" ] || rc_die "README.md:$marker_line: the skip marker is not followed by a bash block"
+  [ -z "$marker" ] || rc_die "README.md:$marker_line: the skip marker is not followed by a bash or python block"
 }
 
 # --- rewriting --------------------------------------------------------------------------------
