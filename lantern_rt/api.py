@@ -27,7 +27,7 @@ from lantern_rt.runtime.decode import ImageResult, Job, JobSource
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import decode_streams
-from lantern_rt.settings import MethodConfig, check_device, requested_conditions, run_defaults
+from lantern_rt.settings import MethodConfig, requested_conditions, run_request
 from lantern_rt.stats import GenerationStats
 
 
@@ -189,42 +189,38 @@ def load(
         info, source = open_source(None, Path(model_or_bundle))
     else:
         info, source = open_source(None if model_or_bundle is None else Path(model_or_bundle), None)
-    check_device(device)
-    settings = run_defaults(
+    request = run_request(
+        info,
         source,
-        backend=backend,
-        method=method,
-        tree=tree,
+        classes=(),
+        prompts=(),
         cfg_scale=cfg_scale,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         greedy=greedy,
-        device=device,
-        drafter_override=drafter is not None,
+        method=method,
+        tree=tree,
         window=window,
+        backend=backend,
+        device=device,
+        k=lantern_k,
+        delta=lantern_delta,
+        lam=lantern_lambda,
+        drafter=None if drafter is None else str(drafter),
+        coupling=coupling,
     )
-    mc = MethodConfig(
-        settings.method,
-        settings.tree,
-        lantern_k,
-        lantern_delta,
-        lantern_lambda,
-        None if drafter is None else str(drafter),
-        coupling,
-    )
-    mc.relaxation()  # validates k, delta and lambda before any work
     if threads:
         torch.set_num_threads(threads)
     pipe = build_pipeline(
         source,
-        mc,
-        RunShape(batch_size, settings.sampling.guided, streams=streams),
-        backend=settings.backend,
+        request.method,
+        RunShape(batch_size, request.sampling.guided, streams=streams),
+        backend=request.settings.backend,
         device=device,
         threads=threads,
         cuda_graphs=cuda_graphs,
         compile=compile,
         images=images,
     )
-    return Generator(info, pipe, settings.sampling)
+    return Generator(info, pipe, request.sampling)

@@ -10,6 +10,7 @@ import click
 
 from lantern_rt.cli.options import (
     StreamCount,
+    load_options,
     model_option,
     open_run_source,
     prompt_options,
@@ -129,26 +130,8 @@ def generate(
     class_ids, mc = request.conditions, request.method
     generator = load(
         source,
-        backend=backend,
-        device=device,
-        method=method,
-        tree=tree,
-        window=window,
-        batch_size=batch_size,
-        streams=streams,
-        threads=threads,
-        cuda_graphs=cuda_graphs,
-        compile=compile_step,
-        cfg_scale=cfg_scale,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        greedy=greedy,
-        lantern_k=lantern_k,
-        lantern_delta=lantern_delta,
-        lantern_lambda=lantern_lambda,
+        **load_options(click.get_current_context().params),
         drafter=drafter_path,
-        coupling=coupling,
         images=len(class_ids) * num_images,
     )
     pipe = generator.pipeline

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -286,7 +286,7 @@ def requested_run(
     return run_request(
         md,
         source,
-        classes=given["classes"],
+        classes=given.get("classes", ()),  # lantern serve: each request's
         prompts=prompts,
         cfg_scale=given["cfg_scale"],
         temperature=given["temperature"],
@@ -304,6 +304,32 @@ def requested_run(
         drafter=drafter,
         coupling=given["coupling"],
     )
+
+
+def load_options(given: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of ``lantern_rt.load`` from the :func:`run_options` (or
+    :func:`served_run_options`) a command was given (its click parameters)."""
+    return {
+        "backend": given["backend"],
+        "device": given["device"],
+        "method": given["method"],
+        "tree": given["tree"],
+        "window": given["window"],
+        "batch_size": given["batch_size"],
+        "streams": given["streams"],
+        "threads": given["threads"],
+        "cuda_graphs": given["cuda_graphs"],
+        "compile": given["compile_step"],
+        "cfg_scale": given["cfg_scale"],
+        "temperature": given["temperature"],
+        "top_k": given["top_k"],
+        "top_p": given["top_p"],
+        "greedy": given["greedy"],
+        "lantern_k": given["lantern_k"],
+        "lantern_delta": given["lantern_delta"],
+        "lantern_lambda": given["lantern_lambda"],
+        "coupling": given["coupling"],
+    }
 
 
 def prompt_options(command: Callable) -> Callable:

@@ -7,7 +7,14 @@ import sys
 
 import click
 
-from lantern_rt.cli.options import StreamCount, model_option, open_run_source, served_run_options
+from lantern_rt.cli.options import (
+    StreamCount,
+    load_options,
+    model_option,
+    open_run_source,
+    requested_run,
+    served_run_options,
+)
 from lantern_rt.errors import EXIT_BAD_INPUT, UserError, reports_errors
 from lantern_rt.runtime.run_shape import MAX_STREAMS
 
@@ -87,52 +94,14 @@ def serve_cmd(
         from prometheus_client import Counter  # noqa: F401
     except ImportError as exc:
         raise UserError(f"lantern serve needs {exc.name}: pip install 'lantern-rt[serve]'") from None
-    from lantern_rt.settings import MethodConfig, check_device, run_defaults
-
     md, source = open_run_source(model_path, bundle, backend, None)
-    check_device(device)
-    settings = run_defaults(  # bad settings: one line and exit 2 before the server starts
-        source,
-        backend=backend,
-        method=method,
-        tree=tree,
-        cfg_scale=cfg_scale,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        greedy=greedy,
-        device=device,
-        window=window,
-    )
-    MethodConfig(
-        settings.method, settings.tree, lantern_k, lantern_delta, lantern_lambda, None, coupling
-    ).relaxation()
+    requested_run(md, source, ())  # bad settings: one line and exit 2 before the server starts
+    options = load_options(click.get_current_context().params)
 
     def load():
         from lantern_rt.api import load
 
-        return load(
-            source,
-            backend=backend,
-            device=device,
-            method=method,
-            tree=tree,
-            window=window,
-            batch_size=batch_size,
-            streams=streams,
-            threads=threads,
-            cuda_graphs=cuda_graphs,
-            compile=compile_step,
-            cfg_scale=cfg_scale,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=greedy,
-            lantern_k=lantern_k,
-            lantern_delta=lantern_delta,
-            lantern_lambda=lantern_lambda,
-            coupling=coupling,
-        )
+        return load(source, **options)
 
     if use_ray:
         from lantern_rt.serve.ray_serve import run_on_ray
