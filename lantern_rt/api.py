@@ -192,8 +192,8 @@ def load(
     request = run_request(
         info,
         source,
-        classes=(),
-        prompts=(),
+        classes=None,
+        prompts=None,
         cfg_scale=cfg_scale,
         temperature=temperature,
         top_k=top_k,

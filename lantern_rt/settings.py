@@ -334,8 +334,8 @@ def run_request(
     md: ModelDir,
     source: ModelDir | Bundle,
     *,
-    classes: Sequence[str],
-    prompts: Sequence[str],
+    classes: Sequence[str] | None,
+    prompts: Sequence[str] | None,
     greedy: bool,
     device: str,
     k: int,
@@ -354,7 +354,8 @@ def run_request(
 ) -> RunRequest:
     """What a run asks for over ``md`` (its info) and ``source`` (what it runs: the model
     directory or the opened bundle), validated before any work: the conditions
-    (:func:`requested_conditions`), the sampling (temperature 0 when ``greedy``), the method and
+    (:func:`requested_conditions`; none when ``classes`` and ``prompts`` are both None: the Python
+    API and a server take them per call), the sampling (temperature 0 when ``greedy``), the method and
     its acceptance parameters; what is None :func:`run_defaults` fills in."""
     check_device(device)
     settings = run_defaults(
@@ -371,7 +372,8 @@ def run_request(
         drafter_override=drafter is not None,
         window=window,
     )
-    conditions = requested_conditions(md, classes, prompts)
+    later = classes is None and prompts is None
+    conditions = [] if later else requested_conditions(md, classes or (), prompts or ())
     mc = MethodConfig(settings.method, settings.tree, k, delta, lam, drafter, coupling)
     mc.relaxation()  # validates k, delta and lambda before any work
     return RunRequest(conditions, settings.sampling, mc, settings)

@@ -279,14 +279,15 @@ served_run_options = options(sampling_options, greedy_option, decode_options)
 
 
 def requested_run(
-    md: ModelDir, source: ModelDir | Bundle, prompts: Sequence[str], drafter: str | None = None
+    md: ModelDir, source: ModelDir | Bundle, prompts: Sequence[str] | None, drafter: str | None = None
 ) -> RunRequest:
-    """``settings.run_request`` for the :func:`run_options` the running command was given."""
+    """``settings.run_request`` for the :func:`run_options` the running command was given
+    (``prompts`` None and no ``--class`` option: the conditions come later, per request)."""
     given = click.get_current_context().params
     return run_request(
         md,
         source,
-        classes=given.get("classes", ()),  # lantern serve: each request's
+        classes=given.get("classes"),  # None: lantern serve, whose requests give them
         prompts=prompts,
         cfg_scale=given["cfg_scale"],
         temperature=given["temperature"],

@@ -95,7 +95,7 @@ def serve_cmd(
     except ImportError as exc:
         raise UserError(f"lantern serve needs {exc.name}: pip install 'lantern-rt[serve]'") from None
     md, source = open_run_source(model_path, bundle, backend, None)
-    requested_run(md, source, ())  # bad settings: one line and exit 2 before the server starts
+    requested_run(md, source, None)  # bad settings: one line and exit 2 before the server starts
     options = load_options(click.get_current_context().params)
 
     def load():
