@@ -136,7 +136,7 @@ def torch_pipeline(
     grid = md.gpt.grid_size
     tree = None if method.method == "ar" else load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
     nodes = tree.num_nodes + 1 if tree else 1  # the K/V a verify writes into the cache
-    target = TorchTarget(target_model, shape.batch_size, shape.cache_windows, shape.guided, scratch=nodes)
+    target = TorchTarget(target_model, shape, scratch=nodes)
     spec = None
     if method.jacobi:
         spec = jacobi_speculation(target, md.gpt, tree, method, lambda k: load_neighbors(md, k))
@@ -148,10 +148,9 @@ def torch_pipeline(
                 drafter,
                 target_model.output,
                 capacity,
-                shape.batch_size,
-                md.gpt.cls_token_num - 1,
-                md.gpt,
-                shape.guided,
+                shape,
+                prefix=md.gpt.cls_token_num - 1,
+                layout=md.gpt,
             ),
             tree,
             method,

@@ -15,13 +15,14 @@ import time
 import torch
 
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.run_shape import RunShape
 
 CASES = ((1, 1), (1, 6), (4, 6), (16, 1))  # (B, S)
 
 
 def commit_us(images: int, new: int, calls: int) -> float:
     """Best-of-five mean microseconds of one commit of ``new`` entries for ``images`` images."""
-    cache = KVCache(6, images, 5, 257, 32, torch.float32, "cpu", prefix=1, windows=(80, 144, 208))
+    cache = KVCache(6, 5, 257, 32, torch.float32, "cpu", RunShape(images), prefix=1, windows=(80, 144, 208))
     k = torch.randn(6, 2 * images, 5, new, 32)
     count = torch.ones(images, dtype=torch.long)
     best = float("inf")

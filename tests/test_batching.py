@@ -49,7 +49,7 @@ def decode_all(target_backend, model, labels, sampling, spec=None):
 def torch_spec(target, drafter, batch: int) -> Speculation:
     tree, vocab = load_tree("chain-5"), target.config.vocab_size
     neighbors = (torch.arange(vocab)[:, None] + torch.arange(1, 6)) % vocab  # any table will do
-    drafting = TorchDrafter(drafter, target.output, target.config.block_size, batch)
+    drafting = TorchDrafter(drafter, target.output, target.config.block_size, RunShape(batch))
     return Speculation(drafting, tree, RELAX, neighbors)
 
 
@@ -62,7 +62,9 @@ def test_torch_tokens_do_not_depend_on_the_batch(trained_pair, method, sampling)
     runs = []
     for batch in (1, 3, 8):
         spec = torch_spec(target, drafter, batch) if method != "ar" else None
-        runs.append(decode_all(TorchTarget(target, batch), target, LABELS, sampling, spec))
+        runs.append(
+            decode_all(TorchTarget(target, RunShape(batch, cache_windows=1)), target, LABELS, sampling, spec)
+        )
     (tokens, accepted), *others = runs
     for got_tokens, got_accepted in others:
         assert all(torch.equal(tokens[i], got_tokens[i]) for i in tokens)
@@ -80,7 +82,15 @@ def test_an_image_does_not_depend_on_its_slot_or_neighbours(trained_pair):
     results = []
     for order in (first, second):
         spec = torch_spec(target, drafter, 3)
-        out = dict(decode_images(TorchTarget(target, 3), order, target.config.block_size, SAMPLED, spec))
+        out = dict(
+            decode_images(
+                TorchTarget(target, RunShape(3, cache_windows=1)),
+                order,
+                target.config.block_size,
+                SAMPLED,
+                spec,
+            )
+        )
         results.append({int(order[i][0][0]): out[i].tokens for i in out})
     assert all(torch.equal(results[0][c], results[1][c]) for c in (1, 2, 3))
 
@@ -88,7 +98,7 @@ def test_an_image_does_not_depend_on_its_slot_or_neighbours(trained_pair):
 def test_inactive_slots_commit_nothing(trained_pair):
     """Two jobs on four slots: the empty slots never advance their caches."""
     target, drafter = trained_pair
-    backend, spec = TorchTarget(target, 4), torch_spec(target, drafter, 4)
+    backend, spec = TorchTarget(target, RunShape(4, cache_windows=1)), torch_spec(target, drafter, 4)
     list(decode_images(backend, jobs(target, [1, 2]), target.config.block_size, GREEDY, spec))
     assert backend.cache.length[2:].tolist() == [0, 0] and spec.drafter.cache.length[2:].tolist() == [0, 0]
     assert (backend.cache.length[:2] > target.config.block_size // 2).all()
@@ -131,7 +141,7 @@ def test_per_image_cache_masks_and_writes():
     for b, n in enumerate(length.tolist()):
         one = cache_mask(torch.tensor([n]), 6, new, 2)[0]
         assert torch.equal(mask[b], one) and torch.equal(mask[3 + b], one)  # both CFG rows
-    cache = KVCache(1, 3, 1, 6, 1, torch.float32, "cpu")
+    cache = KVCache(1, 1, 6, 1, torch.float32, "cpu", RunShape(3))
     cache.length.copy_(length)
     k = torch.arange(12, dtype=torch.float32).view(1, 6, 1, 2, 1) + 1
     cache.write(k, k, torch.tensor([2, 1, 0]))
@@ -201,12 +211,14 @@ def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trai
         )
         runs.append(decode_all(ort_target, target, LABELS, sampling, spec)[0])
     spec = Speculation(
-        TorchDrafter(trained_pair[1], target.output, bundle.constants.drafter_capacity, 3),
+        TorchDrafter(trained_pair[1], target.output, bundle.constants.drafter_capacity, RunShape(3)),
         tree,
         RELAX,
         bundle.neighbors(),
     )
-    runs.append(decode_all(TorchTarget(target, 3), target, LABELS, sampling, spec)[0])
+    runs.append(
+        decode_all(TorchTarget(target, RunShape(3, cache_windows=1)), target, LABELS, sampling, spec)[0]
+    )
     one, batched, reference = runs
     assert all(torch.equal(one[i], batched[i]) and torch.equal(one[i], reference[i]) for i in one)
 

@@ -20,6 +20,7 @@ from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
 from lantern_rt.runtime.kv_cache import KVCache, cache_windows
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
@@ -49,7 +50,7 @@ def test_the_window_rule():
 
 def test_fit_moves_the_entries_and_every_window_is_read_in_place():
     torch.manual_seed(0)
-    cache = KVCache(2, 2, 3, 65, 4, torch.float32, "cpu", prefix=1, windows=WINDOWS)
+    cache = KVCache(2, 3, 65, 4, torch.float32, "cpu", RunShape(2), prefix=1, windows=WINDOWS)
     assert cache.window == 65 and cache.windows == WINDOWS
     base = cache.layers_k[0].data_ptr()
     seen = []
@@ -112,7 +113,7 @@ def test_torch_windows_give_the_whole_cache_tokens(monkeypatch, method, sampling
     for batch in (1, 2):
         runs = []
         for windows in (1, 4):
-            target = TorchTarget(model, batch, windows)
+            target = TorchTarget(model, RunShape(batch, cache_windows=windows))
             spec = _sjd(target, model) if method != "ar" else None
             used = _spy_windows(monkeypatch)
             runs.append(_tokens(target, LABELS, sampling, spec))
@@ -127,9 +128,9 @@ def test_torch_windows_give_the_whole_cache_tokens(monkeypatch, method, sampling
 def test_a_window_too_small_is_caught(monkeypatch):
     """The check above can fail: a window rule one slot short loses the last committed entry."""
     model = tiny_gpt(3, block_size=64)
-    whole = _tokens(TorchTarget(model, 1, 1), LABELS[:2], GREEDY)
+    whole = _tokens(TorchTarget(model, RunShape(1, cache_windows=1)), LABELS[:2], GREEDY)
     monkeypatch.setattr("lantern_rt.runtime.decode.window_needed", lambda p, t, d: p + t + d - 1)
-    short = _tokens(TorchTarget(model, 1, 4), LABELS[:2], GREEDY)
+    short = _tokens(TorchTarget(model, RunShape(1, cache_windows=4)), LABELS[:2], GREEDY)
     assert not all(torch.equal(whole[i][0], short[i][0]) for i in whole)
 
 
@@ -163,7 +164,7 @@ def test_onnxruntime_windows_give_torch_whole_cache_tokens(windowed_bundle, monk
         return _sjd(target, model, method, table) if method != "ar" else None
 
     for batch in (1, 2):
-        reference = TorchTarget(model, batch, 1)
+        reference = TorchTarget(model, RunShape(batch, cache_windows=1))
         want = _tokens(reference, LABELS, SAMPLED, spec(reference))
         target = BundleTarget(windowed_bundle.batch(batch), ort_runner(threads=1), "onnxruntime")
         used = _spy_windows(monkeypatch)

@@ -288,7 +288,7 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
     cond = torch_pipeline(md, MethodConfig()).condition(PROMPTS[0])
     rows, prefix = cond.rows, cond.prefix
     t = PROMPT_TOKENS
-    backend = TorchDrafter(drafter, target.output, drafter_capacity(t, GRID * GRID), 1, t - 1)
+    backend = TorchDrafter(drafter, target.output, drafter_capacity(t, GRID * GRID), prefix=t - 1)
     logits, hidden = TorchTarget(target).prefill(rows, prefix)
     backend.prefill(hidden[:, :-1], torch.tensor([True]), rows, prefix)
     x0 = int(cfg_mix(logits, 3.0, 1).argmax())

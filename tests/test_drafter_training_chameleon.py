@@ -35,6 +35,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from lantern_rt.families.chameleon.prompts import load_chameleon_tokenizer, prompt_layout  # noqa: E402
+from lantern_rt.runtime.run_shape import RunShape
 from tests.chameleon_fixtures import WORDS  # noqa: E402
 
 PROMPTS = ["a red cat", "blue dog runs fast under green sky"]  # 4 and 0 padding slots of 10
@@ -62,7 +63,7 @@ def runtime_hidden(target, conds: PromptConditions, codes):
     rows, then unconditional): TorchTarget's prefill, then the image tokens as one verified chain
     over its cache (tree_step_inputs); and the prefill's (rows, visible slots)."""
     n = codes.shape[1]
-    tt = TorchTarget(target, batch=len(codes))
+    tt = TorchTarget(target, RunShape(len(codes), cache_windows=1))
     rows = torch.cat([conds.ids[:, 0], conds.ids[:, 1]])
     prefix = torch.cat([conds.mask[:, 0], conds.mask[:, 1]])
     _, prefix_hidden = tt.prefill(rows, prefix)  # [2B, P, D]
@@ -80,7 +81,7 @@ def runtime_hidden(target, conds: PromptConditions, codes):
 def runtime_drafter(drafter, head, hidden, rows, prefix, p: int, n: int):
     """A TorchDrafter over B images after its prefill (the prefix pairs, drafting.prefix_pairs)."""
     b = len(rows) // 2
-    td = TorchDrafter(drafter, head, drafter_capacity(p, n), batch=b, prefix=p - 1)
+    td = TorchDrafter(drafter, head, drafter_capacity(p, n), RunShape(b), prefix=p - 1)
     td.prefill(hidden[:, : p - 1], torch.ones(b, dtype=torch.bool), rows, prefix)
     assert td.cache.length.tolist() == [p - 1] * b
     return td

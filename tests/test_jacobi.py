@@ -58,7 +58,7 @@ MARKOV_P2 = torch.tensor(
     ]
 )
 LENGTH, ROW = 5, 2  # image rows of 2: carried, spatial and root drafts
-SAMPLES, BUG_SAMPLES, BATCH = 12_000, 6_000, 500
+SAMPLES, BUG_SAMPLES, BATCH = 12_000, 6_000, 250  # BATCH: images per step, a RunShape batch size
 # (coupling, window): each coupling on a chain, and on a pac tree (2 candidates per position
 # down to depth 2, then a chain: 7 nodes, 3 positions)
 WINDOWS = [("none", "chain-3"), ("maximal", "chain-3"), ("gumbel", "chain-3")]
@@ -76,7 +76,7 @@ class MarkovTarget:
 
     def __init__(self, batch: int, length: int = LENGTH, depth: int = 3, order: int = 1):
         self.batch, self.order = batch, order
-        self.cache = KVCache(1, batch, 1, length + depth + 2, 1, torch.float32, CPU, prefix=1)
+        self.cache = KVCache(1, 1, length + depth + 2, 1, torch.float32, CPU, RunShape(batch), prefix=1)
 
     def prefill(self, cond, prefix=None, fresh=None):
         rows = cond.shape[0]

@@ -11,7 +11,7 @@ import torch
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_images
-from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, available_cores
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, RunShape, available_cores
 from lantern_rt.runtime.streams import Stream, auto_streams, decode_streams, stream_threads
 from tests.test_batching import LABELS, SAMPLED, jobs, torch_spec
 
@@ -35,7 +35,7 @@ class Counted:
 def streams_of(model, drafter, method: str, batch: int, count: int) -> list[Stream]:
     out = []
     for _ in range(count):
-        target = Counted(TorchTarget(model, batch))
+        target = Counted(TorchTarget(model, RunShape(batch, cache_windows=1)))
         out.append(Stream(target, torch_spec(model, drafter, batch) if method != "ar" else None))
     return out
 

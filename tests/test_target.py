@@ -15,6 +15,7 @@ from lantern_rt.models.target import Transformer, apply_rope, rope_rows
 from lantern_rt.runtime.acceptance import Relaxation, relax_inputs, tree_step_inputs
 from lantern_rt.runtime.backends.base import Draft
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig, cfg_rows, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, build_tree
 from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq, verify_step, write_model_dir
@@ -104,7 +105,7 @@ def test_a_tree_verified_in_the_cache_matches_a_full_forward_and_commits_the_kep
     kept nodes' K/V after each image's length, leaving the entries before it as they were."""
     model = tiny_gpt(6)
     cfg, vocab = model.config, model.config.vocab_size
-    target = TorchTarget(model, batch=2)
+    target = TorchTarget(model, RunShape(2, cache_windows=1))
     cache = target.cache
     rows = torch.tensor([1, 4, cfg.num_classes, cfg.num_classes])  # 2 images, then their null rows
     target.prefill(rows)

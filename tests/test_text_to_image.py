@@ -158,7 +158,11 @@ def test_batch_of_different_captions_equals_one_at_a_time():
     conds = [Condition(torch.stack([f, null]), m) for f, m in (caption(v, seed=v) for v in (6, 1, 3, 2, 5))]
     sampling = SamplingConfig(cfg_scale=4.0, temperature=0.0)
     alone = [decode_image(TorchTarget(model), c, 16, sampling, None).tokens for c in conds]
-    batched = dict(decode_images(TorchTarget(model, 2), [(c, None) for c in conds], 16, sampling))
+    batched = dict(
+        decode_images(
+            TorchTarget(model, RunShape(2, cache_windows=1)), [(c, None) for c in conds], 16, sampling
+        )
+    )
     for i, tokens in enumerate(alone):
         assert torch.equal(batched[i].tokens, tokens), i
 

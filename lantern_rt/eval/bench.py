@@ -638,14 +638,14 @@ BASELINES = ("torch-batched",)
 
 
 def _bundle_for(
-    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], guided: bool
+    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], shape: RunShape
 ) -> ModelDir | Bundle:
     """What a pipeline of ``backend`` is built from: a bundle, or a model directory for a backend
-    that runs one; a model directory's bundle is exported (once, cached) with every batch size,
-    with two CFG rows per image or (not ``guided``) one."""
+    that runs one; a model directory's bundle is exported (once, cached) in the run ``shape``'s
+    rows and cache windows, with every batch size of ``sizes``."""
     if isinstance(source, Bundle) or MODEL in backend_named(backend).runs:
         return source
-    return open_bundle(cached_bundle(source, mc, RunShape(guided=guided), batch_sizes=sizes))
+    return open_bundle(cached_bundle(source, mc, shape, batch_sizes=sizes))
 
 
 def baseline_model(name: str, source: ModelDir | Bundle, model: Path | None) -> ModelDir:
@@ -747,7 +747,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     for b in backends:
         for mc in configs:
             if (b, mc.tree) not in sources:
-                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, sampling.guided)
+                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, RunShape(guided=sampling.guided))
     runs = [
         Measurement.of_pipeline(
             build_pipeline(

@@ -54,6 +54,7 @@ from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, decode_images
 from lantern_rt.runtime.drafting import drafter_capacity
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, load_tree
 from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig
@@ -205,9 +206,9 @@ def step_costs(
     with torch.device(device):
         drafter = Drafter(DrafterConfig.for_target(config), config).to(dtype).eval()
     capacity = drafter_capacity(config.cls_token_num, config.block_size)
-    drafting = TorchDrafter(drafter, model.output, capacity, batch, config.cls_token_num - 1)
+    drafting = TorchDrafter(drafter, model.output, capacity, RunShape(batch), prefix=config.cls_token_num - 1)
     spec = Speculation(drafting, verify, RELAX, neighbors)
-    target = TorchTarget(model, batch)
+    target = TorchTarget(model, RunShape(batch, cache_windows=1))
     tokens = 8 if repeats < 10 else 128
     step_graphs = {} if graphs else None  # one CUDA graph per whole decode step
     steps = [0]
@@ -303,7 +304,7 @@ def verify_call(
     entries, and random draft and noise inputs on the model's device."""
     device = model.output.weight.device
     vocab = model.config.vocab_size
-    target = TorchTarget(model, batch)
+    target = TorchTarget(model, RunShape(batch, cache_windows=1))
     target.prefill(cond, prefix)
     target.cache.length.fill_(128)  # half of LlamaGen's 256 image tokens
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 
 
@@ -96,8 +97,10 @@ class KVCache:
     length are stale and masked. ``layers_k``/``layers_v`` are per-layer views of the storage
     (graphs take one input per layer). A target cache also keeps ``prefix`` [2B, P], which of
     its first P slots (the condition prefix) each CFG row's later tokens see: all but a
-    caption's or a prompt's padding. ``guided`` False: B rows, one per image (guidance off,
-    docs/method.md §13); ``rows`` is the row count, 2B or B, and ``images`` is B.
+    caption's or a prompt's padding. The run ``shape`` gives B (its ``batch_size``, kept as
+    ``images``) and whether the rows are guided (``guided``; False: B rows, one per image,
+    docs/method.md §13); ``rows`` is the row count, 2B or B. The shape's ``cache_windows`` and
+    ``streams`` are not read here: ``windows`` gives this cache's window sizes.
 
     ``scratch`` > 0 keeps that many spare slots after every window, for a step that writes its
     new K/V into the cache before attending (the torch target's verify, docs/method.md §6):
@@ -112,19 +115,19 @@ class KVCache:
     def __init__(
         self,
         n_layer: int,
-        images: int,
         heads: int,
         capacity: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shape: RunShape,
+        *,
         prefix: int = 0,
         windows: Sequence[int] = (),
-        guided: bool = True,
         scratch: int = 0,
     ):
-        self.images, self.guided = images, guided
-        self.rows = guided_rows(images, guided)
+        self.images, self.guided = shape.batch_size, shape.guided
+        self.rows = guided_rows(self.images, self.guided)
         self._rows = (self.rows, heads)
         self._head_dim, self.scratch = head_dim, scratch
         size = self.rows * heads * (capacity + scratch) * head_dim
@@ -138,7 +141,7 @@ class KVCache:
         self.capacity = capacity
         self.windows = tuple(sorted({w for w in windows if 0 < w < capacity} | {capacity}))
         self._views(capacity)
-        self.length = torch.zeros(images, dtype=torch.long, device=device)
+        self.length = torch.zeros(self.images, dtype=torch.long, device=device)
         self.prefix = torch.ones(self.rows, prefix, dtype=torch.bool, device=device) if prefix else None
 
     def reset(self) -> None:

@@ -31,6 +31,7 @@ from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
 
@@ -108,23 +109,22 @@ def cache_for(
     windows: tuple[int, ...] = (),
 ) -> KVCache:
     """An empty cache for the batch of ``graphs`` (2B rows, or B for a bundle exported without
-    guidance) whose heads, slots and dtype are those of ``entry``'s per-layer ``past_k_{i}``
-    inputs, on ``device``, keeping the visibility of ``prefix`` condition slots (a target's),
-    read through ``windows`` (see :class:`KVCache`)."""
+    guidance: the run shape it was exported for) whose heads, slots and dtype are those of
+    ``entry``'s per-layer ``past_k_{i}`` inputs, on ``device``, keeping the visibility of
+    ``prefix`` condition slots (a target's), read through ``windows`` (see :class:`KVCache`)."""
     past = entry.input("past_k_0")
     _, heads, capacity, head_dim = past.shape
-    guided = graphs.bundle.constants.guided
+    shape = RunShape(graphs.size, graphs.bundle.constants.guided)
     return KVCache(
         kv_layers(entry),
-        graphs.size,
         heads,
         capacity,
         head_dim,
         past.torch_dtype,
         device,
-        prefix,
-        windows,
-        guided,
+        shape,
+        prefix=prefix,
+        windows=windows,
     )
 
 

@@ -30,6 +30,7 @@ from lantern_rt.runtime.drafting import (
     prompt_pairs,
 )
 from lantern_rt.runtime.kv_cache import KVCache, cache_windows, prefill_mask
+from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import cfg_rows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
@@ -37,6 +38,8 @@ from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 # count: the scratch slots its cache keeps after each window (the presets have at most 58; a run
 # builds its target for its own tree).
 SCRATCH_SLOTS = 64
+# A torch target's run shape unless given one: one guided image, its cache read whole.
+WHOLE_CACHE = RunShape(cache_windows=1)
 
 
 class TorchTarget:
@@ -45,19 +48,18 @@ class TorchTarget:
     attends over the cache where it lies, then :func:`~lantern_rt.runtime.acceptance.verify_tree`
     (``torch.compile`` and CUDA graphs take whole decode steps: ``runtime.decode.StepCache``);
     the commit copies the kept nodes' rows from the scratch slots into place (docs/method.md §6).
-    Its cache is read through ``windows`` windows
-    (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default: the whole cache alone) and
-    keeps ``scratch`` slots after each: trees of at most that many nodes, the root included;
-    ``guided`` False runs one row per image (docs/method.md §13)."""
+    Its cache holds the run ``shape``'s images, each in its two CFG rows or (``guided`` False)
+    one (docs/method.md §13), read through ``cache_windows`` windows
+    (:func:`~lantern_rt.runtime.kv_cache.cache_windows`; default: the whole cache alone), and
+    keeps ``scratch`` slots after each: trees of at most that many nodes, the root included."""
 
     name = "torch"
 
     def __init__(
         self,
         model: Transformer,
-        batch: int = 1,
-        windows: int = 1,
-        guided: bool = True,
+        shape: RunShape = WHOLE_CACHE,
+        *,
         scratch: int = SCRATCH_SLOTS,
     ):
         cfg = model.config
@@ -67,15 +69,14 @@ class TorchTarget:
         weight = model.output.weight
         self.cache = KVCache(
             cfg.n_layer,
-            batch,
             cfg.kv_heads,
             capacity,
             cfg.head_dim,
             weight.dtype,
             weight.device,
+            shape,
             prefix=cfg.cls_token_num,
-            windows=cache_windows(capacity, windows),
-            guided=guided,
+            windows=cache_windows(capacity, shape.cache_windows),
             scratch=scratch,
         )
         self._tables: dict[tuple, tuple[TreePlan, Tensor, Tensor]] = {}  # by paths: plan, depth, mask
@@ -166,8 +167,8 @@ class TorchDrafter:
     """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
     run eagerly with the drafter's own ``step``; its cache keeps which of its first ``prefix``
     slots (the condition prefix's pairs) each row sees; ``layout`` is the target's config when
-    its image layout forces tokens (:func:`~lantern_rt.models.target.layout_logits`); ``guided``
-    False: one row per image (docs/method.md §13)."""
+    its image layout forces tokens (:func:`~lantern_rt.models.target.layout_logits`); the cache
+    holds the run ``shape``'s images, one row each when not ``guided`` (docs/method.md §13)."""
 
     name = "torch"
 
@@ -176,10 +177,10 @@ class TorchDrafter:
         drafter: Drafter,
         head: torch.nn.Linear,
         capacity: int,
-        batch: int = 1,
+        shape: RunShape = RunShape(),
+        *,
         prefix: int = 0,
         layout: GPTConfig | None = None,
-        guided: bool = True,
     ):
         c = drafter.config
         self.drafter, self.head = drafter, head
@@ -187,14 +188,13 @@ class TorchDrafter:
         weight = drafter.fc.weight
         self.cache = KVCache(
             c.num_hidden_layers,
-            batch,
             c.kv_heads,
             capacity,
             c.head_dim,
             weight.dtype,
             weight.device,
-            prefix,
-            guided=guided,
+            shape,
+            prefix=prefix,
         )
         self._step, self._head = drafter_step(drafter), lm_head(head, layout or GPTConfig())
         self._plans: dict[tuple, DraftPlan] = {}  # by tree paths, built on first use
