@@ -19,7 +19,7 @@ from PIL import Image
 from lantern_rt.assembly import Pipeline
 from lantern_rt.bundle import MANIFEST, Bundle
 from lantern_rt.families.loading import bundle_info
-from lantern_rt.generate import generate, image_generator
+from lantern_rt.generate import generate, image_job
 from lantern_rt.images import pil_image, to_uint8
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.pipeline import build_pipeline, open_source
@@ -139,7 +139,7 @@ class Generator:
 
     def job(self, label: int | str, seed: int, index: int) -> Job:
         """Image ``index`` of a run under ``seed`` of condition ``label``, for :meth:`decode`."""
-        return self.pipeline.condition(label), image_generator(seed, index, self.pipeline.device)
+        return image_job(self.pipeline, label, seed, index)
 
     def decode(self, source: JobSource) -> Iterator[tuple[Hashable, ImageResult]]:
         """The decode loop over ``source`` (continuous batching), on every stream."""

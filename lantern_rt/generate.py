@@ -17,7 +17,7 @@ from lantern_rt.assembly import Pipeline
 from lantern_rt.images import to_uint8
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime import profiling
-from lantern_rt.runtime.decode import ImageResult, Jobs
+from lantern_rt.runtime.decode import ImageResult, Job, Jobs
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import decode_streams
 from lantern_rt.runtime.tree import tree_to_json
@@ -29,6 +29,12 @@ def image_generator(seed: int, index: int, device: torch.device | str = "cpu") -
     """The random stream of image ``index`` under ``seed`` (independent of batch composition)."""
     state = int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
     return torch.Generator(device=device).manual_seed(state)
+
+
+def image_job(pipe: Pipeline, label: int | str, seed: int, index: int) -> Job:
+    """Image ``index`` of a run under ``seed``: ``label``'s condition and the image's random
+    stream (:func:`image_generator`), what the decode loop takes."""
+    return pipe.condition(label), image_generator(seed, index, pipe.device)
 
 
 @dataclass
@@ -72,10 +78,7 @@ def generate(
     labels = list(labels)
     md, method, speculation = pipe.info, pipe.method, pipe.speculation
     n_tokens = md.gpt.block_size
-    jobs = (
-        (pipe.condition(label), image_generator(seed, start_index + i, pipe.device))
-        for i, label in enumerate(labels)
-    )
+    jobs = (image_job(pipe, label, seed, start_index + i) for i, label in enumerate(labels))
     if watch is not None:
         jobs = Jobs(jobs, watch)
     results: dict[int, ImageResult] = {}
