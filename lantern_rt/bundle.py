@@ -34,7 +34,7 @@ from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
 # what each version added: docs/bundle-format.md, "Bundle versions"
-BUNDLE_VERSION = 13
+BUNDLE_VERSION = 14
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
@@ -143,6 +143,7 @@ class Constants:
     batch_sizes: tuple[int, ...]  # images per call the graphs were exported for
     cache_windows: tuple[int, ...]  # the target cache windows its step graphs read (slots, ascending)
     guided: bool  # 2B CFG rows per call; False: B rows, CFG scales of at most 1 only (method.md §13)
+    cache_scratch: int  # > 0: the target's steps write their K/V into the cache in place (method.md §6)
     neighbors_file: str
     neighbors_k: int
     null_condition: dict[str, Any]  # what a run's unconditional row is, as the model's family writes it
@@ -321,7 +322,14 @@ def _check_sizes(bundle: Bundle) -> None:
             ("constants.cls_token_num", c.cls_token_num, prefill, "inputs", "prefix", 1),
             ("constants.vocab_size", c.vocab_size, prefill, "outputs", "logits", 1),
             ("constants.hidden_size", c.hidden_size, prefill, "outputs", "hidden", 2),
-            ("constants.cache_capacity", c.cache_capacity, step, "inputs", "past_k_0", 2),
+            (
+                "constants.cache_capacity + cache_scratch",
+                c.cache_capacity + c.cache_scratch,
+                step,
+                "inputs",
+                "past_k_0",
+                2,
+            ),
         ]
         for tree in bundle.trees.values():
             nodes, depth = len(tree.paths) + 1, paths_depth(tree.paths)
@@ -443,6 +451,7 @@ _CONSTANTS = {
     "batch_sizes": _LIST,
     "cache_windows": _LIST,
     "guided": _BOOL,
+    "cache_scratch": _INT,
     "neighbors": _DICT,
     "null_condition": _DICT,
 }
@@ -574,6 +583,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         batch_sizes=tuple(c["batch_sizes"]),
         cache_windows=tuple(c["cache_windows"]),
         guided=c["guided"],
+        cache_scratch=c["cache_scratch"],
         neighbors_file=c["neighbors"]["file"],
         neighbors_k=c["neighbors"]["k"],
         null_condition=dict(c["null_condition"]),

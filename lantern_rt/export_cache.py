@@ -50,11 +50,13 @@ def cached_bundle(
     shape: RunShape = RunShape(),
     batch_sizes: Sequence[int] = (),
     dtype: str = "fp32",
+    in_place: bool = False,
 ) -> Path:
     """The bundle of ``md`` for ``method``'s tree and a run ``shape``: its rows per image (two
     CFG rows or one: ``export_bundle``'s ``guided``), its cache windows and its batch size, or
     each of ``batch_sizes`` when given, exported on first use into the cache. Every method shares it: AR runs on the
-    one-token step graph every bundle holds. The model is loaded and checked first: a model its
+    one-token step graph every bundle holds. ``in_place``: its target's steps write their K/V
+    into the cache (``export_bundle``'s ``in_place``, onnxruntime on the CPU). The model is loaded and checked first: a model its
     loaders refuse writes nothing (no lock, no folder). The export holds a lock
     (``.NAME-KEY.lock``): concurrent first runs export once, the others wait and reuse it;
     :class:`WriteError` when the cache cannot be written."""
@@ -72,6 +74,7 @@ def cached_bundle(
                 "batch_sizes": sizes,
                 "guided": guided,
                 "cache_windows": windows,
+                "in_place": in_place,
                 "version": package_version(),
                 "bundle_version": BUNDLE_VERSION,
             },
@@ -107,6 +110,7 @@ def cached_bundle(
                 windows=windows,
                 guided=guided,
                 models=models,
+                in_place=in_place,
                 on_start=functools.partial(
                     print, f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr
                 ),

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import onnx
 from onnx import TensorProto
 
-if TYPE_CHECKING:
-    from lantern_rt.graph_spec import GraphSpec
+from lantern_rt.graph_spec import IN_PLACE_OPSET, GraphSpec, writes_cache
 
 MIN_OPSET, MAX_OPSET = 17, 20  # TensorRT 10.3 parses opsets up to 20
 SCATTER_OPS = {"Scatter", "ScatterElements", "ScatterND"}
@@ -29,7 +27,7 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
         return [f"onnx.checker: {str(err).splitlines()[0]}"]
     model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
     graph = model.graph
-    problems = _opset(model)
+    problems = _opset(model, spec is not None and writes_cache(spec.outputs))
     typed = [*graph.input, *graph.output]
     problems += [f"{v.name}: dims {_dims(v)} are not all static" for v in typed if not _static(v)]
     graphs = list(with_subgraphs(graph))  # If branches hold nodes too
@@ -65,8 +63,16 @@ def with_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             yield from with_subgraphs(sub)
 
 
-def _opset(model: onnx.ModelProto) -> list[str]:
+def _opset(model: onnx.ModelProto, in_place: bool) -> list[str]:
+    """The graph's opset within TensorRT's range, or exactly :data:`IN_PLACE_OPSET` for a graph
+    that writes its cache in place (onnxruntime only)."""
     versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if in_place:
+        if versions != [IN_PLACE_OPSET]:
+            return [
+                f"opset {versions} is not {IN_PLACE_OPSET}, which a graph writing its cache in place needs"
+            ]
+        return []
     if len(versions) != 1 or not MIN_OPSET <= versions[0] <= MAX_OPSET:
         return [f"opset {versions} is outside {MIN_OPSET}..{MAX_OPSET}"]
     return []

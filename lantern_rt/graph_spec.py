@@ -30,6 +30,10 @@ class TensorSpec:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
 
 
+PRESENT_PREFIX = "present_"  # a cache output: present_k_{i} is written into past_k_{i}'s memory
+IN_PLACE_OPSET = 24  # TensorScatter, which onnxruntime runs in place on a bound cache
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """A graph's name, inputs and outputs (in order) and the dtype it computes in."""
@@ -39,12 +43,23 @@ class GraphSpec:
     outputs: tuple[TensorSpec, ...]
     compute_dtype: torch.dtype
 
+    @property
+    def writes_cache(self) -> bool:
+        """See :func:`writes_cache`."""
+        return writes_cache(self.outputs)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "compute_dtype": dtype_name(self.compute_dtype),
             "inputs": [t.to_json() for t in self.inputs],
             "outputs": [t.to_json() for t in self.outputs],
         }
+
+
+def writes_cache(outputs: tuple[TensorSpec, ...]) -> bool:
+    """Whether a graph of these ``outputs`` returns caches it writes in place (``present_*``,
+    bound to the memory of its ``past_*`` inputs; onnxruntime only, opset :data:`IN_PLACE_OPSET`)."""
+    return any(t.name.startswith(PRESENT_PREFIX) for t in outputs)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

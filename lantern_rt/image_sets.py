@@ -126,9 +126,11 @@ def set_job(
     from lantern_rt.export_cache import cached_bundle, model_fingerprint
     from lantern_rt.families.loading import open_bundle
 
-    if not isinstance(source, Bundle) and MODEL not in backend_named(request.settings.backend).runs:
+    record = backend_named(request.settings.backend)
+    if not isinstance(source, Bundle) and MODEL not in record.runs:
         shape = RunShape(batch_size, request.sampling.guided)
-        source = open_bundle(cached_bundle(source, request.method, shape))
+        in_place = record.exports_in_place(device)
+        source = open_bundle(cached_bundle(source, request.method, shape, in_place=in_place))
     if isinstance(source, Bundle):
         bundle, digest = str(source.path.resolve()), source.manifest_sha256
     else:

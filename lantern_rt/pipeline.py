@@ -75,6 +75,6 @@ def build_pipeline(
                 "a --drafter override runs on the torch backend (bundles hold the model's own "
                 "drafter): add --backend torch"
             )
-        source = open_bundle(cached_bundle(source, method, shape))
+        source = open_bundle(cached_bundle(source, method, shape, in_place=record.exports_in_place(device)))
     options = EngineOptions(device, threads, cuda_graphs, compile, images)
     return record.build(source, method, shape, options)

@@ -19,7 +19,7 @@ lantern() { "$PY" -m lantern_rt.cli "$@"; }
 "$PY" -c "from torch.utils._triton import has_triton; print('Triton:', 'yes' if has_triton() else 'NO: the compiled modes will fail')"
 "$PY" -m lantern_rt.eval.gpu_check --out "$OUT"
 if "$PY" -c "import tensorrt" 2>/dev/null; then
-  bundle=$("$PY" -c "from lantern_rt.generate import cached_bundle; from lantern_rt.settings import MethodConfig; from lantern_rt.families.loading import open_model_dir; print(cached_bundle(open_model_dir(None), MethodConfig('lantern++', tree='naive_extend_57')))")
+  bundle=$("$PY" -c "from lantern_rt.export_cache import cached_bundle; from lantern_rt.settings import MethodConfig; from lantern_rt.families.loading import open_model_dir; print(cached_bundle(open_model_dir(None), MethodConfig('lantern++', tree='naive_extend_57')))")
   lantern build-engines "$bundle"
   lantern generate --bundle "$bundle" --backend tensorrt --tree naive_extend_57 -n 4 -o "$OUT/tensorrt.png" \
     --stats-json "$OUT/tensorrt.json"

@@ -49,11 +49,11 @@ from lantern_rt.export.graphs import cache_capacity
 from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.runtime.drafting import Context
 from lantern_rt.runtime.kv_cache import cache_windows
-from lantern_rt.settings import CACHE_WINDOWS
+from lantern_rt.runtime.run_shape import CACHE_WINDOWS
 
 ROWS = 2  # CFG: conditional and unconditional rows
 TOLERANCE = 1e-4  # largest fp32 difference from torch allowed before timing
-VARIANTS = {"standard": None, "contrib": "mha", "rope+norm": "split", "gqa": "gqa"}
+VARIANTS = {"standard": None, "contrib": "mha", "rope+norm": "split", "gqa": "gqa", "in-place": "inplace"}
 
 
 class StandardLayers(nn.Module):
@@ -125,7 +125,7 @@ def build_contrib(
     const("qk_v_heads", np.array([n_head + n_kv, n_kv], np.int64))
     const("q_k_heads", np.array([n_head, n_kv], np.int64))
     const("rows", np.array([b, s, dim], np.int64))
-    past = shapes["past_k_0"][2]
+    past = shapes["past_k_0"][2] if "past_k_0" in shapes else 0
     const("p_s", np.array([past, s], np.int64))
     const("seqlens", np.full(b, past + s - 1, np.int32))
     const("total", np.array(past + s, np.int32))
@@ -216,7 +216,32 @@ def build_contrib(
         node("Reshape", [p + ("o_t" if s > 1 else "o_h"), "rows"], [p + "attn"])
         return p + "attn", p + "k", p + "v"
 
-    node("Where", ["mask", "zero", "lowest"], ["bias"])  # [B, 1, S, P + S], once per step
+    def qkv_inplace(p: str, qkv: str, i: int) -> tuple[str, str, str]:
+        """q, k, v [B, S, H * D], k rotated; k and v written into the layer's cache [B, P, H * D]
+        at each row's length by TensorScatter (in place: the cache is bound as its output too),
+        then the opset-24 Attention over the whole cache -> [B, S, H * D]."""
+        node("Split", [qkv, "qk_v"], [p + "qk", p + "v"], axis=-1)
+        node(
+            "RotaryEmbedding",
+            [p + "qk", "positions", "cos", "sin"],
+            [p + "qk_r"],
+            domain="com.microsoft",
+            interleaved=1,
+        )
+        node("Split", [p + "qk_r", "q_k"], [p + "q", p + "k"], axis=-1)
+        node("TensorScatter", [f"cache_k_{i}", p + "k", "lengths"], [f"cache_k_{i}_out"], axis=1)
+        node("TensorScatter", [f"cache_v_{i}", p + "v", "lengths"], [f"cache_v_{i}_out"], axis=1)
+        node(
+            "Attention",
+            [p + "q", f"cache_k_{i}_out", f"cache_v_{i}_out", "mask"],
+            [p + "attn"],
+            q_num_heads=n_head,
+            kv_num_heads=n_kv,
+        )
+        return p + "attn", p + "k", p + "v"
+
+    if attention != "inplace":
+        node("Where", ["mask", "zero", "lowest"], ["bias"])  # [B, 1, S, P + S], once per step
     x, mlp, new_k, new_v = "h", None, [], []
     for i, block in enumerate(blocks.blocks):
         p = f"l{i}_"
@@ -238,7 +263,8 @@ def build_contrib(
                 epsilon=block.attn_norm.eps,
             )
         (qkv,) = node("MatMul", [h, const(p + "wqkv", block.wqkv.T)], [p + "qkv"])
-        attn, k, v = {"mha": qkv_mha, "gqa": qkv_gqa, "split": qkv_split}[attention](p, qkv, i)
+        attend = {"mha": qkv_mha, "gqa": qkv_gqa, "split": qkv_split, "inplace": qkv_inplace}[attention]
+        attn, k, v = attend(p, qkv, i)
         node("MatMul", [attn, const(p + "wo", block.wo.weight.T)], [p + "o"])
         node(
             "SkipSimplifiedLayerNormalization",
@@ -257,6 +283,10 @@ def build_contrib(
         new_k.append(k)
         new_v.append(v)
     node("Add", [mlp, x], ["h_out"])
+    if attention == "inplace":
+        outputs = ["h_out"] + [f"cache_{kv}_{i}_out" for i in range(n_layer) for kv in "kv"]
+        save(nodes, inits, shapes, outputs, path, opset=24)
+        return
     for name, rows in (("new_k", new_k), ("new_v", new_v)):
         node("Concat", rows, [name + "_rows"], axis=0)  # [L * B, S, H * D] or [L * B, H, S, D]
         if attention == "mha":
@@ -264,16 +294,22 @@ def build_contrib(
             node("Transpose", [name + "_5d"], [name], perm=[0, 1, 3, 2, 4])
         else:
             node("Reshape", [name + "_rows", "kv_bhsd"], [name])
-    types = {"positions": TensorProto.INT64, "mask": TensorProto.BOOL}
+    save(nodes, inits, shapes, ["h_out", "new_k", "new_v"], path, opset=18)
+
+
+def save(
+    nodes: list, inits: list, shapes: dict[str, list[int]], outputs: list[str], path: Path, opset: int
+) -> None:
+    types = {"positions": TensorProto.INT64, "lengths": TensorProto.INT64, "mask": TensorProto.BOOL}
     graph = helper.make_graph(
         nodes,
         "contrib_layers",
         [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), s) for n, s in shapes.items()],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("h_out", "new_k", "new_v")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
         inits,
     )
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
     )
     onnx.save(model, str(path))
 
@@ -303,6 +339,56 @@ def call_inputs(model, new: int, cache: int, windows: int) -> tuple[Tensor, ...]
     return (h, positions, mask, *caches)
 
 
+def in_place_inputs(inputs: tuple[Tensor, ...], cache: int) -> dict[str, np.ndarray]:
+    """The in-place variant's feeds for the same call: each layer's cache [B, P, H * D] holding
+    the same committed entries, the new rows' slots at ``cache``.., the mask over the cache."""
+    h, positions, mask, *past = inputs
+    b, new = positions.shape
+    capacity = past[0].shape[2]
+    slots = torch.arange(capacity)
+    own = (slots[None] >= cache) & (slots[None] <= positions[0][:, None])  # causal among the new rows
+    rows = (slots < cache)[None] | own
+    feeds = {
+        "h": h.numpy(),
+        "positions": positions.numpy(),
+        "mask": rows[None, None].expand(b, -1, -1, -1).contiguous().numpy(),
+        "lengths": np.full(b, cache, np.int64),
+    }
+    for i, t in enumerate(past):
+        feeds[f"cache_{'kv'[i % 2]}_{i // 2}"] = (
+            t.transpose(1, 2).reshape(b, capacity, -1).contiguous().numpy()
+        )
+    return feeds
+
+
+def bound_in_place(
+    s: ort.InferenceSession, feeds: dict[str, np.ndarray], cache: int, heads: int
+) -> tuple[object, list[np.ndarray]]:
+    """A call of ``s`` with every cache bound as its own output (written in place), and the
+    first call's outputs in the standard variant's layout: h_out, new_k and new_v [L, B, H, S, D]."""
+    binding = s.io_binding()
+    caches = {}
+    for name, array in feeds.items():
+        if name.startswith("cache_"):
+            caches[name] = ort.OrtValue.ortvalue_from_numpy(array.copy())
+            binding.bind_ortvalue_input(name, caches[name])
+            binding.bind_ortvalue_output(name + "_out", caches[name])
+        else:
+            binding.bind_cpu_input(name, array)
+    binding.bind_output("h_out")
+    s.run_with_iobinding(binding)
+    h_out = binding.get_outputs()[-1].numpy()  # outputs come in the order they were bound
+    b, new = feeds["positions"].shape
+
+    def rows(kv: str) -> np.ndarray:
+        layers = [
+            v.numpy()[:, cache : cache + new] for n, v in caches.items() if n.startswith(f"cache_{kv}_")
+        ]
+        return np.stack([r.reshape(b, new, heads, -1).transpose(0, 2, 1, 3) for r in layers])
+
+    return (lambda: s.run_with_iobinding(binding)), [h_out, rows("k"), rows("v")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="rounds, the variants alternated in each")
@@ -324,14 +410,26 @@ def main() -> None:
             variants = [v for v in VARIANTS if v != "gqa" or new == 1]
             paths = {v: Path(tmp) / f"{v}_{new}.onnx" for v in variants}
             export_standard(blocks, inputs, paths["standard"])
+            in_place = in_place_inputs(inputs, args.cache)
+            in_place_shapes = {n: list(a.shape) for n, a in in_place.items()}
             for v in variants[1:]:
-                build_contrib(blocks, model.freqs_cis, shapes, paths[v], VARIANTS[v])
+                build_contrib(
+                    blocks,
+                    model.freqs_cis,
+                    in_place_shapes if v == "in-place" else shapes,
+                    paths[v],
+                    VARIANTS[v],
+                )
             sessions = {
                 v: session(p, Path(tmp) / f"{v}_{new}_opt.onnx", args.threads) for v, p in paths.items()
             }
             reference = [t.numpy() for t in StandardLayers(blocks)(*inputs)]
+            calls = {v: (lambda s=s, feeds=feeds: s.run(None, feeds)) for v, s in sessions.items()}
             for v, s in sessions.items():
-                outs = s.run(None, feeds)
+                if v == "in-place":
+                    calls[v], outs = bound_in_place(s, in_place, args.cache, model.config.kv_heads)
+                else:
+                    outs = s.run(None, feeds)
                 worst = max(float(np.abs(o - r).max()) for o, r in zip(outs, reference, strict=True))
                 graph = onnx.load(str(Path(tmp) / f"{v}_{new}_opt.onnx"), load_external_data=False).graph
                 ops = collections.Counter(n.op_type for n in graph.node)
@@ -343,11 +441,11 @@ def main() -> None:
             for r in range(args.rounds):
                 turn = r % len(variants)
                 for v in variants[turn:] + variants[:turn]:  # each first in turn
-                    s = sessions[v]
-                    s.run(None, feeds)
+                    call = calls[v]
+                    call()
                     start = time.perf_counter()
                     for _ in range(args.calls):
-                        s.run(None, feeds)
+                        call()
                     times[v].append((time.perf_counter() - start) / args.calls * 1e3)
             med = {v: float(np.median(t)) for v, t in times.items()}
             ratio = {v: float(np.median(np.divide(t, times["standard"]))) for v, t in times.items()}

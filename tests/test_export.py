@@ -78,13 +78,21 @@ def add_drafter(root: Path, drafter: Drafter) -> None:
 
 
 def make_bundle(
-    path: Path, target: Transformer, vq: VQModel, drafter: Drafter | None, trees: list[str], dtype: str
+    path: Path,
+    target: Transformer,
+    vq: VQModel,
+    drafter: Drafter | None,
+    trees: list[str],
+    dtype: str,
+    **options: Any,
 ) -> Path:
-    """Write the models as ``path``-model beside ``path`` and export them to ``path``."""
+    """Write the models as ``path``-model beside ``path`` and export them to ``path`` (with
+    ``export_bundle``'s ``options``)."""
     model = write_model_dir(path.with_name(f"{path.name}-model"), target, vq)
     if drafter is not None:
         add_drafter(model, drafter)
-    return export_bundle(open_model_dir(model), path, [load_tree(t) for t in trees], dtype=dtype, threads=1)
+    trees_ = [load_tree(t) for t in trees]
+    return export_bundle(open_model_dir(model), path, trees_, dtype=dtype, threads=1, **options)
 
 
 def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
@@ -284,7 +292,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 13
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 14
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
@@ -294,6 +302,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert bundle.sampling_defaults == {"cfg_scale": 2.0}
     constants = bundle.constants
     assert constants.cache_capacity == 19 and constants.guided and manifest["constants"]["guided"] is True
+    assert constants.cache_scratch == 0  # the graphs return their K/V
     assert constants.drafter and constants.drafter_capacity == 18 and constants.max_draft_width == 10
     assert bundle.has_drafter
     chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "verify": "target_verify_0"}

@@ -68,10 +68,30 @@ from lantern_rt.settings import (
     help="Graphs of one row per image instead of two (the conditional row alone): half the work, "
     "for --cfg-scale 1 (or below) only.",
 )
+@click.option(
+    "--cache-in-place",
+    is_flag=True,
+    help="Target step graphs that write their K/V into the KV cache where it lies (opset 24: "
+    "TensorScatter and Attention) instead of returning them: fewer nodes and no copy per step, "
+    "for onnxruntime on the CPU only (TensorRT cannot build them).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
-def export_cmd(model_path, trees, device, out, dtype, opset, batch_sizes, windows, no_guidance, force, quiet):
+def export_cmd(
+    model_path,
+    trees,
+    device,
+    out,
+    dtype,
+    opset,
+    batch_sizes,
+    windows,
+    no_guidance,
+    cache_in_place,
+    force,
+    quiet,
+):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.exporter import export_bundle
     from lantern_rt.families.loading import open_model_dir
@@ -96,8 +116,10 @@ def export_cmd(model_path, trees, device, out, dtype, opset, batch_sizes, window
         batch_sizes=sizes,
         windows=windows,
         guided=not no_guidance,
+        in_place=cache_in_place,
     )
     rows = "one row per image, no guidance" if no_guidance else "two CFG rows per image"
+    rows += ", the cache written in place" if cache_in_place else ""
     click.echo(
         f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}, batch sizes "
         f"{','.join(map(str, sizes))}, {windows} cache window(s), {rows}) in {time.perf_counter() - t0:.0f}s -> {out}",
@@ -132,8 +154,13 @@ def inspect_cmd(bundle, graph):
     click.echo(f"size     {size / 2**20:.1f} MiB on disk in {len(files)} files (TensorRT plans not counted)")
     rows = "2 CFG rows per image" if c.guided else "1 row per image (no guidance: --cfg-scale 1 only)"
     click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call, {rows}")
+    written = (
+        f"; steps write it in place ({c.cache_scratch} scratch slots, onnxruntime on the CPU only)"
+        if c.cache_scratch
+        else ""
+    )
     click.echo(
-        f"cache    {c.cache_capacity} slots, read through windows of {', '.join(map(str, c.cache_windows))}"
+        f"cache    {c.cache_capacity} slots, read through windows of {', '.join(map(str, c.cache_windows))}{written}"
     )
     for line in family_named(b.family).describe_bundle(b):
         click.echo(line)

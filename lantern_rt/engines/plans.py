@@ -212,6 +212,11 @@ def build_engines(
     folder. ``precision`` (default: the bundle's) must be the bundle's. Graphs are built one at a
     time in a temporary folder, renamed into place only when all succeed (replacing an older set
     of the same key); ``timing_cache`` is read when it exists and written after the build."""
+    if bundle.constants.cache_scratch:
+        raise EngineError(
+            "this bundle's step graphs write the KV cache in place (opset 24, onnxruntime on the "
+            "CPU), which TensorRT cannot build: export the model again without --cache-in-place"
+        )
     precision = choose_precision(bundle.dtype, precision)
     if workspace_mb < 1:
         raise EngineError(f"the workspace must be at least 1 MiB, not {workspace_mb}")

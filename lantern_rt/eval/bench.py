@@ -638,14 +638,16 @@ BASELINES = ("torch-batched",)
 
 
 def _bundle_for(
-    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], shape: RunShape
+    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], shape: RunShape, device: str
 ) -> ModelDir | Bundle:
-    """What a pipeline of ``backend`` is built from: a bundle, or a model directory for a backend
-    that runs one; a model directory's bundle is exported (once, cached) in the run ``shape``'s
-    rows and cache windows, with every batch size of ``sizes``."""
-    if isinstance(source, Bundle) or MODEL in backend_named(backend).runs:
+    """What a pipeline of ``backend`` on ``device`` is built from: a bundle, or a model directory
+    for a backend that runs one; a model directory's bundle is exported (once, cached) in the
+    run ``shape``'s rows and cache windows, with every batch size of ``sizes``."""
+    record = backend_named(backend)
+    if isinstance(source, Bundle) or MODEL in record.runs:
         return source
-    return open_bundle(cached_bundle(source, mc, shape, batch_sizes=sizes))
+    in_place = record.exports_in_place(device)
+    return open_bundle(cached_bundle(source, mc, shape, batch_sizes=sizes, in_place=in_place))
 
 
 def baseline_model(name: str, source: ModelDir | Bundle, model: Path | None) -> ModelDir:
@@ -747,7 +749,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     for b in backends:
         for mc in configs:
             if (b, mc.tree) not in sources:
-                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, RunShape(guided=sampling.guided))
+                shape = RunShape(guided=sampling.guided)
+                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, shape, s.device)
     runs = [
         Measurement.of_pipeline(
             build_pipeline(

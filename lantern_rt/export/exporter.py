@@ -49,7 +49,7 @@ from lantern_rt.export.graphs import (
 from lantern_rt.families.loading import load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.families.registry import family_named
 from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph
-from lantern_rt.graph_spec import GraphSpec
+from lantern_rt.graph_spec import IN_PLACE_OPSET, GraphSpec
 from lantern_rt.models.config import to_dict
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.model_dir import ModelDir
@@ -130,6 +130,7 @@ def export_bundle(
     windows: int = CACHE_WINDOWS,
     guided: bool = True,
     models: ExportModels | None = None,
+    in_place: bool = False,
 ) -> Path:
     """Export the target (prefill, the AR step and the verify step of each tree; without a
     drafter, of each chain, for the Jacobi window of its length), the VQ decoder, the neighbour
@@ -137,7 +138,9 @@ def export_bundle(
     graphs once per batch size in ``batch_sizes`` (images per call), the target's steps once per
     cache window (``windows`` of them, :func:`~lantern_rt.runtime.kv_cache.cache_windows`).
     ``guided`` False exports graphs of one row per image, for CFG scales of at most 1 alone
-    (half the work of the 2B CFG rows; docs/method.md §13).
+    (half the work of the 2B CFG rows; docs/method.md §13). ``in_place``: the target's step
+    graphs write their K/V into the cache (scratch slots after each window, opset 24;
+    onnxruntime on the CPU only, TensorRT cannot build them; docs/method.md §6).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
@@ -151,8 +154,11 @@ def export_bundle(
     target, vq, drafter, neighbors, extra = models or load_export_models(model_dir)
     k = neighbors_k(model_dir)
     spans = cache_windows(cache_capacity(target), windows)
+    scratch = cache_scratch(trees, drafter is not None) if in_place else 0
     graphs = [
-        pair for b in sizes for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b, spans, guided)
+        pair
+        for b in sizes
+        for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b, spans, guided, scratch)
     ]
     decode = VQDecode(vq, target.config)
     graphs.append((decode, decode))
@@ -168,7 +174,17 @@ def export_bundle(
         extras = family.write_bundle_files(model_dir, target, tmp)
         save_neighbors(neighbors, tmp / NEIGHBORS)
         manifest = _manifest(
-            model_dir, target, trees, drafter is not None, dtype, opset, entries, sizes, spans, guided
+            model_dir,
+            target,
+            trees,
+            drafter is not None,
+            dtype,
+            opset,
+            entries,
+            sizes,
+            spans,
+            guided,
+            scratch,
         )
         manifest["constants"]["null_condition"] = extras.pop("null_condition")
         manifest.update(extras)
@@ -235,6 +251,7 @@ def _graphs(
     batch: int,
     windows: tuple[int, ...],
     guided: bool,
+    scratch: int = 0,
 ) -> list[tuple[GraphModule, GraphModule]]:
     """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call
     (2B CFG rows, or B when not ``guided``),
@@ -242,7 +259,8 @@ def _graphs(
     (:func:`~lantern_rt.bundle.step_windows`; the VQ decoder always runs in fp32:
     its softmax and GroupNorms are not fp16-safe, and it runs once per image). AR's step
     verifies the root-only tree and credits no neighbours: its table is one column nothing
-    reads."""
+    reads. ``scratch`` > 0: the steps write their K/V into that many scratch slots of the cache
+    (:class:`TargetVerify`)."""
     low = _cast(target, dtype)
     pairs: list[tuple[GraphModule, GraphModule]] = [
         (TargetPrefill(low, batch, guided), TargetPrefill(target, batch, guided))
@@ -256,7 +274,7 @@ def _graphs(
     capacity, prefix = cache_capacity(target), target.config.cls_token_num
     for tree, k, name in steps:
         for window in step_windows(windows, prefix, tree.max_depth):
-            step = (tree, k, windowed_name(name, window, capacity), batch, window, guided)
+            step = (tree, k, windowed_name(name, window, capacity), batch, window, guided, scratch)
             pairs.append((TargetVerify(low, *step), TargetVerify(target, *step)))
     if drafter is not None:
         c = target.config
@@ -273,6 +291,12 @@ def _graphs(
                 )
             )
     return pairs
+
+
+def cache_scratch(trees: Sequence[StaticTree], has_drafter: bool) -> int:
+    """Scratch slots of a cache the step graphs write into: the most nodes (the root included)
+    of a tree the bundle verifies, 1 for AR's step alone."""
+    return max([t.num_nodes + 1 for t in trees if verified(t, has_drafter)], default=1)
 
 
 def verified(tree: StaticTree, has_drafter: bool) -> bool:
@@ -301,7 +325,7 @@ def export_graph(
                 str(path),
                 input_names=[t.name for t in spec.inputs],
                 output_names=[t.name for t in spec.outputs],
-                opset_version=opset,
+                opset_version=IN_PLACE_OPSET if spec.writes_cache else opset,
                 dynamo=True,
                 external_data=True,  # moved into the bundle's one weights file (share_weights)
                 verbose=False,
@@ -348,6 +372,7 @@ def compare_with_torch(
     they differ over all of them."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.log_severity_level = 3  # a graph writing its cache in place copies it here (not bound): said each call
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [t.name for t in module.spec.outputs]
     sums = {name: np.zeros(4) for name in names}  # largest difference (NaN kept), sum, count, peak
@@ -382,6 +407,7 @@ def _manifest(
     batch_sizes: list[int],
     windows: tuple[int, ...],
     guided: bool,
+    scratch: int,
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -398,6 +424,7 @@ def _manifest(
         "batch_sizes": batch_sizes,
         "cache_windows": list(windows),
         "guided": guided,
+        "cache_scratch": scratch,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
     }
     return {

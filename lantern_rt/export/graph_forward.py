@@ -11,9 +11,16 @@ On a CPU a small model's step costs about as much per node as per FLOP, so the g
 - write RMSNorm in the pattern onnxruntime fuses into one kernel;
 - keep scores and softmax in fp32 whatever the graph's dtype.
 Each graph is compared with the torch model's ``step`` before a bundle is written.
+
+A bundle exported with its cache written in place (onnxruntime only, opset 24; docs/method.md §6)
+has target steps that write their new K/V into the cache's scratch slots with ``TensorScatter``
+(onnxruntime writes into the bound cache itself) and attend over the whole cache with one
+``Attention`` op and one ``RotaryEmbedding`` per layer (:class:`InPlace`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +67,7 @@ class Rope(nn.Module):
         swap[even + 1, even] = -1.0  # out[2j]   = x[2j] cos - x[2j+1] sin
         swap[even, even + 1] = 1.0  # out[2j+1] = x[2j+1] cos + x[2j] sin
         self.register_buffer("swap", swap, persistent=False)
+        self.register_buffer("halves", cos_sin[:, ::2].contiguous(), persistent=False)  # [rows, D]
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin rows [S, D] for ``positions`` [S], or [B, 1, S, D] for [B, S]: one Gather
@@ -69,6 +77,16 @@ class Rope(nn.Module):
             rows = rows.unsqueeze(1)
         cos, sin = rows.chunk(2, dim=-1)
         return cos, sin
+
+    def half_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, S, D/2] (one angle per pair) at ``positions`` [B, S]: one Gather per
+        step, for :meth:`rotary`."""
+        return F.embedding(positions, self.halves).chunk(2, dim=-1)
+
+    def rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """:meth:`rotate` as ONNX's ``RotaryEmbedding`` (opset 23, interleaved pairs) with
+        :meth:`half_tables`' cos and sin."""
+        return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=True)
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotate ``x`` [B, heads, S, D] (computed in fp32)."""
@@ -106,6 +124,33 @@ def attend(q: Tensor, k: Tensor, v: Tensor, past: list[tuple[Tensor, Tensor]], b
     return heads_last(out.reshape(b, h, s, d))
 
 
+class InPlace(NamedTuple):
+    """A step's cache written in place: per layer K and V [B, Hkv, W + scratch, D] (the window,
+    then the scratch slots), the step's new rows written from slot ``start`` (a [B] int64
+    tensor, the window's size in every row)."""
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    start: Tensor
+
+
+def scatter_rows(cache: Tensor, rows: Tensor, start: Tensor) -> Tensor:
+    """``cache`` [B, H, P, D] with ``rows`` [B, H, S, D] written at slots ``start[0]``..: ONNX's
+    ``TensorScatter`` (opset 24) in a graph, which onnxruntime runs in place on a cache bound as
+    its own output; a new tensor in torch."""
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            "TensorScatter",
+            (cache, rows, start),
+            {"axis": 2},
+            dtype=cache.dtype,
+            shape=cache.shape,
+            version=24,
+        )
+    slots = start[0] + torch.arange(rows.shape[2], device=rows.device)
+    return cache.index_copy(2, slots, rows)
+
+
 class Block(nn.Module):
     """A pre-norm Llama block (LlamaGen's, a Chameleon model's or the drafter's) with fused
     projections; ``qk_norm``, the per-head q and k LayerNorms' weights and biases stacked
@@ -140,14 +185,26 @@ class Block(nn.Module):
         sin: Tensor,
         bias: Tensor,
         past: list[tuple[Tensor, Tensor]],
+        cache: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """The block's output and its new K, V [B, Hkv, S, D]; with ``cache`` (K, V [B, Hkv,
+        P, D] and the first new slot, :class:`InPlace`) the new K/V are written into it, the
+        attention reads it whole under ``bias`` (a bool mask [B, 1, S, P]), and the cache is
+        returned in their place."""
         h = x if self.attn_norm is None else rms_norm(x, self.attn_norm)
         qkv = heads_first(F.linear(h, self.wqkv), self.n_head + 2 * self.n_kv)
         qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=1)
         if self.qk_norm:
             qk = F.layer_norm(qk, qk.shape[-1:], None, None, QK_NORM_EPS) * self.qk_weight + self.qk_bias
-        q, k = rope.rotate(qk, cos, sin).split([self.n_head, self.n_kv], dim=1)
-        x = x + self.wo(attend(q, k, v, past, bias))
+        if cache is None:
+            q, k = rope.rotate(qk, cos, sin).split([self.n_head, self.n_kv], dim=1)
+            attn = attend(q, k, v, past, bias)
+        else:
+            q, k = rope.rotary(qk, cos, sin).split([self.n_head, self.n_kv], dim=1)
+            keys, values = scatter_rows(cache[0], k, cache[2]), scatter_rows(cache[1], v, cache[2])
+            attn = heads_last(torch.onnx.ops.attention(q, keys, values, attn_mask=bias)[0])
+            k, v = keys, values
+        x = x + self.wo(attn)
         gate, up = F.linear(rms_norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up), k, v
 
@@ -207,11 +264,21 @@ class Blocks(nn.Module):
         return cls(blocks, drafter.freqs_cis)
 
     def forward(
-        self, h: Tensor, positions: Tensor, mask: Tensor, context: Context | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, h: Tensor, positions: Tensor, mask: Tensor, context: Context | InPlace | None
+    ) -> tuple[Tensor, Tensor | tuple[Tensor, ...], Tensor | tuple[Tensor, ...]]:
         """h [B, S, dim] at ``positions`` [S] or [B, S] under ``mask`` [B or 1, 1, S, P + S] over the ``context``
         blocks (P slots in all; None: nothing before the new rows) -> h and the new K/V
-        [n_layer, B, Hkv, S, D]."""
+        [n_layer, B, Hkv, S, D]. With an :class:`InPlace` cache (positions [B, S], ``mask``
+        [B, 1, S, P] over its P slots) -> h and the caches, per layer, with the new K/V written."""
+        if isinstance(context, InPlace):
+            cos, sin = self.rope.half_tables(positions)
+            caches = zip(context.keys, context.values, strict=True)
+            keys, values = [], []
+            for block, (k, v) in zip(self.blocks, caches, strict=True):
+                h, k, v = block(h, self.rope, cos, sin, mask, [], (k, v, context.start))
+                keys.append(k)
+                values.append(v)
+            return h, tuple(keys), tuple(values)
         cos, sin = self.rope.tables(positions)
         bias = attention_bias(mask, self.group)
         new_k, new_v = [], []

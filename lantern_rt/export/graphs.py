@@ -10,10 +10,11 @@ ones; B rows when exported without guidance, docs/method.md §13), per-image len
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
-from lantern_rt.export.graph_forward import Blocks, rms_norm
+from lantern_rt.export.graph_forward import Blocks, InPlace, rms_norm
 from lantern_rt.graph_spec import GraphSpec, TensorSpec, dtype_name
 from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
@@ -209,7 +210,12 @@ class TargetVerify(nn.Module):
     drafting. ``neighbors`` is the bundle's whole table; ``k`` says how many columns are
     credited. AR's step is this graph over the root-only tree. The graph reads ``window`` slots
     of the cache (default: all of them; docs/method.md §12); ``guided`` False: B rows, no CFG
-    mixing (§13)."""
+    mixing (§13).
+
+    ``scratch`` > 0: the graph takes each layer's cache with that many scratch slots after the
+    window, writes the nodes' K/V into the first of them and returns the caches (``present_*``,
+    bound to the ``past_*`` memory: written in place, onnxruntime only, opset 24) instead of the
+    kept nodes' K/V; the runtime commits by moving rows (``KVCache.commit``, docs/method.md §6)."""
 
     def __init__(
         self,
@@ -220,17 +226,32 @@ class TargetVerify(nn.Module):
         batch: int = 1,
         window: int | None = None,
         guided: bool = True,
+        scratch: int = 0,
     ):
         super().__init__()
         self.model, self.blocks, self.tree, self.batch = model, Blocks.of_target(model), tree, batch
         self.rows = rows = guided_rows(batch, guided)
         self.plan = tree_plan(tree, torch.device("cpu"))
         self.depth, self.tree_mask = tree.depth.clone(), tree.mask.clone()  # built before tracing
+        if scratch:  # the scratch slots the tree leaves unwritten are never seen
+            self.tree_mask = F.pad(self.tree_mask, (0, scratch - self.tree_mask.shape[1]), value=False)
         c = model.config
         dtype = model.output.weight.dtype
         self.window = cap = window or cache_capacity(model)
+        self.scratch = scratch
         kv = _target_kv(model)
         s, kept, v, b = tree.num_nodes + 1, tree.max_depth + 1, c.vocab_size, batch
+        if 0 < scratch < s:
+            raise ValueError(
+                f"tree {tree.name} has {s} nodes with its root, more than {scratch} scratch slots"
+            )
+        past = _past_specs(kv, rows, cap + scratch, dtype)
+        if scratch:
+            kv_out: tuple[TensorSpec, ...] = tuple(
+                TensorSpec(spec.name.replace("past_", "present_"), spec.shape, spec.dtype) for spec in past
+            )
+        else:
+            kv_out = (_kv_spec("new_k", kv, rows, kept, dtype), _kv_spec("new_v", kv, rows, kept, dtype))
         self.spec = GraphSpec(
             batched_name(name, batch),
             (
@@ -247,17 +268,17 @@ class TargetVerify(nn.Module):
                 TensorSpec("cap_a", (1,), "float32"),
                 TensorSpec("cap_b", (1,), "float32"),
                 TensorSpec("greedy", (1,), "bool"),
-                *_past_specs(kv, rows, cap, dtype),
+                *past,
             ),
             (
                 TensorSpec("length", (b,), "int64"),
                 TensorSpec("kept", (b, kept), "int64"),
                 TensorSpec("tokens", (b, kept), "int64"),
                 TensorSpec("hidden", (rows, kept, c.dim), dtype_name(dtype)),
-                _kv_spec("new_k", kv, rows, kept, dtype),
-                _kv_spec("new_v", kv, rows, kept, dtype),
+                *(() if scratch else kv_out),
                 TensorSpec("logits", (rows, s, v), "float32"),
                 TensorSpec("probs", (b, s, v), "float32"),
+                *(kv_out if scratch else ()),
             ),
             dtype,
         )
@@ -270,20 +291,38 @@ class TargetVerify(nn.Module):
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         h, positions, mask, past = self._inputs(inputs)
-        h, k, v = self.blocks(h, positions, mask, Context.of_cache(*_split_past(past)))
+        past_k, past_v = _split_past(past)
+        if self.scratch:
+            start = torch.full((self.rows,), self.window, dtype=torch.long, device=h.device)
+            h, k, v = self.blocks(h, positions, mask, InPlace(tuple(past_k), tuple(past_v), start))
+        else:
+            h, k, v = self.blocks(h, positions, mask, Context.of_cache(past_k, past_v))
         hidden = rms_norm(h, self.model.norm)
         return self._accept(self.model.logits(hidden, positions), hidden, k, v, inputs)
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        """The same outputs from the model's own ``step``."""
+        """The same outputs from the model's own ``step`` (``step_in_place`` on a copy of the
+        cache for a graph that writes it in place)."""
         h, positions, mask, past = self._inputs(inputs)
         past_k, past_v = _split_past(past)
+        if self.scratch:
+            k, v = [t.clone() for t in past_k], [t.clone() for t in past_v]
+            end = self.window + h.shape[1]
+            views = (tuple(t[..., :end, :] for t in k), tuple(t[..., :end, :] for t in v))
+            logits, hidden = self.model.step_in_place(h, positions, mask[..., :end], *views)
+            return self._accept(logits, hidden, tuple(k), tuple(v), inputs)
         logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
         return self._accept(logits, hidden, k, v, inputs)
 
-    def _accept(self, logits: Tensor, hidden: Tensor, k: Tensor, v: Tensor, inputs) -> tuple[Tensor, ...]:
+    def _accept(self, logits: Tensor, hidden: Tensor, k, v, inputs) -> tuple[Tensor, ...]:
+        """The graph's outputs: :func:`verify_tree`'s, then (in place) the written caches."""
         tokens, valid, q, noise, bonus_noise = inputs[0], *inputs[3:7]
         sampling, relax = inputs[7:11], RelaxInputs(*inputs[11:16])
+        if self.scratch:
+            out = verify_tree(
+                self.plan, logits, hidden, None, None, tokens, valid, q, noise, bonus_noise, sampling, relax
+            )
+            return (*out[:4], *out[6:], *k, *v)
         return tuple(
             verify_tree(
                 self.plan, logits, hidden, k, v, tokens, valid, q, noise, bonus_noise, sampling, relax

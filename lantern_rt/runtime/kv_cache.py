@@ -103,13 +103,14 @@ class KVCache:
     ``streams`` are not read here: ``windows`` gives this cache's window sizes.
 
     ``scratch`` > 0 keeps that many spare slots after every window, for a step that writes its
-    new K/V into the cache before attending (the torch target's verify, docs/method.md §6):
-    :meth:`in_place` gives each layer's window and the step's first scratch slots, and
-    :meth:`commit` moves the kept ones into place. Such a cache keeps one tensor per layer
-    (``k``/``v`` are then stacked copies): a compiled step that writes a view of a storage
-    shared by all layers gets that storage copied (functionalization), one per layer writes in
-    place. Without scratch all layers share one tensor (a commit is one copy for all layers),
-    and each window is one contiguous tensor per layer, as the bundles' graphs take it.
+    new K/V into the cache before attending (the torch target's verify and a bundle's steps
+    exported with the cache written in place, docs/method.md §6): :meth:`in_place` gives each
+    layer's window and the step's first scratch slots, and :meth:`commit` moves the kept ones
+    into place. ``layer_tensors`` keeps one tensor per layer (``k``/``v`` are then stacked
+    copies): a compiled torch step that writes a view of a storage shared by all layers gets
+    that storage copied (functionalization), one per layer writes in place. Otherwise all
+    layers share one tensor (a commit is one copy for all layers), and each layer's window (with
+    its scratch slots) is one contiguous tensor, as the bundles' graphs take it.
     """
 
     def __init__(
@@ -125,13 +126,14 @@ class KVCache:
         prefix: int = 0,
         windows: Sequence[int] = (),
         scratch: int = 0,
+        layer_tensors: bool = False,
     ):
         self.images, self.guided = shape.batch_size, shape.guided
         self.rows = guided_rows(self.images, self.guided)
         self._rows = (self.rows, heads)
         self._head_dim, self.scratch = head_dim, scratch
         size = self.rows * heads * (capacity + scratch) * head_dim
-        parts, per_part = (n_layer, 1) if scratch else (1, n_layer)
+        parts, per_part = (n_layer, 1) if layer_tensors else (1, n_layer)
         self._k = [torch.zeros(per_part, size, dtype=dtype, device=device) for _ in range(parts)]
         self._v = [torch.zeros(per_part, size, dtype=dtype, device=device) for _ in range(parts)]
         # The storage as rows of head_dim values: a commit copies whole rows (see write).

@@ -41,7 +41,8 @@ class GraphRunner(Protocol):
     Called with torch tensors by the names the manifest declares (a ``past_k_{i}``/``past_v_{i}``
     input per layer; :func:`ordered` checks and orders them); returns its outputs in the
     manifest's order. The returned tensors are the runner's own buffers: valid until its next
-    call.
+    call; a ``present_*`` output (a graph that writes its cache in place) is the ``past_*``
+    input's own memory, written by the call.
     """
 
     device: torch.device
@@ -107,24 +108,27 @@ def cache_for(
     device: torch.device,
     prefix: int = 0,
     windows: tuple[int, ...] = (),
+    scratch: int = 0,
 ) -> KVCache:
     """An empty cache for the batch of ``graphs`` (2B rows, or B for a bundle exported without
     guidance: the run shape it was exported for) whose heads, slots and dtype are those of
-    ``entry``'s per-layer ``past_k_{i}`` inputs, on ``device``, keeping the visibility of
-    ``prefix`` condition slots (a target's), read through ``windows`` (see :class:`KVCache`)."""
+    ``entry``'s per-layer ``past_k_{i}`` inputs (``scratch`` of their slots the scratch slots
+    after the window a graph writes into, see :class:`KVCache`), on ``device``, keeping the
+    visibility of ``prefix`` condition slots (a target's), read through ``windows``."""
     past = entry.input("past_k_0")
-    _, heads, capacity, head_dim = past.shape
+    _, heads, slots, head_dim = past.shape
     shape = RunShape(graphs.size, graphs.bundle.constants.guided)
     return KVCache(
         kv_layers(entry),
         heads,
-        capacity,
+        slots - scratch,
         head_dim,
         past.torch_dtype,
         device,
         shape,
         prefix=prefix,
         windows=windows,
+        scratch=scratch,
     )
 
 
@@ -148,7 +152,14 @@ class BundleTarget:
             for w in step_windows(windows, self.cls_token_num, paths_depth(paths))
         }
         device = self._verify[ROOT_ONLY.paths, capacity].device
-        self.cache = cache_for(graphs.graph(AR_STEP_GRAPH), graphs, device, self.cls_token_num, windows)
+        scratch = bundle.constants.cache_scratch
+        if scratch and device.type != "cpu":
+            raise BundleError(
+                f"{bundle.path} writes its cache in place, which onnxruntime does on the CPU only: "
+                "run it with --device cpu, or export the model without --cache-in-place"
+            )
+        step = graphs.graph(AR_STEP_GRAPH)
+        self.cache = cache_for(step, graphs, device, self.cls_token_num, windows, scratch)
 
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
@@ -173,20 +184,24 @@ class BundleTarget:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        return Verified(
-            *graph(
-                node_tokens=draft.tokens,
-                cache_length=cache.length,
-                prefix=cache.prefix,
-                valid=draft.valid,
-                q=draft.q,
-                noise=noise,
-                bonus_noise=bonus_noise,
-                **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
-                **relax._asdict(),
-                **cache_inputs(cache.layers_k, cache.layers_v),
-            )
+        in_place = cache.scratch > 0  # the graph writes every node's K/V into the scratch slots
+        out = graph(
+            node_tokens=draft.tokens,
+            cache_length=cache.length,
+            prefix=cache.prefix,
+            valid=draft.valid,
+            q=draft.q,
+            noise=noise,
+            bonus_noise=bonus_noise,
+            **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
+            **relax._asdict(),
+            **cache_inputs(
+                *(cache.in_place(cache.scratch) if in_place else (cache.layers_k, cache.layers_v))
+            ),
         )
+        if in_place:  # length, kept, tokens, hidden, logits, probs, then the caches
+            return Verified(*out[:4], None, None, *out[4:6])
+        return Verified(*out)
 
 
 class BundleDrafter:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lantern_rt.bundle import Bundle, GraphEntry
-from lantern_rt.graph_spec import TensorSpec
+from lantern_rt.graph_spec import PRESENT_PREFIX, TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
@@ -32,6 +32,13 @@ def default_providers() -> list[str]:
     if CUDA in ort.get_available_providers() and torch.cuda.is_available():
         return [CUDA, CPU]
     return [CPU]
+
+
+def writes_cache_in_place(device: str) -> bool:
+    """Whether a bundle run here on ``device`` has its target's cache written in place by its
+    graphs (exported so; onnxruntime does it on the CPU only): when the run is on the CPU.
+    Measured faster there (BENCHMARKS.md, "Issue 47: the cache written in place")."""
+    return device.startswith("cpu") and default_providers()[0] == CPU
 
 
 def session_options(
@@ -60,7 +67,9 @@ class OrtGraph:
     its own: several runners may share a session and run it at once (decode streams).
 
     Small inputs are copied into buffers bound once; cache inputs (``past_*``), too large to
-    copy, are bound where they lie and rebound only when a call passes other memory.
+    copy, are bound where they lie and rebound only when a call passes other memory. A graph's
+    ``present_*`` output is bound to its ``past_*`` input's memory: the graph writes the cache in
+    place (onnxruntime's TensorScatter on the CPU).
     """
 
     def __init__(self, session: ort.InferenceSession, entry: GraphEntry):
@@ -77,9 +86,19 @@ class OrtGraph:
         for spec, buffer in zip(self.inputs, self._buffers, strict=True):
             if buffer is not None:
                 self._bind(self._binding.bind_input, spec, buffer)
-        self._results = tuple(self._allocate(spec) for spec in self.outputs)
+        names = [spec.name for spec in self.inputs]
+        # output index -> the index of the input whose memory it is written into
+        self._aliases = {
+            j: names.index(spec.name.replace(PRESENT_PREFIX, "past_", 1))
+            for j, spec in enumerate(self.outputs)
+            if spec.name.startswith(PRESENT_PREFIX)
+        }
+        self._results: list[Tensor | None] = [
+            None if j in self._aliases else self._allocate(spec) for j, spec in enumerate(self.outputs)
+        ]
         for spec, out in zip(self.outputs, self._results, strict=True):
-            self._bind(self._binding.bind_output, spec, out)
+            if out is not None:
+                self._bind(self._binding.bind_output, spec, out)
 
     def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
         args = ordered(self.inputs, inputs)
@@ -88,13 +107,18 @@ class OrtGraph:
             if not self._in_place[i]:
                 buffer.copy_(arg)
             elif buffer is not arg and (buffer is None or buffer.data_ptr() != arg.data_ptr()):
-                arg = arg.to(self.device, spec.torch_dtype).contiguous()
+                given, arg = arg, arg.to(self.device, spec.torch_dtype).contiguous()
+                if arg.data_ptr() != given.data_ptr() and i in self._aliases.values():
+                    raise ValueError(f"{spec.name} is written in place: pass it contiguous, on {self.device}")
                 self._bind(self._binding.bind_input, spec, arg)
                 self._buffers[i] = arg  # keeps the bound memory alive
+                for j in (j for j, source in self._aliases.items() if source == i):
+                    self._bind(self._binding.bind_output, self.outputs[j], arg)
+                    self._results[j] = arg
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # torch's pending writes, e.g. a cache commit
         self.session.run_with_iobinding(self._binding)
-        return self._results
+        return tuple(self._results)
 
     def _allocate(self, spec: TensorSpec) -> Tensor:
         return torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)

@@ -62,6 +62,7 @@ class Backend:
     cpu_rank: int | None = None
     gpu_rank: int | None = None
     require: Callable[[], object] | None = None  # a deeper check than the import (e.g. a version)
+    in_place: Callable[[str], bool] | None = None  # for a device: export its bundles' caches written in place
 
     def available(self) -> bool:
         """Whether its package can be imported here (without importing it)."""
@@ -77,6 +78,11 @@ class Backend:
     def runs_on_gpu(self, device: str) -> bool:
         """Whether a run on it computes on a GPU (given ``device``)."""
         return self.gpu_only or not device.startswith("cpu")
+
+    def exports_in_place(self, device: str) -> bool:
+        """Whether a model directory it runs on ``device`` is exported with the target's cache
+        written in place (``export_bundle``'s ``in_place``: onnxruntime on the CPU)."""
+        return self.in_place is not None and self.in_place(device)
 
     def check_bundle(self) -> None:
         """:class:`ConfigError` unless it runs a bundle (the one place that says so)."""
@@ -107,6 +113,12 @@ def _onnxruntime(
     return onnxruntime_pipeline(source, method, shape, threads=options.threads, images=options.images)  # type: ignore[arg-type]
 
 
+def _onnxruntime_in_place(device: str) -> bool:
+    from lantern_rt.runtime.backends.onnxruntime_backend import writes_cache_in_place
+
+    return writes_cache_in_place(device)
+
+
 def _tensorrt(
     source: ModelDir | Bundle, method: MethodConfig, shape: RunShape, options: EngineOptions
 ) -> Pipeline:
@@ -133,6 +145,7 @@ BACKENDS: dict[str, Backend] = {
             frozenset({BUNDLE}),
             _onnxruntime,
             streams=True,
+            in_place=_onnxruntime_in_place,
             cpu_rank=0,
             gpu_rank=2,
         ),

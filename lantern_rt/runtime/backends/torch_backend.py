@@ -78,6 +78,7 @@ class TorchTarget:
             prefix=cfg.cls_token_num,
             windows=cache_windows(capacity, shape.cache_windows),
             scratch=scratch,
+            layer_tensors=True,
         )
         self._tables: dict[tuple, tuple[TreePlan, Tensor, Tensor]] = {}  # by paths: plan, depth, mask
         self.tables(ROOT_ONLY)

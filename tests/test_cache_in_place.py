@@ -1,0 +1,170 @@
+"""A bundle whose target steps write their K/V into the cache in place (``export --cache-in-place``:
+opset 24, onnxruntime on the CPU) against the same model exported with standard graphs, which
+return the K/V for the runtime to commit: the same tokens, greedy and sampled, AR, LANTERN++
+on a chain and a wide tree, one and two images per call, across cache windows."""
+
+from __future__ import annotations
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
+from lantern_rt.cli import main
+from lantern_rt.engines.plans import EngineError, build_engines
+from lantern_rt.generate import generate
+from lantern_rt.graph_rules import check_graph
+from lantern_rt.graph_spec import IN_PLACE_OPSET
+from lantern_rt.pipeline import build_pipeline
+from lantern_rt.runtime.backends.bundle_graphs import BundleTarget
+from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+from lantern_rt.runtime.backends.registry import backend_named
+from lantern_rt.runtime.run_shape import RunShape
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.tree import load_tree
+from lantern_rt.settings import MethodConfig
+from tests.conftest import tiny_vq
+from tests.test_export import make_bundle
+from tests.test_speculative import GREEDY
+
+TREES = ["chain-4", "mc_sim_7b_63"]
+SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+pytestmark = pytest.mark.slow  # two exports of the trained pair
+
+
+@pytest.fixture(scope="module")
+def bundles(trained_pair, tmp_path_factory) -> dict[bool, Bundle]:
+    """in place -> the bundle (standard graphs for False): two images per call (at different
+    lengths after the first step), two cache windows."""
+    target, drafter = trained_pair
+    root = tmp_path_factory.mktemp("in-place")
+    return {
+        in_place: Bundle.open(
+            make_bundle(
+                root / f"in-place-{in_place}",
+                target,
+                tiny_vq(),
+                drafter,
+                TREES,
+                "fp32",
+                batch_sizes=(2,),
+                windows=2,
+                in_place=in_place,
+            )
+        )
+        for in_place in (False, True)
+    }
+
+
+def optimized_nodes(path, tmp_path) -> int:
+    """Top-level nodes of the graph at ``path`` after onnxruntime's CPU fusions."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return len(onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph.node)
+
+
+def test_the_step_graphs_write_the_cache(bundles, tmp_path):
+    standard, in_place = bundles[False], bundles[True]
+    assert standard.constants.cache_scratch == 0
+    scratch = max(len(tree.paths) + 1 for tree in in_place.trees.values())  # the root included
+    assert in_place.constants.cache_scratch == scratch == load_tree(TREES[1]).num_nodes + 1
+    width = in_place.constants.cache_capacity + scratch
+    steps = [name for name in in_place.graphs if name.startswith(("target_ar_step", "target_verify"))]
+    assert len(steps) > 3  # AR's and each tree's, per window
+    for name, entry in in_place.graphs.items():
+        model = onnx.load(str(in_place.file(entry)), load_external_data=False)
+        opset = next(o.version for o in model.opset_import if o.domain == "")
+        ops = {node.op_type for node in model.graph.node}
+        if name in steps:
+            assert opset == IN_PLACE_OPSET and {"TensorScatter", "Attention", "RotaryEmbedding"} <= ops
+            presents = [s.name for s in entry.outputs if s.name.startswith("present_")]
+            assert presents == [
+                s.name.replace("past_", "present_") for s in entry.inputs if s.name.startswith("past_")
+            ]
+            assert all(s.shape[2] == width for s in entry.outputs if s.name in presents) or "_w" in name
+            assert check_graph(in_place.file(entry), entry) == []
+        else:  # prefill, drafting, VQ: the same standard graphs as any bundle
+            assert opset == standard.opset and "TensorScatter" not in ops
+            assert entry.inputs == standard.graph(name).inputs
+    ar = (
+        optimized_nodes(b.file(b.graph(batched_name(AR_STEP_GRAPH, 2))), tmp_path)
+        for b in (standard, in_place)
+    )
+    before, after = ar
+    assert after < before * 0.8, (before, after)
+
+
+def tokens(bundle: Bundle, method: MethodConfig, sampling: SamplingConfig) -> torch.Tensor:
+    pipe = build_pipeline(bundle, method, RunShape(2, streams=1), backend="onnxruntime", threads=1)
+    return generate(pipe, [0, 1, 2, 1, 0], sampling, seed=7, progress=False).tokens
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        MethodConfig("ar"),
+        MethodConfig("lantern++", tree="chain-4", k=5),
+        MethodConfig("lantern++", tree="mc_sim_7b_63", k=5),
+        MethodConfig("exact", tree="mc_sim_7b_63"),
+    ],
+    ids=["ar", "lantern++-chain", "lantern++-tree", "exact-tree"],
+)
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_tokens_equal_the_standard_graphs(bundles, method, sampling):
+    """The kept nodes' K/V move from the scratch slots into place on commit: any slot off by one,
+    a node's K/V kept for another's or a stale scratch slot seen changes the tokens that follow."""
+    want = tokens(bundles[False], method, sampling)
+    got = tokens(bundles[True], method, sampling)
+    assert torch.equal(got, want)
+
+
+def test_the_cache_stays_on_the_cpu(bundles):
+    """onnxruntime writes a cache in place on the CPU only: a runner on another device is refused
+    before any cache is made."""
+    bundle = bundles[True]
+    make = ort_runner(threads=1)
+
+    def on_gpu(b, entry):
+        graph = make(b, entry)
+        graph.device = torch.device("cuda", 0)
+        return graph
+
+    with pytest.raises(BundleError, match="onnxruntime does on the CPU only"):
+        BundleTarget(bundle.batch(2), on_gpu, "onnxruntime")
+
+
+def test_a_cache_copy_is_refused(bundles):
+    """A cache that is not contiguous would be copied before binding, and the graph would write
+    the copy: refused."""
+    target = BundleTarget(bundles[True].batch(2), ort_runner(threads=1), "onnxruntime")
+    graph = target._verify[next(iter(target._verify))]
+    past = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in graph.inputs}
+    name = next(n for n in past if n.startswith("past_k_"))
+    past[name] = torch.zeros(past[name].shape[::-1], dtype=past[name].dtype).permute(3, 2, 1, 0)
+    with pytest.raises(ValueError, match=f"{name} is written in place"):
+        graph(**past)
+
+
+def test_tensorrt_refuses_the_bundle(bundles):
+    with pytest.raises(EngineError, match="write the KV cache in place.*without --cache-in-place"):
+        build_engines(bundles[True])
+
+
+def test_inspect_says_so(bundles):
+    result = CliRunner().invoke(main, ["inspect", str(bundles[True].path)])
+    assert result.exit_code == 0, result.output
+    scratch = bundles[True].constants.cache_scratch
+    assert f"steps write it in place ({scratch} scratch slots, onnxruntime on the CPU only)" in result.output
+    plain = CliRunner().invoke(main, ["inspect", str(bundles[False].path)])
+    assert "in place" not in plain.output
+
+
+def test_onnxruntime_on_the_cpu_exports_in_place():
+    """What a model directory run on onnxruntime is exported as (the export cache's choice)."""
+    onnxruntime, torch_backend = backend_named("onnxruntime"), backend_named("torch")
+    assert onnxruntime.exports_in_place("cpu") and not onnxruntime.exports_in_place("cuda")
+    assert not torch_backend.exports_in_place("cpu")
