@@ -6,6 +6,7 @@ these names."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
 
-    @property
+    @functools.cached_property
     def torch_dtype(self) -> torch.dtype:
         """The dtype as torch's."""
         return getattr(torch, self.dtype)

@@ -372,7 +372,9 @@ def compare_with_torch(
     they differ over all of them."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.log_severity_level = 3  # a graph writing its cache in place copies it here (not bound): said each call
+    options.log_severity_level = (
+        3  # a graph writing its cache in place copies it here (not bound): said each call
+    )
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [t.name for t in module.spec.outputs]
     sums = {name: np.zeros(4) for name in names}  # largest difference (NaN kept), sum, count, peak

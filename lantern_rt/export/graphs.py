@@ -10,7 +10,6 @@ ones; B rows when exported without guidance, docs/method.md §13), per-image len
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
@@ -34,7 +33,7 @@ from lantern_rt.runtime.drafting import (
     prefix_pairs,
     prompt_pairs,
 )
-from lantern_rt.runtime.kv_cache import prefill_mask
+from lantern_rt.runtime.kv_cache import prefill_mask, written_mask
 from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 from lantern_rt.runtime.tree import StaticTree
 
@@ -213,9 +212,11 @@ class TargetVerify(nn.Module):
     mixing (§13).
 
     ``scratch`` > 0: the graph takes each layer's cache with that many scratch slots after the
-    window, writes the nodes' K/V into the first of them and returns the caches (``present_*``,
-    bound to the ``past_*`` memory: written in place, onnxruntime only, opset 24) instead of the
-    kept nodes' K/V; the runtime commits by moving rows (``KVCache.commit``, docs/method.md §6)."""
+    window, writes the nodes' K/V at each image's length (node order; the scratch slots hold
+    the ones past the window) and returns the caches (``present_*``, bound to the ``past_*``
+    memory: written in place, onnxruntime only, opset 24) instead of the kept nodes' K/V; the
+    runtime commits a chain's as written and moves a tree's kept rows (``KVCache.commit``,
+    docs/method.md §6)."""
 
     def __init__(
         self,
@@ -233,8 +234,6 @@ class TargetVerify(nn.Module):
         self.rows = rows = guided_rows(batch, guided)
         self.plan = tree_plan(tree, torch.device("cpu"))
         self.depth, self.tree_mask = tree.depth.clone(), tree.mask.clone()  # built before tracing
-        if scratch:  # the scratch slots the tree leaves unwritten are never seen
-            self.tree_mask = F.pad(self.tree_mask, (0, scratch - self.tree_mask.shape[1]), value=False)
         c = model.config
         dtype = model.output.weight.dtype
         self.window = cap = window or cache_capacity(model)
@@ -293,7 +292,9 @@ class TargetVerify(nn.Module):
         h, positions, mask, past = self._inputs(inputs)
         past_k, past_v = _split_past(past)
         if self.scratch:
-            start = torch.full((self.rows,), self.window, dtype=torch.long, device=h.device)
+            length, prefix = inputs[1], inputs[2]
+            mask = written_mask(length, self.window + self.scratch, self.tree_mask, self.rows, prefix)
+            start = cfg_rows(length, self.rows).clamp_max(self.window)  # an idle row's past the window
             h, k, v = self.blocks(h, positions, mask, InPlace(tuple(past_k), tuple(past_v), start))
         else:
             h, k, v = self.blocks(h, positions, mask, Context.of_cache(past_k, past_v))
@@ -301,17 +302,18 @@ class TargetVerify(nn.Module):
         return self._accept(self.model.logits(hidden, positions), hidden, k, v, inputs)
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        """The same outputs from the model's own ``step`` (``step_in_place`` on a copy of the
-        cache for a graph that writes it in place)."""
+        """The same outputs from the model's own ``step`` over the window (and, for a graph
+        that writes its cache in place, the caches with the new K/V scattered in)."""
         h, positions, mask, past = self._inputs(inputs)
-        past_k, past_v = _split_past(past)
-        if self.scratch:
-            k, v = [t.clone() for t in past_k], [t.clone() for t in past_v]
-            end = self.window + h.shape[1]
-            views = (tuple(t[..., :end, :] for t in k), tuple(t[..., :end, :] for t in v))
-            logits, hidden = self.model.step_in_place(h, positions, mask[..., :end], *views)
-            return self._accept(logits, hidden, tuple(k), tuple(v), inputs)
+        window = [t[..., : self.window, :] for t in past]
+        past_k, past_v = _split_past(tuple(window))
         logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
+        if self.scratch:  # the caches with each row's nodes written at its length
+            start = cfg_rows(inputs[1], self.rows).clamp_max(self.window)
+            slots = start[:, None] + torch.arange(h.shape[1])
+            index = slots[:, None, :, None].expand(*k.shape[1:])
+            caches = [c.scatter(2, index, new) for c, new in zip(past, (*k, *v), strict=True)]
+            return self._accept(logits, hidden, caches[: len(k)], caches[len(k) :], inputs)
         return self._accept(logits, hidden, k, v, inputs)
 
     def _accept(self, logits: Tensor, hidden: Tensor, k, v, inputs) -> tuple[Tensor, ...]:

@@ -122,7 +122,7 @@ class DecodeStep:
                 jacobi.record(out, active)
         with span("kv_compaction"):
             committed = out.length + 1  # the accepted tokens and the bonus
-            target.cache.commit(out.new_k, out.new_v, out.kept, committed * active)
+            target.cache.commit(out.new_k, out.new_v, out.kept, committed * active, self.tree.is_chain)
         return committed, out.tokens, out.hidden
 
 

@@ -48,6 +48,29 @@ def cache_mask(
     return mask
 
 
+def written_mask(
+    length: Tensor, slots: int, tree_mask: Tensor, rows: int, prefix: Tensor | None = None
+) -> Tensor:
+    """Attention mask [rows, 1, S, slots] of a step that has written its S nodes' K/V into the
+    cache at each image's ``length`` [B] (slots length..length + S - 1, node order): a node sees
+    every committed entry of its image (but the prefix slots ``prefix`` [rows, P] hides) and
+    the nodes ``tree_mask`` [S, S] marks its ancestors, nothing past them (stale entries, the
+    scratch slots of other nodes). For a root-only step one comparison of each slot against
+    the length."""
+    s = tree_mask.shape[0]
+    index = torch.arange(slots, device=length.device)
+    if s == 1:
+        mask = index.view(1, 1, 1, slots) <= cfg_rows(length, rows).view(rows, 1, 1, 1)
+    else:
+        relative = index - cfg_rows(length, rows)[:, None]  # [rows, slots]
+        ancestors = tree_mask[:, relative.clamp(0, s - 1)].transpose(0, 1)  # [rows, S, slots]
+        written = (relative >= 0) & (relative < s)
+        mask = ((relative < 0)[:, None] | (ancestors & written[:, None]))[:, None]
+    if prefix is not None:
+        mask = mask & F.pad(prefix, (0, slots - prefix.shape[1]), value=True).view(rows, 1, 1, slots)
+    return mask
+
+
 def prefill_mask(prefix: Tensor) -> Tensor:
     """[2B, 1, P, P]: the condition prefix's causal mask, without the slots ``prefix`` [2B, P]
     marks False in each CFG row except for each slot itself (LlamaGen keeps the diagonal so
@@ -106,7 +129,9 @@ class KVCache:
     new K/V into the cache before attending (the torch target's verify and a bundle's steps
     exported with the cache written in place, docs/method.md §6): :meth:`in_place` gives each
     layer's window and the step's first scratch slots, and :meth:`commit` moves the kept ones
-    into place. ``layer_tensors`` keeps one tensor per layer (``k``/``v`` are then stacked
+    into place. The torch step writes its nodes at the window's end (the first scratch slots);
+    with ``at_length`` a step writes them at each image's length (a bundle's graphs), so that a
+    chain's accepted nodes are in place as written. ``layer_tensors`` keeps one tensor per layer (``k``/``v`` are then stacked
     copies): a compiled torch step that writes a view of a storage shared by all layers gets
     that storage copied (functionalization), one per layer writes in place. Otherwise all
     layers share one tensor (a commit is one copy for all layers), and each layer's window (with
@@ -127,11 +152,12 @@ class KVCache:
         windows: Sequence[int] = (),
         scratch: int = 0,
         layer_tensors: bool = False,
+        at_length: bool = False,
     ):
         self.images, self.guided = shape.batch_size, shape.guided
         self.rows = guided_rows(self.images, self.guided)
         self._rows = (self.rows, heads)
-        self._head_dim, self.scratch = head_dim, scratch
+        self._head_dim, self.scratch, self.at_length = head_dim, scratch, at_length
         size = self.rows * heads * (capacity + scratch) * head_dim
         parts, per_part = (n_layer, 1) if layer_tensors else (1, n_layer)
         self._k = [torch.zeros(per_part, size, dtype=dtype, device=device) for _ in range(parts)]
@@ -204,6 +230,8 @@ class KVCache:
         K/V then keeps the ones accepted."""
         if count > self.scratch:
             raise ValueError(f"{count} new entries per row, but the cache keeps {self.scratch} scratch slots")
+        if count == self.scratch:  # every scratch slot: each layer's whole rows, made once per window
+            return self._wide_k, self._wide_v
         end = self.window + count
         return tuple(k[..., :end, :] for k in self._wide_k), tuple(v[..., :end, :] for v in self._wide_v)
 
@@ -251,16 +279,25 @@ class KVCache:
             v_rows.index_copy_(0, rows, new_v[layers].reshape(-1, self._head_dim))
         self.length += count
 
-    def commit(self, new_k: Tensor | None, new_v: Tensor | None, kept: Tensor, count: Tensor) -> None:
+    def commit(
+        self, new_k: Tensor | None, new_v: Tensor | None, kept: Tensor, count: Tensor, in_order: bool = False
+    ) -> None:
         """Keep a verify's accepted path: :meth:`write` of its kept nodes' K/V ``new_k``/``new_v``
         as a graph returned them, or, when None (a step that wrote its nodes' K/V through
         :meth:`in_place`), a move on the device of the nodes ``kept`` [B, K] (node ids, the root
-        first) from their scratch slots to slots ``length``.. (clamped as :meth:`write` clamps),
-        then ``count`` [B] more entries per image."""
+        first) from the slots they were written to (the window's end, or each image's length:
+        ``at_length``, the window's end for an idle image past it) to slots ``length``.. (clamped as :meth:`write` clamps), then ``count``
+        [B] more entries per image. ``in_order``: the kept nodes are nodes 0, 1, .. (a chain's),
+        which a cache written ``at_length`` already holds in place."""
         if new_k is not None and new_v is not None:
             self.write(new_k, new_v, count)
             return
-        source = self._storage_rows(self.window + kept, clamp=False)
+        if self.at_length and in_order:
+            self.length += count
+            return
+        # a step writes at each image's length, or at the window's end for an idle image past it
+        first = self.length.clamp_max(self.window)[:, None] if self.at_length else self.window
+        source = self._storage_rows(first + kept, clamp=False)
         target = self._storage_rows(self.length[:, None] + self._slots[: kept.shape[1]])
         for rows in (*self._k_rows, *self._v_rows):
             rows.index_copy_(0, target, rows.index_select(0, source))

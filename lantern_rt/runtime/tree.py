@@ -159,6 +159,12 @@ class StaticTree:
     def max_depth(self) -> int:
         return self.depths[-1]
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether each node is the one child of the node before (the root alone included): an
+        accepted path then keeps nodes 0..length, in order."""
+        return self.max_depth == self.num_nodes
+
     @derived
     def levels(self) -> tuple[tuple[int, ...], ...]:
         """Node ids at each depth 0..max_depth; ``levels[0] == (0,)``."""

@@ -70,7 +70,7 @@ def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[T
     """The tensors ``named`` by a graph's declared ``inputs``, in their order; ``ValueError``
     unless there is exactly one per input, each of its shape and dtype (a runner copies or binds
     them as they are: a wrong dtype would be cast, or its bytes misread)."""
-    args = tuple(named.get(spec.name) for spec in inputs)
+    args = tuple([named.get(spec.name) for spec in inputs])
     if len(named) != len(inputs) or any(arg is None for arg in args):
         missing = [s.name for s in inputs if s.name not in named]
         unknown = set(named) - {s.name for s in inputs}
@@ -113,8 +113,9 @@ def cache_for(
     """An empty cache for the batch of ``graphs`` (2B rows, or B for a bundle exported without
     guidance: the run shape it was exported for) whose heads, slots and dtype are those of
     ``entry``'s per-layer ``past_k_{i}`` inputs (``scratch`` of their slots the scratch slots
-    after the window a graph writes into, see :class:`KVCache`), on ``device``, keeping the
-    visibility of ``prefix`` condition slots (a target's), read through ``windows``."""
+    after the window, for graphs that write their nodes' K/V at each image's length, see
+    :class:`KVCache`), on ``device``, keeping the visibility of ``prefix`` condition slots (a
+    target's), read through ``windows``."""
     past = entry.input("past_k_0")
     _, heads, slots, head_dim = past.shape
     shape = RunShape(graphs.size, graphs.bundle.constants.guided)
@@ -129,6 +130,7 @@ def cache_for(
         prefix=prefix,
         windows=windows,
         scratch=scratch,
+        at_length=scratch > 0,
     )
 
 
