@@ -121,7 +121,7 @@ def export_cmd(
     rows = "one row per image, no guidance" if no_guidance else "two CFG rows per image"
     rows += ", the cache written in place" if cache_in_place else ""
     click.echo(
-        f"exported {md.name} ({dtype}, opset {opset}, trees {', '.join(trees)}, batch sizes "
+        f"exported {md.name} ({dtype}, opset {opset}{' (24: the target steps)' if cache_in_place else ''}, trees {', '.join(trees)}, batch sizes "
         f"{','.join(map(str, sizes))}, {windows} cache window(s), {rows}) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
     )

@@ -135,20 +135,22 @@ class InPlace(NamedTuple):
 
 
 def scatter_rows(cache: Tensor, rows: Tensor, start: Tensor) -> Tensor:
-    """``cache`` [B, H, P, D] with ``rows`` [B, H, S, D] written at slots ``start[0]``..: ONNX's
-    ``TensorScatter`` (opset 24) in a graph, which onnxruntime runs in place on a cache bound as
-    its own output; a new tensor in torch."""
+    """``cache`` [B, H, P, D] with ``rows`` [B, H, S, D] written at slots ``start`` [B]..
+    (modulo P: an idle row's length may be past its window): ONNX's ``TensorScatter`` (opset
+    24, circular) in a graph, which onnxruntime runs in place on a cache bound as its own
+    output; a new tensor in torch."""
     if torch.onnx.is_in_onnx_export():
         return torch.onnx.ops.symbolic(
             "TensorScatter",
             (cache, rows, start),
-            {"axis": 2},
+            {"axis": 2, "mode": "circular"},
             dtype=cache.dtype,
             shape=cache.shape,
             version=24,
         )
-    slots = start[0] + torch.arange(rows.shape[2], device=rows.device)
-    return cache.index_copy(2, slots, rows)
+    slots = (start[:, None] + torch.arange(rows.shape[2], device=rows.device)) % cache.shape[2]
+    index = slots[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
+    return cache.scatter(2, index, rows)
 
 
 class Block(nn.Module):

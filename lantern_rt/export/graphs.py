@@ -294,7 +294,7 @@ class TargetVerify(nn.Module):
         if self.scratch:
             length, prefix = inputs[1], inputs[2]
             mask = written_mask(length, self.window + self.scratch, self.tree_mask, self.rows, prefix)
-            start = cfg_rows(length, self.rows).clamp_max(self.window)  # an idle row's past the window
+            start = cfg_rows(length, self.rows)
             h, k, v = self.blocks(h, positions, mask, InPlace(tuple(past_k), tuple(past_v), start))
         else:
             h, k, v = self.blocks(h, positions, mask, Context.of_cache(past_k, past_v))
@@ -309,8 +309,7 @@ class TargetVerify(nn.Module):
         past_k, past_v = _split_past(tuple(window))
         logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
         if self.scratch:  # the caches with each row's nodes written at its length
-            start = cfg_rows(inputs[1], self.rows).clamp_max(self.window)
-            slots = start[:, None] + torch.arange(h.shape[1])
+            slots = cfg_rows(inputs[1], self.rows)[:, None] + torch.arange(h.shape[1])
             index = slots[:, None, :, None].expand(*k.shape[1:])
             caches = [c.scatter(2, index, new) for c, new in zip(past, (*k, *v), strict=True)]
             return self._accept(logits, hidden, caches[: len(k)], caches[len(k) :], inputs)

@@ -286,7 +286,7 @@ class KVCache:
         as a graph returned them, or, when None (a step that wrote its nodes' K/V through
         :meth:`in_place`), a move on the device of the nodes ``kept`` [B, K] (node ids, the root
         first) from the slots they were written to (the window's end, or each image's length:
-        ``at_length``, the window's end for an idle image past it) to slots ``length``.. (clamped as :meth:`write` clamps), then ``count``
+        ``at_length``) to slots ``length``.. (clamped as :meth:`write` clamps), then ``count``
         [B] more entries per image. ``in_order``: the kept nodes are nodes 0, 1, .. (a chain's),
         which a cache written ``at_length`` already holds in place."""
         if new_k is not None and new_v is not None:
@@ -295,7 +295,7 @@ class KVCache:
         if self.at_length and in_order:
             self.length += count
             return
-        # a step writes at each image's length, or at the window's end for an idle image past it
+        # an idle image's length may be past the window: its rows (never kept) are read at the window's end
         first = self.length.clamp_max(self.window)[:, None] if self.at_length else self.window
         source = self._storage_rows(first + kept, clamp=False)
         target = self._storage_rows(self.length[:, None] + self._slots[: kept.shape[1]])
