@@ -1,5 +1,6 @@
 """The demo target's layers in standard ONNX (as the bundles export them) against the same layers
-written with onnxruntime's CPU contrib operators, timed alternately in onnxruntime (one thread unless told).
+written with onnxruntime's CPU contrib operators or with the cache written in place, timed alternately in
+onnxruntime (one thread unless told).
 
     .venv/bin/python scripts/ort_contrib_layers.py [--rounds 40] [--calls 20] [--cache 128] [--cache-windows 4] [--threads 1]
 
@@ -18,7 +19,10 @@ the attention as:
   GroupQueryAttention on the packed q/k/v, rotary inside, the new K/V sliced from its presents;
 - "rope+norm": the bundles' own layout and attention (heads first, scores against the cache and
   the new keys apart, then joined: the cache is never copied), RoPE as one RotaryEmbedding.
-On the CPU both attention operators ignore ``past_key``/``past_value`` unless they also write
+- "in-place" (opset 24): q, k, v as in "contrib", k and v written into each layer's cache
+  [B, P, H * D] at the rows' length by TensorScatter, the cache bound as its own output (so
+  onnxruntime writes it in place), then one Attention over the whole cache.
+On the CPU both contrib attention operators ignore ``past_key``/``past_value`` unless they also write
 ``present_key``/``present_value``, the cache and the new rows joined: a copy of each layer's
 cache every call. Every variant's outputs are compared with torch before timing.
 
@@ -133,8 +137,8 @@ def build_contrib(
     const("new_rows_end", np.array([past + s], np.int64))
     const("axis_2", np.array([2], np.int64))
 
-    def qkv_mha(p: str, qkv: str, i: int) -> tuple[str, str, str]:
-        """q, k, v [B, S, H * D], k rotated; MultiHeadAttention over the cache -> [B, S, H * D]."""
+    def rotated(p: str, qkv: str) -> None:
+        """q, k, v [B, S, H * D] (names p + "q", "k", "v") from the packed qkv, q and k rotated."""
         node("Split", [qkv, "qk_v"], [p + "qk", p + "v"], axis=-1)
         node(
             "RotaryEmbedding",
@@ -144,6 +148,10 @@ def build_contrib(
             interleaved=1,
         )
         node("Split", [p + "qk_r", "q_k"], [p + "q", p + "k"], axis=-1)
+
+    def qkv_mha(p: str, qkv: str, i: int) -> tuple[str, str, str]:
+        """q, k, v [B, S, H * D], k rotated; MultiHeadAttention over the cache -> [B, S, H * D]."""
+        rotated(p, qkv)
         # it reads the past only when it also writes the presents (the cache and the new rows)
         node(
             "MultiHeadAttention",
@@ -220,15 +228,7 @@ def build_contrib(
         """q, k, v [B, S, H * D], k rotated; k and v written into the layer's cache [B, P, H * D]
         at each row's length by TensorScatter (in place: the cache is bound as its output too),
         then the opset-24 Attention over the whole cache -> [B, S, H * D]."""
-        node("Split", [qkv, "qk_v"], [p + "qk", p + "v"], axis=-1)
-        node(
-            "RotaryEmbedding",
-            [p + "qk", "positions", "cos", "sin"],
-            [p + "qk_r"],
-            domain="com.microsoft",
-            interleaved=1,
-        )
-        node("Split", [p + "qk_r", "q_k"], [p + "q", p + "k"], axis=-1)
+        rotated(p, qkv)
         node("TensorScatter", [f"cache_k_{i}", p + "k", "lengths"], [f"cache_k_{i}_out"], axis=1)
         node("TensorScatter", [f"cache_v_{i}", p + "v", "lengths"], [f"cache_v_{i}_out"], axis=1)
         node(

@@ -186,7 +186,7 @@ class BundleTarget:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        in_place = cache.scratch > 0  # the graph writes every node's K/V into the scratch slots
+        in_place = cache.scratch > 0  # the graph writes every node's K/V into the cache
         out = graph(
             node_tokens=draft.tokens,
             cache_length=cache.length,
