@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
+from lantern_rt.calibration.calibrate import CalibrationError, calibrate_bundle
 from lantern_rt.cli import main
 from lantern_rt.engines.plans import EngineError, build_engines
 from lantern_rt.generate import generate
@@ -149,9 +150,12 @@ def test_a_cache_copy_is_refused(bundles):
         graph(**past)
 
 
-def test_tensorrt_refuses_the_bundle(bundles):
+def test_tensorrt_and_calibration_refuse_the_bundle(bundles, tmp_path):
     with pytest.raises(EngineError, match="write the KV cache in place.*without --cache-in-place"):
         build_engines(bundles[True])
+    with pytest.raises(CalibrationError, match="writes its cache in place.*without --cache-in-place"):
+        calibrate_bundle(bundles[True], tmp_path / "int8", samples=4)
+    assert not (tmp_path / "int8").exists()
 
 
 def test_inspect_says_so(bundles):

@@ -501,6 +501,11 @@ def calibrate_bundle(
     dtype = quantized_dtype(weight_bits)
     if bundle.dtype != "fp32":
         raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
+    if bundle.constants.cache_scratch:
+        raise CalibrationError(
+            f"{bundle.path} writes its cache in place (opset 24): calibrate a bundle exported without "
+            "--cache-in-place"
+        )
     if samples < 1:
         raise CalibrationError(f"samples must be at least 1, got {samples}")
     if out.resolve() == bundle.path:

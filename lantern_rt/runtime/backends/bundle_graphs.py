@@ -70,7 +70,7 @@ def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[T
     """The tensors ``named`` by a graph's declared ``inputs``, in their order; ``ValueError``
     unless there is exactly one per input, each of its shape and dtype (a runner copies or binds
     them as they are: a wrong dtype would be cast, or its bytes misread)."""
-    args = tuple([named.get(spec.name) for spec in inputs])
+    args = tuple(named.get(spec.name) for spec in inputs)
     if len(named) != len(inputs) or any(arg is None for arg in args):
         missing = [s.name for s in inputs if s.name not in named]
         unknown = set(named) - {s.name for s in inputs}
