@@ -20,7 +20,7 @@ from lantern_rt.graph_rules import check_graph
 from lantern_rt.graph_spec import IN_PLACE_OPSET
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.backends.bundle_graphs import BundleTarget
-from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner, runs_in_place_steps
 from lantern_rt.runtime.backends.registry import backend_named
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -167,8 +167,21 @@ def test_inspect_says_so(bundles):
     assert "in place" not in plain.output
 
 
-def test_onnxruntime_on_the_cpu_exports_in_place():
-    """What a model directory run on onnxruntime is exported as (the export cache's choice)."""
+def test_onnxruntime_on_the_cpu_exports_in_place(monkeypatch):
+    """What a model directory run on onnxruntime is exported as (the export cache's choice):
+    in place on the CPU where this onnxruntime runs TensorScatter and Attention, else standard."""
     onnxruntime, torch_backend = backend_named("onnxruntime"), backend_named("torch")
     assert onnxruntime.exports_in_place("cpu") and not onnxruntime.exports_in_place("cuda")
     assert not torch_backend.exports_in_place("cpu")
+
+    def older(*args, **kwargs):
+        raise ort.capi.onnxruntime_pybind11_state.InvalidGraph(
+            "Unrecognized attribute: axis for TensorScatter"
+        )
+
+    runs_in_place_steps.cache_clear()
+    monkeypatch.setattr(ort, "InferenceSession", older)
+    try:
+        assert not runs_in_place_steps() and not onnxruntime.exports_in_place("cpu")
+    finally:
+        runs_in_place_steps.cache_clear()

@@ -8,6 +8,7 @@ bound in place (they never move), and outputs live in buffers allocated once per
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -36,9 +37,53 @@ def default_providers() -> list[str]:
 
 def writes_cache_in_place(device: str) -> bool:
     """Whether a bundle run here on ``device`` has its target's cache written in place by its
-    graphs (exported so; onnxruntime does it on the CPU only): when the run is on the CPU.
-    Measured faster there (BENCHMARKS.md, "Issue 47: the cache written in place")."""
-    return device.startswith("cpu") and default_providers()[0] == CPU
+    graphs (exported so): when the run is on the CPU and this onnxruntime can
+    (:func:`runs_in_place_steps`). Measured faster there (BENCHMARKS.md, "Issue 47: the cache
+    written in place")."""
+    return device.startswith("cpu") and default_providers()[0] == CPU and runs_in_place_steps()
+
+
+@functools.cache
+def runs_in_place_steps() -> bool:
+    """Whether this onnxruntime runs what an in-place step graph needs on the CPU: opset 24's
+    ``TensorScatter`` into a cache bound as its input and output, then ``Attention`` over it
+    (1.32 does; older releases may lack either). A one-node-each graph run once per process."""
+    from onnx import TensorProto, helper
+
+    shapes = {"cache": [1, 1, 4, 2], "rows": [1, 1, 1, 2], "start": [1], "q": [1, 1, 1, 2]}
+    graph = helper.make_graph(
+        [
+            helper.make_node("TensorScatter", ["cache", "rows", "start"], ["present"], axis=2),
+            helper.make_node("Attention", ["q", "present", "present"], ["y"]),
+        ],
+        "in_place_probe",
+        [
+            helper.make_tensor_value_info(n, TensorProto.INT64 if n == "start" else TensorProto.FLOAT, shape)
+            for n, shape in shapes.items()
+        ],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("present", "y")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    cache = torch.zeros(shapes["cache"])
+    inputs = {"rows": torch.ones(shapes["rows"]), "start": torch.tensor([2]), "q": torch.ones(shapes["q"])}
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=[CPU])
+        binding = session.io_binding()
+        for name, tensor in {"cache": cache, **inputs}.items():
+            binding.bind_input(
+                name,
+                "cpu",
+                0,
+                np.dtype(str(tensor.dtype).removeprefix("torch.")),
+                list(tensor.shape),
+                tensor.data_ptr(),
+            )
+        binding.bind_output("present", "cpu", 0, np.float32, shapes["cache"], cache.data_ptr())
+        binding.bind_output("y")
+        session.run_with_iobinding(binding)
+    except Exception:  # an operator or opset this onnxruntime does not have
+        return False
+    return bool(cache[0, 0, 2].eq(1).all() and cache.sum() == 2)
 
 
 def session_options(
