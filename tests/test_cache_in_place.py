@@ -15,6 +15,7 @@ from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
 from lantern_rt.calibration.calibrate import CalibrationError, calibrate_bundle
 from lantern_rt.cli import main
 from lantern_rt.engines.plans import EngineError, build_engines
+from lantern_rt.export.graphs import TargetVerify
 from lantern_rt.generate import generate
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.graph_spec import IN_PLACE_OPSET
@@ -24,9 +25,9 @@ from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner, runs_in_
 from lantern_rt.runtime.backends.registry import backend_named
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.tree import load_tree
+from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig
-from tests.conftest import tiny_vq
+from tests.conftest import tiny_gpt, tiny_vq
 from tests.test_export import make_bundle
 from tests.test_speculative import GREEDY
 
@@ -57,6 +58,22 @@ def bundles(trained_pair, tmp_path_factory) -> dict[bool, Bundle]:
         )
         for in_place in (False, True)
     }
+
+
+@pytest.mark.parametrize("tree", [ROOT_ONLY, load_tree("mc_sim_7b_63")], ids=["ar", "tree"])
+def test_the_in_place_step_in_torch_equals_the_models_step(tree):
+    """The in-place step graph's own forward, run eagerly (the scatter, the mask from the
+    lengths, torch's Attention and RotaryEmbedding ops, grouped-query heads), against the
+    model's ``step`` with the new K/V scattered into the caches: two images at different
+    lengths, the scratch slots wider than the tree."""
+    model = tiny_gpt(3, n_head=4, n_kv_head=2).eval()
+    module = TargetVerify(model, tree, 8, "step", batch=2, scratch=tree.num_nodes + 3)
+    inputs = module.example_inputs(torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got, want = module(*inputs), module.reference_forward(*inputs)
+    assert [s.name for s in module.spec.outputs][-1] == "present_v_1"
+    for spec, g, w in zip(module.spec.outputs, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=spec.name)
 
 
 def optimized_nodes(path, tmp_path) -> int:
