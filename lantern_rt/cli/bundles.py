@@ -95,6 +95,7 @@ def export_cmd(
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
     from lantern_rt.export.exporter import export_bundle
     from lantern_rt.families.loading import open_model_dir
+    from lantern_rt.graph_spec import IN_PLACE_OPSET
     from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
     from lantern_rt.runtime.tree import load_tree
     from lantern_rt.settings import export_tree
@@ -121,7 +122,7 @@ def export_cmd(
     rows = "one row per image, no guidance" if no_guidance else "two CFG rows per image"
     rows += ", the cache written in place" if cache_in_place else ""
     click.echo(
-        f"exported {md.name} ({dtype}, opset {opset}{' (24: the target steps)' if cache_in_place else ''}, trees {', '.join(trees)}, batch sizes "
+        f"exported {md.name} ({dtype}, opset {opset}{f' ({IN_PLACE_OPSET}: the target steps)' if cache_in_place else ''}, trees {', '.join(trees)}, batch sizes "
         f"{','.join(map(str, sizes))}, {windows} cache window(s), {rows}) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
     )

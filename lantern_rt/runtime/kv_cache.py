@@ -131,9 +131,10 @@ class KVCache:
     layer's window and the step's first scratch slots, and :meth:`commit` moves the kept ones
     into place. The torch step writes its nodes at the window's end (the first scratch slots);
     with ``at_length`` a step writes them at each image's length (a bundle's graphs), so that a
-    chain's accepted nodes are in place as written. ``layer_tensors`` keeps one tensor per layer (``k``/``v`` are then stacked
-    copies): a compiled torch step that writes a view of a storage shared by all layers gets
-    that storage copied (functionalization), one per layer writes in place. Otherwise all
+    chain's accepted nodes are in place as written. ``layer_tensors`` keeps one tensor per
+    layer (``k``/``v`` are then stacked copies): a compiled torch step that writes a view of a
+    storage shared by all layers gets that storage copied (functionalization), one per layer
+    writes in place. Otherwise all
     layers share one tensor (a commit is one copy for all layers), and each layer's window (with
     its scratch slots) is one contiguous tensor, as the bundles' graphs take it.
     """
