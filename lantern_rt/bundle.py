@@ -34,7 +34,7 @@ from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
 # what each version added: docs/bundle-format.md, "Bundle versions"
-BUNDLE_VERSION = 14
+BUNDLE_VERSION = 15
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"
@@ -144,6 +144,7 @@ class Constants:
     cache_windows: tuple[int, ...]  # the target cache windows its step graphs read (slots, ascending)
     guided: bool  # 2B CFG rows per call; False: B rows, CFG scales of at most 1 only (method.md §13)
     cache_scratch: int  # > 0: the target's steps write their K/V into the cache in place (method.md §6)
+    drafter_scratch: int  # > 0: the drafting calls write theirs into the drafter's cache in place
     neighbors_file: str
     neighbors_k: int
     null_condition: dict[str, Any]  # what a run's unconditional row is, as the model's family writes it
@@ -341,7 +342,14 @@ def _check_sizes(bundle: Bundle) -> None:
                     (f"{named}'s nodes", nodes, draft, "outputs", "node_tokens", 1),
                     (f"{named}'s depth + 1", depth + 1, draft, "inputs", "tokens", 1),
                     (f"{named}'s nodes above its last level", inner, draft, "inputs", "noise", 1),
-                    ("constants.drafter_capacity", c.drafter_capacity, draft, "inputs", "past_k_0", 2),
+                    (
+                        "constants.drafter_capacity + drafter_scratch",
+                        c.drafter_capacity + c.drafter_scratch,
+                        draft,
+                        "inputs",
+                        "past_k_0",
+                        2,
+                    ),
                 ]
             if tree.verify is not None:
                 verify = batched_name(tree.verify, b)
@@ -452,6 +460,7 @@ _CONSTANTS = {
     "cache_windows": _LIST,
     "guided": _BOOL,
     "cache_scratch": _INT,
+    "drafter_scratch": _INT,
     "neighbors": _DICT,
     "null_condition": _DICT,
 }
@@ -584,6 +593,7 @@ def _constants(c: dict[str, Any]) -> Constants:
         cache_windows=tuple(c["cache_windows"]),
         guided=c["guided"],
         cache_scratch=c["cache_scratch"],
+        drafter_scratch=c["drafter_scratch"],
         neighbors_file=c["neighbors"]["file"],
         neighbors_k=c["neighbors"]["k"],
         null_condition=dict(c["null_condition"]),

@@ -1,7 +1,8 @@
-"""A bundle whose target steps write their K/V into the cache in place (``export --cache-in-place``:
-opset 24, onnxruntime on the CPU) against the same model exported with standard graphs, which
-return the K/V for the runtime to commit: the same tokens, greedy and sampled, AR, LANTERN++
-on a chain and a wide tree, one and two images per call, across cache windows."""
+"""A bundle whose target steps and drafting calls write their K/V into their caches in place
+(``export --cache-in-place``: opset 24, onnxruntime on the CPU) against the same model exported
+with standard graphs, which return the K/V for the runtime to commit: the same tokens, greedy
+and sampled, AR, LANTERN++ on a chain and a wide tree, one and two images per call, across
+cache windows."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
 from lantern_rt.calibration.calibrate import CalibrationError, calibrate_bundle
 from lantern_rt.cli import main
 from lantern_rt.engines.plans import EngineError, build_engines
-from lantern_rt.export.graphs import TargetVerify
+from lantern_rt.export.graphs import DrafterTree, TargetVerify
 from lantern_rt.generate import generate
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.graph_spec import IN_PLACE_OPSET
+from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.backends.bundle_graphs import BundleTarget
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner, runs_in_place_steps
 from lantern_rt.runtime.backends.registry import backend_named
+from lantern_rt.runtime.drafting import drafter_capacity, scratch_rows
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
@@ -76,6 +79,27 @@ def test_the_in_place_step_in_torch_equals_the_models_step(tree):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=spec.name)
 
 
+@pytest.mark.parametrize("tree", ["chain-4", "mc_sim_7b_63"])
+def test_the_in_place_drafting_in_torch_equals_the_drafters_step(tree):
+    """The in-place drafting graph's own forward, run eagerly (each call's rows scattered into
+    the scratch slots, one mask over the whole cache, grouped-query heads), against
+    ``draft_tree`` with the drafter's own step over the window: the same draft, and the caches
+    with every row the drafter ran on written after the window in call order."""
+    target = tiny_gpt(3, n_head=4, n_kv_head=2).eval()
+    c = target.config
+    drafter = Drafter(DrafterConfig.for_target(c), c).eval()
+    tree = load_tree(tree)
+    capacity, scratch = drafter_capacity(c.cls_token_num, c.block_size), scratch_rows(tree) + 2
+    module = DrafterTree(drafter, target.output, tree, capacity, "draft", 2, layout=c, scratch=scratch)
+    inputs = module.example_inputs(torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got, want = module(*inputs), module.reference_forward(*inputs)
+    assert [s.name for s in module.spec.outputs][3:] == ["present_k_0", "present_v_0"]
+    assert got[3].shape[2] == capacity + scratch
+    for spec, g, w in zip(module.spec.outputs, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=spec.name)
+
+
 def optimized_nodes(path, tmp_path) -> int:
     """Top-level nodes of the graph at ``path`` after onnxruntime's CPU fusions."""
     options = ort.SessionOptions()
@@ -90,9 +114,13 @@ def test_the_step_graphs_write_the_cache(bundles, tmp_path):
     assert standard.constants.cache_scratch == 0
     scratch = max(len(tree.paths) + 1 for tree in in_place.trees.values())  # the root included
     assert in_place.constants.cache_scratch == scratch == load_tree(TREES[1]).num_nodes + 1
+    assert standard.constants.drafter_scratch == 0
+    assert in_place.constants.drafter_scratch == max(scratch_rows(load_tree(t)) for t in TREES)
     width = in_place.constants.cache_capacity + scratch
+    drafter_width = in_place.constants.drafter_capacity + in_place.constants.drafter_scratch
     steps = [name for name in in_place.graphs if name.startswith(("target_ar_step", "target_verify"))]
-    assert len(steps) > 3  # AR's and each tree's, per window
+    drafting = [name for name in in_place.graphs if name.startswith("draft_tree")]
+    assert len(steps) > 3 and len(drafting) == len(TREES)  # AR's and each tree's, per window
     for name, entry in in_place.graphs.items():
         model = onnx.load(str(in_place.file(entry)), load_external_data=False)
         opset = next(o.version for o in model.opset_import if o.domain == "")
@@ -105,15 +133,20 @@ def test_the_step_graphs_write_the_cache(bundles, tmp_path):
             ]
             assert all(s.shape[2] == width for s in entry.outputs if s.name in presents) or "_w" in name
             assert check_graph(in_place.file(entry), entry) == []
-        else:  # prefill, drafting, VQ: the same standard graphs as any bundle
+        elif name in drafting:
+            assert opset == IN_PLACE_OPSET and {"TensorScatter", "Attention", "RotaryEmbedding"} <= ops
+            presents = [s.name for s in entry.outputs if s.name.startswith("present_")]
+            assert presents == ["present_k_0", "present_v_0"]
+            assert all(s.shape[2] == drafter_width for s in entry.outputs if s.name in presents)
+            assert check_graph(in_place.file(entry), entry) == []
+        else:  # prefill, the drafter's prefill, VQ: the same standard graphs as any bundle
             assert opset == standard.opset and "TensorScatter" not in ops
             assert entry.inputs == standard.graph(name).inputs
-    ar = (
-        optimized_nodes(b.file(b.graph(batched_name(AR_STEP_GRAPH, 2))), tmp_path)
-        for b in (standard, in_place)
-    )
-    before, after = ar
-    assert after < before * 0.8, (before, after)
+    for graph in (AR_STEP_GRAPH, drafting[1].removesuffix("_b2")):
+        before, after = (
+            optimized_nodes(b.file(b.graph(batched_name(graph, 2))), tmp_path) for b in (standard, in_place)
+        )
+        assert after < before * 0.8, (graph, before, after)
 
 
 def tokens(bundle: Bundle, method: MethodConfig, sampling: SamplingConfig) -> torch.Tensor:
@@ -178,8 +211,9 @@ def test_tensorrt_and_calibration_refuse_the_bundle(bundles, tmp_path):
 def test_inspect_says_so(bundles):
     result = CliRunner().invoke(main, ["inspect", str(bundles[True].path)])
     assert result.exit_code == 0, result.output
-    scratch = bundles[True].constants.cache_scratch
-    assert f"steps write it in place ({scratch} scratch slots, onnxruntime on the CPU only)" in result.output
+    c = bundles[True].constants
+    said = f"in place ({c.cache_scratch} scratch slots, the drafter's {c.drafter_scratch}, onnxruntime on the CPU only)"
+    assert said in result.output
     plain = CliRunner().invoke(main, ["inspect", str(bundles[False].path)])
     assert "in place" not in plain.output
 

@@ -292,7 +292,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     manifest = bundle.manifest()
     assert manifest == json.loads((path / MANIFEST).read_text())
     assert bundle.manifest_sha256 == sha256(path / MANIFEST) and bundle.path == path.resolve()
-    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 14
+    assert manifest["format"] == "lantern-rt-bundle" and manifest["bundle_version"] == BUNDLE_VERSION == 15
     assert bundle.format_version == BUNDLE_VERSION
     assert bundle.dtype == "fp16" and bundle.opset == 18
     assert set(bundle.versions) == {"lantern_rt", "torch", "onnx"}
@@ -302,7 +302,7 @@ def test_manifest_describes_the_bundle(bundles, opened):
     assert bundle.sampling_defaults == {"cfg_scale": 2.0}
     constants = bundle.constants
     assert constants.cache_capacity == 19 and constants.guided and manifest["constants"]["guided"] is True
-    assert constants.cache_scratch == 0  # the graphs return their K/V
+    assert constants.cache_scratch == constants.drafter_scratch == 0  # the graphs return their K/V
     assert constants.drafter and constants.drafter_capacity == 18 and constants.max_draft_width == 10
     assert bundle.has_drafter
     chain = {**tree_to_json(load_tree("chain-1")), "graph": "draft_tree_0", "verify": "target_verify_0"}

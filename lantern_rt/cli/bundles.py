@@ -71,9 +71,9 @@ from lantern_rt.settings import (
 @click.option(
     "--cache-in-place",
     is_flag=True,
-    help="Target step graphs that write their K/V into the KV cache where it lies (opset 24: "
-    "TensorScatter and Attention) instead of returning them: fewer nodes and no copy per step, "
-    "for onnxruntime on the CPU only (TensorRT cannot build them).",
+    help="Target step and drafting graphs that write their K/V into the KV caches where they lie "
+    "(opset 24: TensorScatter and Attention) instead of returning them: fewer nodes and no copy "
+    "per step, for onnxruntime on the CPU only (TensorRT cannot build them).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -122,7 +122,7 @@ def export_cmd(
     rows = "one row per image, no guidance" if no_guidance else "two CFG rows per image"
     rows += ", the cache written in place" if cache_in_place else ""
     click.echo(
-        f"exported {md.name} ({dtype}, opset {opset}{f' ({IN_PLACE_OPSET}: the target steps)' if cache_in_place else ''}, trees {', '.join(trees)}, batch sizes "
+        f"exported {md.name} ({dtype}, opset {opset}{f' ({IN_PLACE_OPSET}: the step and drafting graphs)' if cache_in_place else ''}, trees {', '.join(trees)}, batch sizes "
         f"{','.join(map(str, sizes))}, {windows} cache window(s), {rows}) in {time.perf_counter() - t0:.0f}s -> {out}",
         err=True,
     )
@@ -156,7 +156,9 @@ def inspect_cmd(bundle, graph):
     rows = "2 CFG rows per image" if c.guided else "1 row per image (no guidance: --cfg-scale 1 only)"
     click.echo(f"batches  {', '.join(map(str, c.batch_sizes))} image(s) per call, {rows}")
     written = (
-        f"; steps write it in place ({c.cache_scratch} scratch slots, onnxruntime on the CPU only)"
+        f"; steps write it in place ({c.cache_scratch} scratch slots"
+        + (f", the drafter's {c.drafter_scratch}" if c.drafter_scratch else "")
+        + ", onnxruntime on the CPU only)"
         if c.cache_scratch
         else ""
     )

@@ -55,7 +55,7 @@ from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.neighbors import save_neighbors
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity, scratch_rows
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import cache_windows
 from lantern_rt.runtime.run_shape import CACHE_WINDOWS, check_batch_sizes, check_cache_windows
@@ -139,8 +139,8 @@ def export_bundle(
     cache window (``windows`` of them, :func:`~lantern_rt.runtime.kv_cache.cache_windows`).
     ``guided`` False exports graphs of one row per image, for CFG scales of at most 1 alone
     (half the work of the 2B CFG rows; docs/method.md §13). ``in_place``: the target's step
-    graphs write their K/V into the cache (scratch slots after each window, opset 24;
-    onnxruntime on the CPU only, TensorRT cannot build them; docs/method.md §6).
+    and the drafting graphs write their K/V into their caches (scratch slots after each window,
+    opset 24; onnxruntime on the CPU only, TensorRT cannot build them; docs/method.md §6).
 
     ``threads`` sizes the onnxruntime sessions of the numerical check (0: onnxruntime's default);
     ``progress`` shows a progress bar over the graphs; ``on_start()`` is called once the models
@@ -154,7 +154,7 @@ def export_bundle(
     target, vq, drafter, neighbors, extra = models or load_export_models(model_dir)
     k = neighbors_k(model_dir)
     spans = cache_windows(cache_capacity(target), windows)
-    scratch = cache_scratch(trees, drafter is not None) if in_place else 0
+    scratch = scratch_slots(trees, drafter is not None) if in_place else ScratchSlots(0, 0)
     graphs = [
         pair
         for b in sizes
@@ -242,6 +242,24 @@ def _check_args(
     return list(by_name.values())
 
 
+class ScratchSlots(NamedTuple):
+    """Scratch slots after the window of the target's cache and of the drafter's (0: its graphs
+    do not write it in place)."""
+
+    target: int
+    drafter: int
+
+
+def scratch_slots(trees: Sequence[StaticTree], has_drafter: bool) -> ScratchSlots:
+    """Scratch slots of caches the graphs write into: the target's, the most nodes (the root
+    included) of a tree the bundle verifies, 1 for AR's step alone; the drafter's, the most
+    rows a drafting call runs the drafter on (``drafting.scratch_rows``)."""
+    return ScratchSlots(
+        max([t.num_nodes + 1 for t in trees if verified(t, has_drafter)], default=1),
+        max((scratch_rows(t) for t in trees), default=0) if has_drafter else 0,
+    )
+
+
 def _graphs(
     target: Transformer,
     drafter: Drafter | None,
@@ -251,7 +269,7 @@ def _graphs(
     batch: int,
     windows: tuple[int, ...],
     guided: bool,
-    scratch: int = 0,
+    scratch: ScratchSlots = ScratchSlots(0, 0),
 ) -> list[tuple[GraphModule, GraphModule]]:
     """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call
     (2B CFG rows, or B when not ``guided``),
@@ -259,8 +277,8 @@ def _graphs(
     (:func:`~lantern_rt.bundle.step_windows`; the VQ decoder always runs in fp32:
     its softmax and GroupNorms are not fp16-safe, and it runs once per image). AR's step
     verifies the root-only tree and credits no neighbours: its table is one column nothing
-    reads. ``scratch`` > 0: the steps write their K/V into that many scratch slots of the cache
-    (:class:`TargetVerify`)."""
+    reads. ``scratch``: the target's steps and the drafting calls write their K/V into that
+    many scratch slots of their caches (:class:`TargetVerify`, :class:`DrafterTree`; 0: not)."""
     low = _cast(target, dtype)
     pairs: list[tuple[GraphModule, GraphModule]] = [
         (TargetPrefill(low, batch, guided), TargetPrefill(target, batch, guided))
@@ -274,7 +292,7 @@ def _graphs(
     capacity, prefix = cache_capacity(target), target.config.cls_token_num
     for tree, k, name in steps:
         for window in step_windows(windows, prefix, tree.max_depth):
-            step = (tree, k, windowed_name(name, window, capacity), batch, window, guided, scratch)
+            step = (tree, k, windowed_name(name, window, capacity), batch, window, guided, scratch.target)
             pairs.append((TargetVerify(low, *step), TargetVerify(target, *step)))
     if drafter is not None:
         c = target.config
@@ -286,17 +304,11 @@ def _graphs(
             drafting = (tree, cap, draft_graph_name(i), batch, c.cls_token_num - 1)
             pairs.append(
                 (
-                    DrafterTree(low_drafter, low.output, *drafting, c, guided),
-                    DrafterTree(drafter, target.output, *drafting, c, guided),
+                    DrafterTree(low_drafter, low.output, *drafting, c, guided, scratch.drafter),
+                    DrafterTree(drafter, target.output, *drafting, c, guided, scratch.drafter),
                 )
             )
     return pairs
-
-
-def cache_scratch(trees: Sequence[StaticTree], has_drafter: bool) -> int:
-    """Scratch slots of a cache the step graphs write into: the most nodes (the root included)
-    of a tree the bundle verifies, 1 for AR's step alone."""
-    return max([t.num_nodes + 1 for t in trees if verified(t, has_drafter)], default=1)
 
 
 def verified(tree: StaticTree, has_drafter: bool) -> bool:
@@ -409,7 +421,7 @@ def _manifest(
     batch_sizes: list[int],
     windows: tuple[int, ...],
     guided: bool,
-    scratch: int,
+    scratch: ScratchSlots,
 ) -> dict[str, Any]:
     c = target.config
     constants = {
@@ -426,7 +438,8 @@ def _manifest(
         "batch_sizes": batch_sizes,
         "cache_windows": list(windows),
         "guided": guided,
-        "cache_scratch": scratch,
+        "cache_scratch": scratch.target,
+        "drafter_scratch": scratch.drafter,
         "neighbors": {"file": NEIGHBORS, "k": neighbors_k(md)},
     }
     return {

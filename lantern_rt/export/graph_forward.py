@@ -13,9 +13,9 @@ On a CPU a small model's step costs about as much per node as per FLOP, so the g
 Each graph is compared with the torch model's ``step`` before a bundle is written.
 
 A bundle exported with its cache written in place (onnxruntime only, opset 24; docs/method.md §6)
-has target steps that write their new K/V into the cache's scratch slots with ``TensorScatter``
-(onnxruntime writes into the bound cache itself) and attend over the whole cache with one
-``Attention`` op and one ``RotaryEmbedding`` per layer (:class:`InPlace`).
+has target steps and drafting calls that write their new K/V into their cache's scratch slots
+with ``TensorScatter`` (onnxruntime writes into the bound cache itself) and attend over the
+whole cache with one ``Attention`` op and one ``RotaryEmbedding`` per layer (:class:`InPlace`).
 """
 
 from __future__ import annotations

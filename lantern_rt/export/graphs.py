@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lantern_rt.bundle import DRAFTER_PREFILL_GRAPH, PREFILL_GRAPH, VQ_DECODE_GRAPH, batched_name
 from lantern_rt.export.graph_forward import Blocks, InPlace, rms_norm
-from lantern_rt.graph_spec import GraphSpec, TensorSpec, dtype_name
+from lantern_rt.graph_spec import PRESENT_PREFIX, GraphSpec, TensorSpec, dtype_name
 from lantern_rt.models.config import GPTConfig
 from lantern_rt.models.drafter import Drafter
 from lantern_rt.models.target import ROPE_PAD_ROWS, Transformer, grid_codes, random_prefix
@@ -25,6 +25,7 @@ from lantern_rt.runtime.backends.torch_backend import drafter_step, lm_head
 from lantern_rt.runtime.drafting import (
     Context,
     DraftStep,
+    Scratch,
     catch_up_rows,
     cfg_pairs,
     draft_plan,
@@ -32,6 +33,7 @@ from lantern_rt.runtime.drafting import (
     noise_rows,
     prefix_pairs,
     prompt_pairs,
+    scratch_rows,
 )
 from lantern_rt.runtime.kv_cache import prefill_mask, written_mask
 from lantern_rt.runtime.sampling import cfg_rows, guided_rows
@@ -65,6 +67,12 @@ def _past_specs(dims: KVDims, rows: int, length: int, dtype: torch.dtype) -> tup
     layers, heads, head_dim = dims
     shape = (rows, heads, length, head_dim)
     return tuple(TensorSpec(f"past_{kv}_{i}", shape, dtype_name(dtype)) for kv in "kv" for i in range(layers))
+
+
+def _present_specs(past: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """``present_*`` outputs of the ``past_*`` inputs' shapes: the caches a graph writes in
+    place (bound to the inputs' memory, onnxruntime only, opset 24)."""
+    return tuple(TensorSpec(s.name.replace("past_", PRESENT_PREFIX, 1), s.shape, s.dtype) for s in past)
 
 
 def _split_past(past: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
@@ -137,10 +145,16 @@ def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:
     ``blocks`` (its layers written for export); ``drafter_step`` is the torch reference."""
 
     def step(
-        tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | None
+        tokens: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor, context: Context | Scratch | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         embedded = drafter.embed(cfg_pairs(tokens, hidden.shape[0]))
         h = drafter.fc(torch.cat([embedded, hidden.to(drafter.fc.weight.dtype)], dim=-1))
+        if isinstance(context, Scratch):  # the rows go to the slots after the mask's columns
+            written, new = mask.shape[-1], h.shape[1]
+            start = torch.full((h.shape[0],), written - new, dtype=torch.long, device=h.device)
+            wide = torch.zeros(*mask.shape[:-1], context.keys[0].shape[2] - written, dtype=torch.bool)
+            mask = torch.cat([mask, wide.to(mask.device)], dim=-1)
+            return blocks(h, positions, mask, InPlace(context.keys, context.values, start))
         return blocks(h, positions, mask, context)
 
     return step
@@ -246,9 +260,7 @@ class TargetVerify(nn.Module):
             )
         past = _past_specs(kv, rows, cap + scratch, dtype)
         if scratch:
-            kv_out: tuple[TensorSpec, ...] = tuple(
-                TensorSpec(spec.name.replace("past_", "present_"), spec.shape, spec.dtype) for spec in past
-            )
+            kv_out = _present_specs(past)
         else:
             kv_out = (_kv_spec("new_k", kv, rows, kept, dtype), _kv_spec("new_v", kv, rows, kept, dtype))
         self.spec = GraphSpec(
@@ -366,7 +378,13 @@ class DrafterTree(nn.Module):
     """``draft_tree`` for one tree as a graph: the catch-up rows, uniform noise and sampling
     settings over the drafter cache -> node tokens, valid, q and the catch-up rows' K/V. The
     drafter's layers and the target's LM head ``head`` are baked in; ``guided`` False: B rows
-    (docs/method.md §13)."""
+    (docs/method.md §13).
+
+    ``scratch`` > 0: the graph takes each layer's cache with that many scratch slots after its
+    ``capacity``, writes every row it runs the drafter on into them (``drafting.Scratch``:
+    catch-up rows, then each level's nodes; at most ``scratch_rows(tree)``) and returns the
+    caches (``present_*``, written in place, onnxruntime only, opset 24) instead of the
+    catch-up rows' K/V; the runtime moves those rows to each image's length."""
 
     def __init__(
         self,
@@ -379,9 +397,15 @@ class DrafterTree(nn.Module):
         prefix: int = 0,
         layout: GPTConfig | None = None,
         guided: bool = True,
+        scratch: int = 0,
     ):
         super().__init__()
+        if 0 < scratch < scratch_rows(tree):
+            raise ValueError(
+                f"drafting tree {tree.name} writes {scratch_rows(tree)} rows, more than {scratch} scratch slots"
+            )
         self.drafter, self.head, self.tree, self.batch = drafter, head, tree, batch
+        self.capacity, self.scratch = capacity, scratch
         self.rows = guided_rows(batch, guided)
         self.layout = layout or GPTConfig()  # the target's image layout (forced tokens)
         self.prefix = prefix  # the cache's condition-prefix pairs (their visibility is an input)
@@ -402,30 +426,70 @@ class DrafterTree(nn.Module):
                 *((TensorSpec("prefix", (self.rows, prefix), "bool"),) if prefix else ()),
                 TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), "float32"),
                 *SAMPLING_SPECS,
-                *_past_specs(kv, self.rows, capacity, dtype),
+                *(past := _past_specs(kv, self.rows, capacity + scratch, dtype)),
             ),
             (
                 TensorSpec("node_tokens", (b, n), "int64"),
                 TensorSpec("valid", (b, n), "bool"),
                 TensorSpec("q", (b, n, c.vocab_size), "float32"),
-                _kv_spec("new_k", kv, self.rows, rows, dtype),
-                _kv_spec("new_v", kv, self.rows, rows, dtype),
+                *(
+                    _present_specs(past)
+                    if scratch
+                    else (
+                        _kv_spec("new_k", kv, self.rows, rows, dtype),
+                        _kv_spec("new_v", kv, self.rows, rows, dtype),
+                    )
+                ),
             ),
             dtype,
         )
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        return self._draft(graph_drafter_step(self.drafter, self.blocks), inputs)
+        step = graph_drafter_step(self.drafter, self.blocks)
+        if not self.scratch:
+            return self._draft(step, inputs)
+        keys, values = _split_past(inputs[self._past :])
+        tokens, valid, q, keys, values = self._draft(
+            step, inputs, Scratch(tuple(keys), tuple(values), self.capacity)
+        )
+        return tokens, valid, q, *keys, *values
 
     def reference_forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        """The same outputs with the drafter's own ``step`` (the torch backend's)."""
-        return self._draft(drafter_step(self.drafter), inputs)
+        """The same outputs with the drafter's own ``step`` (the torch backend's); for a graph
+        that writes its cache in place, the caches with every row the drafter ran on (their K/V
+        as that step returned them) in the scratch slots."""
+        step = drafter_step(self.drafter)
+        if not self.scratch:
+            return self._draft(step, inputs)
+        rows: list[tuple[Tensor, Tensor]] = []
 
-    def _draft(self, step: DraftStep, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        first = 6 if self.prefix else 5
+        def recorded(*args: Tensor | Context | None) -> tuple[Tensor, Tensor, Tensor]:
+            h, k, v = step(*args)
+            rows.append((k, v))
+            return h, k, v
+
+        past = inputs[self._past :]
+        window = tuple(t[..., : self.capacity, :] for t in past)
+        tokens, valid, q, _, _ = self._draft(recorded, (*inputs[: self._past], *window))
+        new_k, new_v = torch.cat([k for k, _ in rows], dim=3), torch.cat([v for _, v in rows], dim=3)
+        end = self.capacity + new_k.shape[3]
+        caches = [cache.clone() for cache in past]
+        for cache, written in zip(caches, (*new_k, *new_v), strict=True):
+            cache[..., self.capacity : end, :] = written
+        return tokens, valid, q, *caches
+
+    @property
+    def _past(self) -> int:
+        """The index of the first ``past_*`` input."""
+        return 11 if self.prefix else 10
+
+    def _draft(
+        self, step: DraftStep, inputs: tuple[Tensor, ...], context: Context | Scratch | None = None
+    ) -> tuple[Tensor, ...]:
+        first = self._past - 5  # the noise input's index
         rows = CatchUp(*inputs[:5], inputs[5] if self.prefix else None)
-        noise, sampling = inputs[first], inputs[first + 1 : first + 5]
-        context = Context.of_cache(*_split_past(inputs[first + 5 :]))
+        noise, sampling = inputs[first], inputs[first + 1 : self._past]
+        context = context or Context.of_cache(*_split_past(inputs[self._past :]))
         return draft_tree(step, lm_head(self.head, self.layout), self.plan, rows, context, noise, sampling)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:
@@ -435,9 +499,8 @@ class DrafterTree(nn.Module):
         output is compared; CFG 3 without filtering; random caches."""
         c, b = self.drafter.config, self.batch
         rows = catch_up_rows(self.tree)
-        first = 6 if self.prefix else 5  # the noise input's index
-        capacity = self.spec.inputs[first + 5].shape[2]
-        length = torch.randint(capacity - rows, (b,), generator=g)
+        first = self._past - 5  # the noise input's index
+        length = torch.randint(self.capacity - rows, (b,), generator=g)
         m = torch.randint(1, rows + 1, (b,), generator=g)
         top = self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS - 1
         root = torch.randint(rows, top, (b,), generator=g)
@@ -449,7 +512,7 @@ class DrafterTree(nn.Module):
             row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
         sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
         counts = (m, root, length, *((random_prefix(g, self.rows, self.prefix),) if self.prefix else ()))
-        past = _random_cache(g, self.spec.inputs[first + 5 :])
+        past = _random_cache(g, self.spec.inputs[self._past :])
         return (tokens, hidden, *counts, noise, *sampling, *past)
 
 

@@ -53,12 +53,49 @@ class Context:
         """One block per layer: the cache [2, Hkv, capacity, D] of each layer."""
         return cls(tuple((k,) for k in keys), tuple((v,) for v in values))
 
+    @property
+    def slots(self) -> int:
+        """Keys per row in all blocks."""
+        return sum(block.shape[2] for block in self.keys[0])
+
     def plus(self, new_k: Tensor, new_v: Tensor) -> Context:
         """This context and the rows ``new_k``/``new_v`` [n_layer, 2, Hkv, S, D]."""
         return Context(
             tuple((*blocks, k) for blocks, k in zip(self.keys, new_k, strict=True)),
             tuple((*blocks, v) for blocks, v in zip(self.values, new_v, strict=True)),
         )
+
+    def to_commit(self, catch_k: Tensor, catch_v: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+        """What the caller commits of a drafting call: the catch-up rows' K/V with each image's
+        ``m`` [B] real rows first (``KVCache.write``)."""
+        return left_aligned(catch_k, m), left_aligned(catch_v, m)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """The drafter cache written in place (a bundle's drafting graphs on onnxruntime's CPU,
+    docs/method.md §6): per layer K and V [2B, Hkv, window + scratch, D], the committed window,
+    then scratch slots the call's rows are written into in the order :class:`Context` joins
+    them (catch-up rows, then each level's nodes), so that a mask over a context's blocks is
+    one over these slots. A step returns the caches with its rows written."""
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    window: int
+
+    @property
+    def slots(self) -> int:
+        """The committed window's slots (a mask's columns before the call's rows)."""
+        return self.window
+
+    def plus(self, keys: tuple[Tensor, ...], values: tuple[Tensor, ...]) -> Scratch:
+        """The caches a step returned, its rows written."""
+        return Scratch(keys, values, self.window)
+
+    def to_commit(self, catch_k: Tensor, catch_v: Tensor, m: Tensor) -> tuple[tuple[Tensor, ...], ...]:
+        """The caches as written (the catch-up rows in the first scratch slots, right-aligned:
+        the caller moves them, ``KVCache.commit`` of :func:`caught_up`)."""
+        return self.keys, self.values
 
 
 # A drafter step: pairs (tokens [B, S], target hidden [2B, S, D]) at positions [2B, S] under a
@@ -184,6 +221,12 @@ def noise_rows(tree: StaticTree) -> int:
     return tree.levels[-1][0]
 
 
+def scratch_rows(tree: StaticTree) -> int:
+    """Rows a drafting call runs the drafter on: the catch-up rows, then every node below the
+    root that draws children (the scratch slots a :class:`Scratch` cache needs)."""
+    return catch_up_rows(tree) + noise_rows(tree) - 1
+
+
 def catch_up_mask(rows: int, m: Tensor, device: torch.device) -> Tensor:
     """[B, rows, rows]: per image, the last ``m`` [B] rows causal among themselves, padding rows
     see only themselves (``m`` on ``device``: no host read)."""
@@ -215,12 +258,16 @@ def catch_up_inputs(rows: CatchUp, capacity: int) -> tuple[Tensor, Tensor, Tenso
     )
 
 
+def caught_up(rows: int, m: Tensor) -> Tensor:
+    """[B, rows]: the catch-up row each image commits j-th: its m [B] real rows (its last m),
+    then its last row again."""
+    return (torch.arange(rows, device=m.device)[None, :] + (rows - m)[:, None]).clamp_max(rows - 1)
+
+
 def left_aligned(new: Tensor, m: Tensor) -> Tensor:
     """The catch-up rows' K/V [n_layer, 2B, Hkv, R, D] with each image's m real rows (its last m)
     first."""
-    rows = new.shape[3]
-    first = (torch.arange(rows, device=new.device)[None, :] + (rows - m)[:, None]).clamp_max(rows - 1)
-    return gather_rows(new, first, 1, 3)
+    return gather_rows(new, caught_up(new.shape[3], m), 1, 3)
 
 
 def draft_tree(
@@ -228,7 +275,7 @@ def draft_tree(
     head: Head,
     plan: DraftPlan,
     rows: CatchUp,
-    cache: Context,
+    cache: Context | Scratch,
     noise: Tensor,
     sampling: FilterInputs,
 ) -> DraftOutputs:
@@ -236,11 +283,10 @@ def draft_tree(
     ``plan``) below the root, the last pending pair.
 
     ``noise`` [B, noise_rows(tree), V] is the uniform noise of each drawing node's draws, in
-    node order (sampling.draw_noise). The catch-up rows' K/V are returned with each image's m
-    real rows first, for the caller to commit (``KVCache.write``).
+    node order (sampling.draw_noise). The last two outputs are what the caller commits
+    (:meth:`Context.to_commit`, :meth:`Scratch.to_commit`).
     """
-    capacity = sum(block.shape[2] for block in cache.keys[0])
-    tokens, hidden, positions, mask = catch_up_inputs(rows, capacity)
+    tokens, hidden, positions, mask = catch_up_inputs(rows, cache.slots)
     cfg_scale, temperature, top_k, top_p = sampling
     out, catch_k, catch_v = step(tokens, hidden, positions, mask, cache)
     level_hidden = out[:, -1:]
@@ -288,13 +334,11 @@ def draft_tree(
         q_rows.append(q)
         drawn, drawn_ok = top_distinct(q, offsets[:, drawing : drawing + n], plan.width)
         drawing += n
-    m = rows.count
     return (
         torch.cat(node_tokens, 1),
         torch.cat(valid, 1),
         torch.cat(q_rows, 1),
-        left_aligned(catch_k, m),
-        left_aligned(catch_v, m),
+        *context.to_commit(catch_k, catch_v, rows.count),
     )
 
 
@@ -319,5 +363,8 @@ def draft(
         pending_tokens, pending_hidden, m, root_position, drafter.cache.length, drafter.cache.prefix
     )
     tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, sampling)
-    drafter.cache.write(new_k, new_v, m * active)
+    if new_k is None:  # written in place: the catch-up rows lie in the scratch slots
+        drafter.cache.commit(None, None, caught_up(catch_up_rows(tree), m), m * active)
+    else:
+        drafter.cache.write(new_k, new_v, m * active)
     return Draft(tokens, valid, q)

@@ -28,8 +28,9 @@ class CatchUp(NamedTuple):
 
 
 # What a drafting call returns: node tokens [B, N+1], valid [B, N+1], q [B, N+1, V], and the
-# catch-up rows' new K and V [n_layer, 2B, Hkv, R, D], each image's m real rows first.
-DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+# catch-up rows' new K and V [n_layer, 2B, Hkv, R, D], each image's m real rows first; None and
+# None from a call that wrote them into its cache's scratch slots (``drafting.Scratch``).
+DraftOutputs = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
 
 
 @dataclass

@@ -109,13 +109,14 @@ def cache_for(
     prefix: int = 0,
     windows: tuple[int, ...] = (),
     scratch: int = 0,
+    at_length: bool = False,
 ) -> KVCache:
     """An empty cache for the batch of ``graphs`` (2B rows, or B for a bundle exported without
     guidance: the run shape it was exported for) whose heads, slots and dtype are those of
     ``entry``'s per-layer ``past_k_{i}`` inputs (``scratch`` of their slots the scratch slots
-    after the window, for graphs that write their nodes' K/V at each image's length, see
-    :class:`KVCache`), on ``device``, keeping the visibility of ``prefix`` condition slots (a
-    target's), read through ``windows``."""
+    after the window, for graphs that write their rows into the cache; ``at_length``: at each
+    image's length, else at the window's end, see :class:`KVCache`), on ``device``, keeping
+    the visibility of ``prefix`` condition slots, read through ``windows``."""
     past = entry.input("past_k_0")
     _, heads, slots, head_dim = past.shape
     shape = RunShape(graphs.size, graphs.bundle.constants.guided)
@@ -130,7 +131,7 @@ def cache_for(
         prefix=prefix,
         windows=windows,
         scratch=scratch,
-        at_length=scratch > 0,
+        at_length=at_length,
     )
 
 
@@ -161,7 +162,7 @@ class BundleTarget:
                 "run it with --device cpu, or export the model without --cache-in-place"
             )
         step = graphs.graph(AR_STEP_GRAPH)
-        self.cache = cache_for(step, graphs, device, self.cls_token_num, windows, scratch)
+        self.cache = cache_for(step, graphs, device, self.cls_token_num, windows, scratch, at_length=True)
 
     def prefill(
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
@@ -209,7 +210,8 @@ class BundleTarget:
 class BundleDrafter:
     """``DrafterBackend`` over a bundle's drafting graphs for the batch of ``graphs``, one per
     exported tree (the drafter's layers and the LM head are inside them); its cache has the
-    manifest's ``drafter_capacity``."""
+    manifest's ``drafter_capacity``, then ``drafter_scratch`` slots the graphs write their rows
+    into when exported with the cache written in place (``drafting.Scratch``)."""
 
     def __init__(self, graphs: BatchGraphs, runner: RunnerFactory, name: str):
         bundle = graphs.bundle
@@ -225,7 +227,8 @@ class BundleDrafter:
         self._graphs = {paths: runner(bundle, entry) for paths, entry in entries.items()}
         pairs = bundle.constants.cls_token_num - 1  # the condition prefix's pairs
         device = next(iter(self._graphs.values())).device
-        self.cache = cache_for(next(iter(entries.values())), graphs, device, pairs)
+        scratch = bundle.constants.drafter_scratch
+        self.cache = cache_for(next(iter(entries.values())), graphs, device, pairs, scratch=scratch)
         entry = graphs.graph(DRAFTER_PREFILL_GRAPH) if pairs else None
         self._prefill = runner(bundle, entry) if entry is not None else None
         self._prompt = entry is not None and len(entry.inputs) > 1  # a prompt-token drafter
@@ -248,12 +251,17 @@ class BundleDrafter:
         catch_up = {
             name: t for name, t in rows._asdict().items() if t is not None
         }  # prefix: a prompt drafter's
-        return graph(
+        cache = self.cache
+        in_place = cache.scratch > 0  # the graph writes every row it runs into the cache
+        out = graph(
             **catch_up,
             noise=noise,
             **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
-            **cache_inputs(self.cache.layers_k, self.cache.layers_v),
+            **cache_inputs(
+                *(cache.in_place(cache.scratch) if in_place else (cache.layers_k, cache.layers_v))
+            ),
         )
+        return (*out[:3], None, None) if in_place else out
 
 
 class BundleVQDecoder:
