@@ -5,9 +5,11 @@ and the acceptance, one call, as ``gpu_check.verify_call`` sets it up) with the 
 half-full cache. Prints per call and per layer the eager kernels (aten compute ops, counted with
 torch.profiler: ``gpu_check.kernels_per_call``), the kernels inductor generated
 (``torch._inductor.metrics.generated_kernel_count``: matmuls, library calls, are not among
-them) and how many generated kernels its code calls (on a CPU each a C++ function of one or
-more of those loop nests: ``kernel_count.generated_calls``), the compile time, and eager and
-compiled milliseconds per call (alternated rounds). A benchmark, not a test.
+them), how many generated kernels its code calls (on a CPU each a C++ function of one or
+more loop nests: ``kernel_count.generated_calls``) and the loop nests those run
+(``kernel_count.generated_nests``: the metric also counts the kernels of outer-loop fusions
+inductor tries on the CPU and drops, twice a nest), the compile time, and eager and compiled
+milliseconds per call (alternated rounds). A benchmark, not a test.
 
     .venv/bin/python scripts/compile_kernels.py [--preset GPT-B|demo] [--tree chain-5] [--threads 1] [--layers N]
 
@@ -34,7 +36,7 @@ from lantern_rt.eval.gpu_check import (
     kernels_per_call,
     verify_call,
 )
-from lantern_rt.eval.kernel_count import generated_calls
+from lantern_rt.eval.kernel_count import generated_calls, generated_nests
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.acceptance import relax_inputs
@@ -74,6 +76,7 @@ def main() -> None:
         # fullgraph: a graph break raises here
         (generated, seconds), codes = run_and_get_code(inductor_kernels, call, inputs)
         called = sum(sum(generated_calls(code).values()) for code in codes)
+        nests = sum(generated_nests(code) for code in codes)
         compiled = torch.compile(call, fullgraph=True, backend="inductor", dynamic=False)
         runs = {"eager": partial(call, *inputs), "compiled": partial(compiled, *inputs)}
         ms: dict[str, list[float]] = {mode: [] for mode in runs}
@@ -90,7 +93,7 @@ def main() -> None:
         print(
             f"{name}: no graph break; eager {eager_kernels} kernels ({eager_kernels / layers:.1f} per layer), "
             f"inductor {generated} generated kernels ({generated / layers:.1f} per layer) in {called} calls "
-            f"({called / layers:.1f} per layer), compiled in "
+            f"({called / layers:.1f} per layer) running {nests} loop nests ({nests / layers:.1f} per layer), compiled in "
             f"{seconds:.1f} s; eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms per call "
             f"({eager_ms / compiled_ms:.2f}x)"
         )

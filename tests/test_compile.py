@@ -216,3 +216,114 @@ class Runner:
         "cpp_fused_mul_silu_1": 1,
         "triton_poi_fused_cat_3": 1,
     }
+
+
+NESTS_CODE = """
+cpp_fused_rms_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C"  void  kernel(const float* in_ptr0,
+                       float* out_ptr0)
+{
+    {
+        for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(2L); x0+=static_cast<int64_t>(1L))
+        {
+            {
+                float tmp_acc0 = 0;
+                tmp_acc0 = tmp_acc0 + at::vec::vec_reduce_all<float, 1>([](auto& x, auto& y) { return x + y; }, v);
+            }
+        }
+    }
+    {
+        {
+            {
+                auto tmp0 = in_ptr0[static_cast<int64_t>(0L)];
+            }
+        }
+    }
+}
+''')
+cpp_fused_parallel_1 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+extern "C"  void  kernel(const float* in_ptr0,
+                       float* out_ptr0)
+{
+    #pragma omp parallel num_threads(2)
+    {
+        int tid = omp_get_thread_num();
+        {
+            #pragma omp for
+            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(24L); x0+=static_cast<int64_t>(1L))
+            {
+                {
+                    out_ptr0[x0] = in_ptr0[x0];
+                }
+            }
+        }
+        {
+            #pragma omp for
+            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(24L); x0+=static_cast<int64_t>(1L))
+            {
+                out_ptr0[x0] = in_ptr0[x0];
+            }
+        }
+        {
+            #pragma omp single
+            {
+                {
+                    out_ptr0[0] = in_ptr0[0];
+                }
+            }
+        }
+        {
+            {
+                out_ptr0[2] = in_ptr0[2];
+            }
+            {
+                out_ptr0[3] = in_ptr0[3];
+            }
+        }
+    }
+    {
+        out_ptr0[1] = in_ptr0[1];
+    }
+}
+''')
+triton_poi_fused_cat_2 = async_compile.triton('triton_poi_fused_cat_2', '''...''')
+class Runner:
+    def call(self, args):
+        cpp_fused_rms_0(arg0_1, buf0)
+        extern_kernels.mm(buf0, arg1_1, out=buf1)
+        cpp_fused_parallel_1(buf1, buf2)
+        cpp_fused_rms_0(buf2, buf3)
+        triton_poi_fused_cat_2.run(buf3, buf4, 16, stream=stream0)
+        return (buf4, )
+"""
+
+
+def test_generated_nests_counts_the_loop_nests_a_call_runs():
+    """Loop nests per call in inductor's output: a C++ function of a reduction nest and a scalar
+    one called twice (4), one with four nests inside an OpenMP parallel region and one after it
+    (5), a Triton kernel (1). And a real compile: an RMSNorm over two rows of GPT-B's width runs
+    two nests at 1 and 2 threads (a parallel region around them), where inductor's kernel metric
+    says 4."""
+    import torch._inductor.metrics as metrics
+    from torch._inductor.utils import run_and_get_code
+
+    from lantern_rt.eval.kernel_count import generated_nests
+
+    assert generated_nests(NESTS_CODE) == 2 * 2 + 5 + 1
+    weight = torch.randn(768)
+
+    def rms(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch._dynamo.reset()
+            metrics.reset()
+            compiled = torch.compile(rms, fullgraph=True, dynamic=False)
+            _, codes = run_and_get_code(compiled, torch.randn(2, 768))
+            assert [generated_nests(code) for code in codes] == [2], n
+            assert metrics.generated_kernel_count == 4
+    finally:
+        torch.set_num_threads(threads)

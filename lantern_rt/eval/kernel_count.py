@@ -1,6 +1,7 @@
 """How many compute kernels a torch call launches, counted on the CPU with ``torch.profiler``
 (issue 47's measure of a decode step's dispatch cost; ``scripts/count_kernels.py`` prints it),
-and how many generated kernels a compiled call's inductor code calls (``scripts/compile_kernels.py``)."""
+and how many generated kernels and loop nests a compiled call's inductor code runs
+(``scripts/compile_kernels.py``)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,42 @@ def generated_calls(code: str) -> collections.Counter[str]:
     body = code[code.find("def call(") :]
     calls = {name: len(re.findall(rf"\b{name}(?:\.run)?\(", body)) for name in defined}
     return collections.Counter({name: count for name, count in calls.items() if count})
+
+
+def generated_nests(code: str) -> int:
+    """The loop nests one call of inductor's output ``code`` runs: each generated C++ function's
+    nests times the calls to it, and one per Triton kernel call. Unlike
+    ``torch._inductor.metrics.generated_kernel_count`` this does not count the kernel objects of
+    a fusion inductor tried and dropped (on a CPU it builds each nest's kernel twice when an
+    outer-loop fusion fails)."""
+    nests = {
+        name: _cpp_nests(body)
+        for name, body in re.findall(
+            r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp)\(.*?r'''(.*?)'''\)",
+            code,
+            re.MULTILINE | re.DOTALL,
+        )
+    }
+    return sum(nests.get(name, 1) * count for name, count in generated_calls(code).items())
+
+
+def _cpp_nests(source: str) -> int:
+    """Loop nests of one generated C++ function: the blocks its body opens at its top level
+    (inside an OpenMP parallel region, that region's top level), one per nest (a loop, or a
+    scalar computation with none) as inductor writes them."""
+    depth, region, pending, count = 0, None, False, 0
+    for line in source.splitlines():
+        text = line.strip()
+        if text.startswith("#pragma omp parallel"):
+            pending = True
+        elif text == "{":
+            depth += 1
+            if pending:
+                region, pending = depth, False
+            elif depth == (2 if region is None else region + 1):
+                count += 1
+        else:
+            depth += text.count("{") - text.count("}")
+            if region is not None and depth < region:
+                region = None
+    return count
