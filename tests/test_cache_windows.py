@@ -22,7 +22,7 @@ from lantern_rt.runtime.decode import decode_images
 from lantern_rt.runtime.kv_cache import KVCache, cache_windows
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.tree import load_tree
+from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 from tests.test_speculative import GREEDY
@@ -201,3 +201,27 @@ def test_one_window_exports_the_whole_cache_alone(tmp_path):
     assert bundle.constants.cache_windows == (65,)
     assert sorted(bundle.graphs) == ["target_ar_step", "target_prefill", "vq_decode"]
     assert kv_cache.cache_windows(65, 1) == (65,)
+
+
+@pytest.mark.parametrize("name", ["root", "chain-5", "mc_sim_7b_63"])
+def test_written_mask_shows_each_node_its_committed_slots_and_written_ancestors(name):
+    """The mask of a step that wrote its nodes at each image's length, against one built slot by
+    slot: committed slots (but the hidden prefix ones) and the node's ancestors at length + j,
+    for two images in two CFG rows each, one of them idle past its window; a chain's one
+    comparison gives the same mask as the general form."""
+    tree = ROOT_ONLY if name == "root" else load_tree(name)
+    s, slots, rows = tree.num_nodes + 1, 40, 4
+    length = torch.tensor([7, 45])  # the second image's nodes would land past the slots
+    prefix = torch.tensor([[True, False], [True, True], [True, False], [False, True]])
+    got = kv_cache.written_mask(length, slots, tree.mask, rows, prefix, tree.is_chain)
+    want = torch.zeros(rows, 1, s, slots, dtype=torch.bool)
+    for row in range(rows):
+        n = int(length[row % 2])
+        for i in range(s):
+            for slot in range(slots):
+                seen = slot < n or (slot - n < s and bool(tree.mask[i, slot - n]))
+                want[row, 0, i, slot] = seen and (slot >= 2 or bool(prefix[row, slot]))
+    assert torch.equal(got, want)
+    if tree.is_chain:
+        general = kv_cache.written_mask(length, slots, tree.mask, rows, prefix, chain=False)
+        assert torch.equal(got, general)

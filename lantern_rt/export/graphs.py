@@ -305,7 +305,8 @@ class TargetVerify(nn.Module):
         past_k, past_v = _split_past(past)
         if self.scratch:
             length, prefix = inputs[1], inputs[2]
-            mask = written_mask(length, self.window + self.scratch, self.tree_mask, self.rows, prefix)
+            width = self.window + self.scratch
+            mask = written_mask(length, width, self.tree_mask, self.rows, prefix, self.tree.is_chain)
             start = cfg_rows(length, self.rows)
             h, k, v = self.blocks(h, positions, mask, InPlace(tuple(past_k), tuple(past_v), start))
         else:

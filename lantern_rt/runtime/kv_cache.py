@@ -49,18 +49,24 @@ def cache_mask(
 
 
 def written_mask(
-    length: Tensor, slots: int, tree_mask: Tensor, rows: int, prefix: Tensor | None = None
+    length: Tensor,
+    slots: int,
+    tree_mask: Tensor,
+    rows: int,
+    prefix: Tensor | None = None,
+    chain: bool = False,
 ) -> Tensor:
     """Attention mask [rows, 1, S, slots] of a step that has written its S nodes' K/V into the
     cache at each image's ``length`` [B] (slots length..length + S - 1, node order): a node sees
     every committed entry of its image (but the prefix slots ``prefix`` [rows, P] hides) and
     the nodes ``tree_mask`` [S, S] marks its ancestors, nothing past them (stale entries, the
-    scratch slots of other nodes). For a root-only step one comparison of each slot against
-    the length."""
+    scratch slots of other nodes). A ``chain`` (node i's ancestors are nodes 0..i, AR's root
+    alone included) is one comparison of each slot against length + i."""
     s = tree_mask.shape[0]
     index = torch.arange(slots, device=length.device)
-    if s == 1:
-        mask = index.view(1, 1, 1, slots) <= cfg_rows(length, rows).view(rows, 1, 1, 1)
+    if chain:
+        last = cfg_rows(length, rows)[:, None] + torch.arange(s, device=length.device)  # [rows, S]
+        mask = index.view(1, 1, 1, slots) <= last.view(rows, 1, s, 1)
     else:
         relative = index - cfg_rows(length, rows)[:, None]  # [rows, slots]
         ancestors = tree_mask[:, relative.clamp(0, s - 1)].transpose(0, 1)  # [rows, S, slots]
