@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from lantern_rt.graph_spec import IN_PLACE_OPSET, GraphSpec, writes_cache
+from lantern_rt.graph_spec import IN_PLACE_OPSET, GraphSpec, TensorSpec, writes_cache
 
 MIN_OPSET, MAX_OPSET = 17, 20  # TensorRT 10.3 parses opsets up to 20
 SCATTER_OPS = {"Scatter", "ScatterElements", "ScatterND"}
@@ -20,14 +20,17 @@ COMPLEX = {TensorProto.COMPLEX64, TensorProto.COMPLEX128}
 
 
 def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
-    """Every rule the graph at ``path`` breaks; with ``spec``, also where its I/O differs."""
+    """Every rule the graph at ``path`` breaks; with ``spec``, also where its I/O differs. A graph
+    that writes its cache in place (``present_*`` outputs: ``spec``'s, or the graph's own) is
+    held to :data:`IN_PLACE_OPSET` instead of TensorRT's opsets."""
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
         return [f"onnx.checker: {str(err).splitlines()[0]}"]
     model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
     graph = model.graph
-    problems = _opset(model, spec is not None and writes_cache(spec.outputs))
+    outputs = spec.outputs if spec is not None else tuple(TensorSpec(v.name, (), "") for v in graph.output)
+    problems = _opset(model, writes_cache(outputs))
     typed = [*graph.input, *graph.output]
     problems += [f"{v.name}: dims {_dims(v)} are not all static" for v in typed if not _static(v)]
     graphs = list(with_subgraphs(graph))  # If branches hold nodes too

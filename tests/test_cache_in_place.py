@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
-from lantern_rt.calibration.calibrate import CalibrationError, calibrate_bundle
+from lantern_rt.calibration.calibrate import calibrate_bundle
 from lantern_rt.cli import main
 from lantern_rt.engines.plans import EngineError, build_engines
 from lantern_rt.export.graphs import DrafterTree, TargetVerify
@@ -200,12 +200,31 @@ def test_a_cache_copy_is_refused(bundles):
         graph(**past)
 
 
-def test_tensorrt_and_calibration_refuse_the_bundle(bundles, tmp_path):
+def test_tensorrt_refuses_the_bundle(bundles):
     with pytest.raises(EngineError, match="write the KV cache in place.*without --cache-in-place"):
         build_engines(bundles[True])
-    with pytest.raises(CalibrationError, match="writes its cache in place.*without --cache-in-place"):
-        calibrate_bundle(bundles[True], tmp_path / "int8", samples=4)
-    assert not (tmp_path / "int8").exists()
+
+
+def test_int8_calibration_keeps_the_graphs_in_place(bundles, tmp_path):
+    """``lantern calibrate`` on an in-place bundle: Q/DQ on the target's step graphs, which still
+    write the cache in place (the drafting graphs stay fp32, in place too); the quantized logits
+    agree with fp32's on most recorded inputs, and the bundle decodes."""
+    report = calibrate_bundle(bundles[True], tmp_path / "int8", samples=2, validate=2, threads=1)
+    int8 = Bundle.open(tmp_path / "int8")
+    c, fp32 = int8.constants, bundles[True].constants
+    assert int8.dtype == "int8" and (c.cache_scratch, c.drafter_scratch) == (
+        fp32.cache_scratch,
+        fp32.drafter_scratch,
+    )
+    for name, entry in int8.graphs.items():
+        ops = {n.op_type for n in onnx.load(str(int8.file(entry)), load_external_data=False).graph.node}
+        if name.startswith(("target_ar_step", "target_verify", "draft_tree")):
+            assert "TensorScatter" in ops and any(s.name.startswith("present_") for s in entry.outputs)
+            assert ("QuantizeLinear" in ops) == (not name.startswith("draft_tree")), name
+    steps = [g for name, g in report["graphs"].items() if g["top1_agreement"] is not None]
+    assert steps and min(g["top1_agreement"] for g in steps) > 0.8
+    out = tokens(int8, MethodConfig("lantern++", tree="chain-4", k=5), SAMPLED)
+    assert out.shape == (5, int8.constants.block_size)
 
 
 def test_inspect_says_so(bundles):

@@ -14,6 +14,9 @@ A weight-only bundle (docs/method.md §14) replaces each of those MatMuls by onn
 ``MatMulNBits`` (blockwise symmetric weights, products in int8 on CPUs with VNNI), in the target's
 and the drafter's graphs: no activation is quantized ahead of time, so the recorded inputs serve
 only the comparison with fp32. TensorRT cannot build it; it is an onnxruntime bundle.
+
+A bundle whose graphs write their caches in place (``export --cache-in-place``, onnxruntime on
+the CPU) is quantized the same way and stays in place: its copy is an onnxruntime bundle too.
 """
 
 from __future__ import annotations
@@ -501,11 +504,6 @@ def calibrate_bundle(
     dtype = quantized_dtype(weight_bits)
     if bundle.dtype != "fp32":
         raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
-    if bundle.constants.cache_scratch:
-        raise CalibrationError(
-            f"{bundle.path} writes its cache in place (opset 24): calibrate a bundle exported without "
-            "--cache-in-place"
-        )
     if samples < 1:
         raise CalibrationError(f"samples must be at least 1, got {samples}")
     if out.resolve() == bundle.path:
