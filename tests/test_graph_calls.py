@@ -9,6 +9,8 @@ import torch
 
 from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import cache_inputs, ordered
+from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.run_shape import RunShape
 
 INPUTS = (
     TensorSpec("tokens", (2, 3), "int64"),
@@ -55,11 +57,22 @@ def test_a_wrong_call_is_refused_by_name(named, message):
         ordered(INPUTS, named)
 
 
-def test_cache_layers_are_named_per_layer():
-    k, v = (torch.zeros(1), torch.ones(1)), (torch.full((1,), 2.0), torch.full((1,), 3.0))
-    named = cache_inputs(k, v)
+@pytest.mark.parametrize("scratch", [0, 3])
+def test_cache_layers_are_named_per_layer(scratch):
+    """Each layer's K and V by input name: its window, or with scratch slots (a graph that writes
+    the cache in place) the window and every scratch slot, views of the cache's storage."""
+    cache = KVCache(2, 1, 8, 4, torch.float32, "cpu", RunShape(1), windows=(4,), scratch=scratch)
+    cache.fit(3)
+    for i, layer in enumerate((*cache.layers_k, *cache.layers_v)):
+        layer.fill_(i)
+    named = cache_inputs(cache)
     assert list(named) == ["past_k_0", "past_k_1", "past_v_0", "past_v_1"]
-    assert [float(t) for t in named.values()] == [0.0, 1.0, 2.0, 3.0]
+    for i, t in enumerate(named.values()):
+        assert t.shape == (2, 1, 4 + scratch, 4)
+        assert bool((t[:, :, :4] == i).all())
+        t[:, :, -1] = -1.0  # a view: the cache's own scratch slot
+    if scratch:
+        assert bool((cache.in_place(scratch)[0][0][:, :, -1] == -1).all())
 
 
 def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):

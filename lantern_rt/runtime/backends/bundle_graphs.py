@@ -89,8 +89,11 @@ def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[T
     return args
 
 
-def cache_inputs(layers_k: tuple[Tensor, ...], layers_v: tuple[Tensor, ...]) -> dict[str, Tensor]:
-    """A cache's per-layer tensors by a step graph's input names (``past_k_{i}``, ``past_v_{i}``)."""
+def cache_inputs(cache: KVCache) -> dict[str, Tensor]:
+    """A cache's per-layer tensors by a step graph's input names (``past_k_{i}``, ``past_v_{i}``):
+    each layer's window, or, for graphs that write the cache in place (scratch slots), the
+    window with every scratch slot after it."""
+    layers_k, layers_v = cache.in_place(cache.scratch) if cache.scratch else (cache.layers_k, cache.layers_v)
     return {
         **{f"{CACHE_INPUTS[0]}{i}": k for i, k in enumerate(layers_k)},
         **{f"{CACHE_INPUTS[1]}{i}": v for i, v in enumerate(layers_v)},
@@ -187,7 +190,6 @@ class BundleTarget:
             raise BundleError(
                 f"the bundle has no verify graph for tree {tree.name}; export it with that tree"
             )
-        in_place = cache.scratch > 0  # the graph writes every node's K/V into the cache
         out = graph(
             node_tokens=draft.tokens,
             cache_length=cache.length,
@@ -198,11 +200,11 @@ class BundleTarget:
             bonus_noise=bonus_noise,
             **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
             **relax._asdict(),
-            **cache_inputs(
-                *(cache.in_place(cache.scratch) if in_place else (cache.layers_k, cache.layers_v))
-            ),
+            **cache_inputs(cache),
         )
-        if in_place:  # length, kept, tokens, hidden, logits, probs, then the caches
+        if (
+            cache.scratch
+        ):  # the graph wrote every node's K/V: length, kept, tokens, hidden, logits, probs, caches
             return Verified(*out[:4], None, None, *out[4:6])
         return Verified(*out)
 
@@ -251,17 +253,13 @@ class BundleDrafter:
         catch_up = {
             name: t for name, t in rows._asdict().items() if t is not None
         }  # prefix: a prompt drafter's
-        cache = self.cache
-        in_place = cache.scratch > 0  # the graph writes every row it runs into the cache
         out = graph(
             **catch_up,
             noise=noise,
             **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
-            **cache_inputs(
-                *(cache.in_place(cache.scratch) if in_place else (cache.layers_k, cache.layers_v))
-            ),
+            **cache_inputs(self.cache),
         )
-        return (*out[:3], None, None) if in_place else out
+        return (*out[:3], None, None) if self.cache.scratch else out  # in place: no K/V returned
 
 
 class BundleVQDecoder:
