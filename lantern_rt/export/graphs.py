@@ -152,6 +152,7 @@ def graph_drafter_step(drafter: Drafter, blocks: Blocks) -> DraftStep:
         if isinstance(context, Scratch):  # the rows go to the slots after the mask's columns
             written, new = mask.shape[-1], h.shape[1]
             start = torch.full((h.shape[0],), written - new, dtype=torch.long, device=h.device)
+            # a Concat with a constant (a Pad costs onnxruntime one node more)
             wide = torch.zeros(*mask.shape[:-1], context.keys[0].shape[2] - written, dtype=torch.bool)
             mask = torch.cat([mask, wide.to(mask.device)], dim=-1)
             return blocks(h, positions, mask, InPlace(context.keys, context.values, start))
@@ -490,7 +491,8 @@ class DrafterTree(nn.Module):
         first = self._past - 5  # the noise input's index
         rows = CatchUp(*inputs[:5], inputs[5] if self.prefix else None)
         noise, sampling = inputs[first], inputs[first + 1 : self._past]
-        context = context or Context.of_cache(*_split_past(inputs[self._past :]))
+        if context is None:
+            context = Context.of_cache(*_split_past(inputs[self._past :]))
         return draft_tree(step, lm_head(self.head, self.layout), self.plan, rows, context, noise, sampling)
 
     def example_inputs(self, g: torch.Generator) -> tuple[Tensor, ...]:

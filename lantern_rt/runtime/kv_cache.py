@@ -42,10 +42,7 @@ def cache_mask(
     if keys.dim() == 4:
         keys = cfg_rows(keys, rows)
     mask = keys < cfg_rows(length, rows).view(-1, 1, 1, 1)  # [rows, 1, S, capacity + S]
-    if prefix is not None:
-        width = keys.shape[-1]
-        mask = mask & F.pad(prefix, (0, width - prefix.shape[1]), value=True).view(rows, 1, 1, width)
-    return mask
+    return _hide_prefix(mask, prefix)
 
 
 def written_mask(
@@ -72,9 +69,16 @@ def written_mask(
         ancestors = tree_mask[:, relative.clamp(0, s - 1)].transpose(0, 1)  # [rows, S, slots]
         written = (relative >= 0) & (relative < s)
         mask = ((relative < 0)[:, None] | (ancestors & written[:, None]))[:, None]
-    if prefix is not None:
-        mask = mask & F.pad(prefix, (0, slots - prefix.shape[1]), value=True).view(rows, 1, 1, slots)
-    return mask
+    return _hide_prefix(mask, prefix)
+
+
+def _hide_prefix(mask: Tensor, prefix: Tensor | None) -> Tensor:
+    """``mask`` [rows, 1, S, slots] with the condition slots ``prefix`` [rows, P] marks False
+    hidden in each row (None: all shown)."""
+    if prefix is None:
+        return mask
+    rows, slots = prefix.shape[0], mask.shape[-1]
+    return mask & F.pad(prefix, (0, slots - prefix.shape[1]), value=True).view(rows, 1, 1, slots)
 
 
 def prefill_mask(prefix: Tensor) -> Tensor:

@@ -202,9 +202,7 @@ class BundleTarget:
             **relax._asdict(),
             **cache_inputs(cache),
         )
-        if (
-            cache.scratch
-        ):  # the graph wrote every node's K/V: length, kept, tokens, hidden, logits, probs, caches
+        if cache.scratch:  # it wrote every node's K/V: length, kept, tokens, hidden, logits, probs, caches
             return Verified(*out[:4], None, None, *out[4:6])
         return Verified(*out)
 
