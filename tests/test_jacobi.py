@@ -262,7 +262,7 @@ def _plant_longest_row(monkeypatch):
     def longest_row(plan, tokens, valid, p, q, relax, noise, bonus_noise):
         batch, depth, nodes = tokens.shape[0], plan.depth, tokens.shape[1]
         parents = [0, *plan.inner[plan.parent_row].tolist()]  # node v's parent at index v (v >= 1)
-        leaves = [v for v in range(1, nodes) if plan.row[v] < 0]
+        leaves = [v for v in range(1, nodes) if v not in plan.inner.tolist()]
         best = torch.zeros(batch, dtype=torch.long)
         kept = torch.zeros(batch, depth + 1, dtype=torch.long)
         for leaf in leaves:
@@ -279,7 +279,7 @@ def _plant_longest_row(monkeypatch):
             )
             best = torch.where(longer, length, best)
         node = kept.gather(1, best[:, None])[:, 0]
-        whole = plan.row[node] < 0  # the row was accepted to its leaf
+        whole = ~torch.isin(node, plan.inner)  # the row was accepted to its leaf
         pn, qn = p[torch.arange(batch), node], q[torch.arange(batch), node]
         bonus = draw(torch.where(whole[:, None], pn, (pn - qn).clamp_min(0.0)), bonus_noise, relax.greedy)
         out = torch.cat([tokens.gather(1, kept[:, 1:]), bonus[:, None]], 1).scatter(

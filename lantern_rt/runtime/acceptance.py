@@ -149,7 +149,7 @@ def _residual(rt: Tensor, qq: Tensor) -> Tensor:
 
 
 def _put(t: Tensor, index: Tensor, values: Tensor) -> Tensor:
-    """A copy of ``t`` [B, V] with ``t[b, index[b, j]] = values[b, j]`` (indices unique per row).
+    """A copy of ``t`` [B, V, ...] with ``t[b, index[b, j]] = values[b, j]`` (indices unique per row).
     ``index_put`` exports as a ScatterND without a ``reduction`` attribute, which TensorRT 10.3
     (JetPack 6) requires; ``scatter`` would write one."""
     rows = torch.arange(t.shape[0], device=t.device)[:, None].expand_as(index)
@@ -169,10 +169,11 @@ def _credit(r: Tensor, x: Tensor, neighbours: Tensor, relax: RelaxInputs) -> tup
     may borrow the mass S of those ``used``, the longest prefix of the first k whose mass fits
     the cap (docs/method.md §5.2)."""
     r_x = _at(r, x)
+    mass = r.gather(1, neighbours)
     columns = torch.arange(neighbours.shape[1], device=r.device) < relax.k
-    mass = torch.where(columns, r.gather(1, neighbours), 0.0)
     cap = relax.cap_a + relax.cap_b * r_x
-    used = (mass.cumsum(-1) <= cap[:, None]) & columns  # a prefix: the masses are >= 0
+    # a prefix: the masses are >= 0, and a column past the first k counts as infinite mass
+    used = torch.where(columns, mass, math.inf).cumsum(-1) <= cap[:, None]
     return used, torch.where(used, mass, 0.0).sum(-1), r_x
 
 
@@ -187,6 +188,7 @@ class _Tests(NamedTuple):
 
     tested: Tensor  # the child was tested: valid, and (sampling) the drafter gave it mass
     accepted: Tensor
+    rejected: Tensor  # tested and not accepted, in sampling mode (greedy keeps no residual)
     rt: Tensor  # the relaxed target its test built (a residual starts from it)
     credit: Tensor  # (S, pt, r(x))
 
@@ -202,8 +204,9 @@ def _test(r: Tensor, qq: Tensor, x: Tensor, valid: Tensor, u: Tensor, relax: Rel
     q_x = _at(qq, x)
     greedy = relax.greedy
     tested = valid & (greedy | (q_x > 0))  # sampling skips a child the drafter gave no mass
-    ok = (greedy & (rt.argmax(-1) == x)) | (~greedy & (u * q_x < pt))  # (ORT has no bool Where)
-    return _Tests(tested, tested & ok, rt, torch.stack([s, pt, r_x], -1))
+    drawn = u * q_x < pt
+    ok = (greedy & (rt.argmax(-1) == x)) | (~greedy & drawn)  # (ORT has no bool Where)
+    return _Tests(tested, tested & ok, tested & ~(greedy | drawn), rt, torch.stack([s, pt, r_x], -1))
 
 
 @dataclass(frozen=True)
@@ -213,10 +216,10 @@ class TreePlan:
 
     inner: Tensor  # [P] the inner nodes
     children: Tensor  # [P, W] each inner node's children in test order, -1 past its last
-    row: Tensor  # [N+1] each node's row among the inner nodes, -1 for a leaf
     parent_row: Tensor  # [N] each drafted node's parent's row (nodes 1..N)
     above: Tensor  # [N, N] float: 1 where node a (row) is node v (column) or one of its drafted
     # ancestors, else 0
+    depths: Tensor  # [N] float: each drafted node's depth, the sum of its column of ``above``
     level_ids: Tensor  # [N, D] float: node v's id (v + 1) in the column of its depth (d + 1), else 0
     depth: int
 
@@ -242,7 +245,7 @@ def tree_plan(tree: StaticTree, device: torch.device) -> TreePlan:
     levels = depths[:, None] == torch.arange(1, tree.max_depth + 1)[None, :]
     level_ids = levels * torch.arange(1, n + 1, dtype=torch.float32)[:, None]
     parent_row = row[torch.tensor(tree.parents[1:], dtype=torch.long)] if n else row[:0]
-    tables = (children, row, parent_row, above, level_ids)
+    tables = (children, parent_row, above, depths.float(), level_ids)
     return TreePlan(torch.tensor(inner).to(device), *(t.to(device) for t in tables), tree.max_depth)
 
 
@@ -274,11 +277,14 @@ def _slot(
         noise.index_select(1, c).reshape(-1),
         relax,
     )
-    open_ = (child >= 0) & (state.chosen < 0)  # [B, P]
-    accepted = open_ & t.accepted.view(batch, rows)
-    rejected = (open_ & t.tested.view(batch, rows) & ~t.accepted.view(batch, rows) & ~relax.greedy)[..., None]
-    rt = t.rt.view(batch, rows, vocab)
-    r = torch.where(rejected, _normalized(_residual(rt, state.qq)), state.r)
+    accepted, rejected = t.accepted.view(batch, rows), t.rejected.view(batch, rows)
+    if slot:  # in slot 0 every inner node has a child and none is chosen yet
+        open_ = (child >= 0) & (state.chosen < 0)  # [B, P]
+        accepted, rejected = open_ & accepted, open_ & rejected
+    rejected = rejected[..., None]
+    residual = _residual(t.rt.view(batch, rows, vocab), state.qq)
+    # after the last slot r only feeds the bonus draw, which takes unnormalised rows
+    r = torch.where(rejected, residual if last else _normalized(residual), state.r)
     qq = state.qq if last else torch.where(rejected, _drop_drawn(state.qq, x), state.qq)
     return _Parents(
         r,
@@ -302,19 +308,18 @@ def draw(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
 def _walk(plan: TreePlan, state: _Parents, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
     """The walk from the root over every tree at once, with no loop over depths: a drafted node
     is on the accepted path when it is its parent's chosen child and so is each of its drafted
-    ancestors; the path holds at most one node per depth. -> the accepted length [B], the kept
-    node ids [B, D + 1] (root first, 0 past the path) and each accepted test's credit [B, D, 3].
+    ancestors; the path holds at most one node per depth. -> the accepted length [B], the path's
+    node ids [B, D] (0 past its end) and each accepted test's credit [B, D, 3].
     The counts and ids are sums of small integers by matrix products (exact in float32): one
     product each instead of an ``any`` over [B, N, N] and [B, D, N]."""
     device = state.chosen.device
     hit = state.chosen.index_select(1, plan.parent_row) == torch.arange(1, nodes, device=device)  # [B, N]
-    on_path = ((~hit).float() @ plan.above == 0).float()  # [B, N]: no miss at v or above it
+    on_path = (hit.float() @ plan.above == plan.depths).float()  # [B, N]: a hit at v and above it
     path = (on_path @ plan.level_ids).long()  # [B, D]: the node on the path at each depth, 0 if none
     accepted = path > 0  # a prefix
     parent_rows = plan.parent_row[(path - 1).clamp_min(0)]  # [B, D]
     credits = state.credit.gather(1, parent_rows[..., None].expand(-1, -1, 3))
-    kept = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
-    return accepted.long().sum(-1), kept, torch.where(accepted[..., None], credits, 0.0)
+    return on_path.sum(-1).long(), path, torch.where(accepted[..., None], credits, 0.0)
 
 
 def accept_tree(
@@ -353,14 +358,16 @@ def accept_tree(
     width = plan.children.shape[1]
     for slot in range(width):
         state = _slot(state, slot, slot == width - 1, plan, tokens, valid, relax, noise)
-    length, kept_t, credit_t = _walk(plan, state, tokens.shape[1])
-    node = kept_t.gather(1, length[:, None]).squeeze(1)  # the path's last node (the root if none)
-    row = plan.row.index_select(0, node)
-    final = torch.where((row >= 0)[:, None], _row(state.r, row.clamp_min(0)), _row(p, node))
+    length, path, credit = _walk(plan, state, tokens.shape[1])
+    none = torch.zeros_like(path[:, :1])
+    kept = torch.cat([none, path], 1)
+    node = kept.gather(1, length[:, None]).squeeze(1)  # the path's last node (the root if none)
+    # every node's running target: an inner node's after its tests, a leaf's p
+    final = _row(_put(p, plan.inner.expand(p.shape[0], -1), state.r), node)
     bonus = draw(final, bonus_noise, relax.greedy)
-    out = tokens.gather(1, kept_t[:, 1:])  # the accepted nodes' tokens
-    out = _put(torch.cat([out, bonus[:, None]], 1), length[:, None], bonus[:, None])
-    return Accepted(length, kept_t, out, credit_t)
+    at_bonus = torch.arange(plan.depth + 1, device=p.device) == length[:, None]
+    out = torch.where(at_bonus, bonus[:, None], tokens.gather(1, torch.cat([path, none], 1)))
+    return Accepted(length, kept, out, credit)
 
 
 def target_probabilities(
