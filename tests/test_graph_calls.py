@@ -99,3 +99,42 @@ def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):
     first = run(a=a, b=b)[0].clone()
     assert torch.equal(first, a - b) and torch.equal(run(b=b, a=a)[0], first)
     assert torch.equal(run(a=b, b=a)[0], b - a)
+
+
+def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
+    """A cache input is bound by pointer and checked when bound: the same tensor, written between
+    calls, is read as it is now; another tensor is bound in its place; a wrong one is refused on
+    any call, as are a missing input and a copied input of the wrong shape."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from lantern_rt.bundle import GraphEntry
+    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
+
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("past_k_0", "a", "out")]
+    graph = helper.make_graph([helper.make_node("Add", ["past_k_0", "a"], ["out"])], "g", io[:2], io[2:])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "g.onnx")
+
+    class Folder:
+        def file(self, entry: GraphEntry):
+            return tmp_path / entry.file
+
+    specs = (TensorSpec("past_k_0", (3,), "float32"), TensorSpec("a", (3,), "float32"))
+    run = ort_runner(threads=1)(
+        Folder(), GraphEntry("g", "g.onnx", specs, (TensorSpec("out", (3,), "float32"),))
+    )
+    cache, a = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+    assert torch.equal(run(past_k_0=cache, a=a)[0], a)
+    cache += 10.0
+    assert torch.equal(run(past_k_0=cache, a=a)[0], a + 10.0)
+    other = torch.full((3,), -1.0)
+    assert torch.equal(run(past_k_0=other, a=a)[0], a - 1.0)
+    for named, message in (
+        ({"past_k_0": torch.zeros(4), "a": a}, r"past_k_0 has shape \[4\]"),
+        ({"past_k_0": other, "a": torch.zeros(1)}, r"input a has shape \[1\]"),
+        ({"past_k_0": other, "b": a}, r"missing \['a'\], unknown \['b'\]"),
+        ({"past_k_0": other}, r"missing \['a'\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run(**named)
+    assert torch.equal(run(past_k_0=other, a=a)[0], a - 1.0)

@@ -78,15 +78,16 @@ def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[T
             f"the graph's inputs are {[s.name for s in inputs]}: missing {missing}, unknown {sorted(unknown)}"
         )
     for spec, arg in zip(inputs, args, strict=True):
-        if arg.shape != spec.shape:  # a torch.Size equals the tuple of its sizes
-            raise ValueError(
-                f"input {spec.name} has shape {list(arg.shape)}, the graph wants {list(spec.shape)}"
-            )
-        if arg.dtype != spec.torch_dtype:
-            raise ValueError(
-                f"input {spec.name} has dtype {dtype_name(arg.dtype)}, the graph wants {spec.dtype}"
-            )
+        check_input(spec, arg)
     return args
+
+
+def check_input(spec: TensorSpec, arg: Tensor) -> None:
+    """``ValueError`` unless ``arg`` has the shape and dtype the graph declares for ``spec``."""
+    if arg.shape != spec.shape:  # a torch.Size equals the tuple of its sizes
+        raise ValueError(f"input {spec.name} has shape {list(arg.shape)}, the graph wants {list(spec.shape)}")
+    if arg.dtype != spec.torch_dtype:
+        raise ValueError(f"input {spec.name} has dtype {dtype_name(arg.dtype)}, the graph wants {spec.dtype}")
 
 
 def cache_inputs(cache: KVCache) -> dict[str, Tensor]:

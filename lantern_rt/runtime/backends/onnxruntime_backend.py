@@ -21,6 +21,7 @@ from lantern_rt.graph_spec import PRESENT_PREFIX, TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
     RunnerFactory,
     bound_by_pointer,
+    check_input,
     ordered,
 )
 
@@ -146,20 +147,27 @@ class OrtGraph:
                 self._bind(self._binding.bind_output, spec, out)
 
     def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
-        args = ordered(self.inputs, inputs)
-        for i, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
-            buffer = self._buffers[i]
+        if len(inputs) != len(self.inputs):
+            ordered(self.inputs, inputs)  # raises: which inputs are missing or unknown
+        for i, spec in enumerate(self.inputs):
+            arg, buffer = inputs.get(spec.name), self._buffers[i]
+            if arg is None:
+                ordered(self.inputs, inputs)  # raises
+            if arg is buffer:
+                continue  # bound where it lies, checked when it was bound
+            check_input(spec, arg)
             if not self._in_place[i]:
                 buffer.copy_(arg)
-            elif buffer is not arg and (buffer is None or buffer.data_ptr() != arg.data_ptr()):
+                continue
+            if buffer is None or buffer.data_ptr() != arg.data_ptr():
                 given, arg = arg, arg.to(self.device, spec.torch_dtype).contiguous()
                 if arg.data_ptr() != given.data_ptr() and i in self._aliases.values():
                     raise ValueError(f"{spec.name} is written in place: pass it contiguous, on {self.device}")
                 self._bind(self._binding.bind_input, spec, arg)
-                self._buffers[i] = arg  # keeps the bound memory alive
                 for j in (j for j, source in self._aliases.items() if source == i):
                     self._bind(self._binding.bind_output, self.outputs[j], arg)
                     self._results[j] = arg
+            self._buffers[i] = arg  # keeps the bound memory alive
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # torch's pending writes, e.g. a cache commit
         self.session.run_with_iobinding(self._binding)
