@@ -138,3 +138,43 @@ def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
         with pytest.raises(ValueError, match=message):
             run(**named)
     assert torch.equal(run(past_k_0=other, a=a)[0], a - 1.0)
+
+
+def test_an_onnxruntime_graph_call_prints_no_warnings(tmp_path, capfd):
+    """A ``TensorScatter`` whose cache is not bound as its output copies it and onnxruntime warns
+    about that on every call; a runner's session logs errors only, so a decode prints nothing."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from lantern_rt.bundle import GraphEntry
+    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner, runs_in_place_steps
+
+    if not runs_in_place_steps():
+        pytest.skip("this onnxruntime has no TensorScatter")
+    shapes = {"cache": [1, 1, 4, 2], "rows": [1, 1, 1, 2], "start": [1]}
+    graph = helper.make_graph(
+        [helper.make_node("TensorScatter", ["cache", "rows", "start"], ["out"], axis=2)],
+        "g",
+        [
+            helper.make_tensor_value_info(n, TensorProto.INT64 if n == "start" else TensorProto.FLOAT, shape)
+            for n, shape in shapes.items()
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, shapes["cache"])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]), tmp_path / "g.onnx")
+
+    class Folder:
+        def file(self, entry: GraphEntry):
+            return tmp_path / entry.file
+
+    specs = (
+        TensorSpec("cache", (1, 1, 4, 2), "float32"),
+        TensorSpec("rows", (1, 1, 1, 2), "float32"),
+        TensorSpec("start", (1,), "int64"),
+    )
+    entry = GraphEntry("g", "g.onnx", specs, (TensorSpec("out", (1, 1, 4, 2), "float32"),))
+    run = ort_runner(threads=1)(Folder(), entry)
+    capfd.readouterr()
+    out = run(cache=torch.zeros(1, 1, 4, 2), rows=torch.ones(1, 1, 1, 2), start=torch.tensor([2]))[0]
+    assert float(out.sum()) == 2.0
+    assert capfd.readouterr().err == ""

@@ -96,8 +96,11 @@ def session_options(
     its core (measured: LANTERN++ 2.5x slower on two cores). With ``spin`` they spin within a
     call, handing each op to a thread that is awake, and stop as the call returns (onnxruntime's
     ``session.force_spinning_stop``): for a session one decode stream calls alone (BENCHMARKS.md,
-    "Pool threads that spin only within a call")."""
+    "Pool threads that spin only within a call"). The session logs errors only: its warnings
+    are notes for onnxruntime's developers (a ``TensorScatter`` in a chain of them copies the
+    cache it cannot write in place, once per call), not for a user."""
     options = ort.SessionOptions()
+    options.log_severity_level = 3
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
