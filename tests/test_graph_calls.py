@@ -75,26 +75,39 @@ def test_cache_layers_are_named_per_layer(scratch):
         assert bool((cache.in_place(scratch)[0][0][:, :, -1] == -1).all())
 
 
-def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):
-    """A two-input graph (out = a - b): the same result for a, b given in either order, and the
-    arguments' names, not their positions, decide which is which."""
+def one_node_runner(
+    tmp_path, op: str, inputs: tuple[TensorSpec, ...], output: TensorSpec, opset: int = 18, **attrs
+):
+    """An onnxruntime runner (``ort_runner``, one thread) of a graph of one ``op`` node over
+    ``inputs``, written under ``tmp_path``."""
     onnx = pytest.importorskip("onnx")
-    from onnx import TensorProto, helper
+    import numpy as np
+    from onnx import helper
 
     from lantern_rt.bundle import GraphEntry
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("a", "b", "out")]
-    graph = helper.make_graph([helper.make_node("Sub", ["a", "b"], ["out"])], "g", io[:2], io[2:])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "g.onnx")
+    def value(spec: TensorSpec):
+        return helper.make_tensor_value_info(
+            spec.name, helper.np_dtype_to_tensor_dtype(np.dtype(spec.dtype)), list(spec.shape)
+        )
+
+    node = helper.make_node(op, [s.name for s in inputs], [output.name], **attrs)
+    graph = helper.make_graph([node], "g", [value(s) for s in inputs], [value(output)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), tmp_path / "g.onnx")
 
     class Folder:  # what the runner reads of a bundle: where a graph's file is
         def file(self, entry: GraphEntry):
             return tmp_path / entry.file
 
+    return ort_runner(threads=1)(Folder(), GraphEntry("g", "g.onnx", inputs, (output,)))
+
+
+def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):
+    """A two-input graph (out = a - b): the same result for a, b given in either order, and the
+    arguments' names, not their positions, decide which is which."""
     specs = (TensorSpec("a", (3,), "float32"), TensorSpec("b", (3,), "float32"))
-    entry = GraphEntry("g", "g.onnx", specs, (TensorSpec("out", (3,), "float32"),))
-    run = ort_runner(threads=1)(Folder(), entry)
+    run = one_node_runner(tmp_path, "Sub", specs, TensorSpec("out", (3,), "float32"))
     a, b = torch.tensor([5.0, 6.0, 7.0]), torch.tensor([1.0, 2.0, 3.0])
     first = run(a=a, b=b)[0].clone()
     assert torch.equal(first, a - b) and torch.equal(run(b=b, a=a)[0], first)
@@ -105,24 +118,8 @@ def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
     """A cache input is bound by pointer and checked when bound: the same tensor, written between
     calls, is read as it is now; another tensor is bound in its place; a wrong one is refused on
     any call, as are a missing input and a copied input of the wrong shape."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import TensorProto, helper
-
-    from lantern_rt.bundle import GraphEntry
-    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
-
-    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("past_k_0", "a", "out")]
-    graph = helper.make_graph([helper.make_node("Add", ["past_k_0", "a"], ["out"])], "g", io[:2], io[2:])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "g.onnx")
-
-    class Folder:
-        def file(self, entry: GraphEntry):
-            return tmp_path / entry.file
-
     specs = (TensorSpec("past_k_0", (3,), "float32"), TensorSpec("a", (3,), "float32"))
-    run = ort_runner(threads=1)(
-        Folder(), GraphEntry("g", "g.onnx", specs, (TensorSpec("out", (3,), "float32"),))
-    )
+    run = one_node_runner(tmp_path, "Add", specs, TensorSpec("out", (3,), "float32"))
     cache, a = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
     assert torch.equal(run(past_k_0=cache, a=a)[0], a)
     cache += 10.0
@@ -143,37 +140,17 @@ def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
 def test_an_onnxruntime_graph_call_prints_no_warnings(tmp_path, capfd):
     """A ``TensorScatter`` whose cache is not bound as its output copies it and onnxruntime warns
     about that on every call; a runner's session logs errors only, so a decode prints nothing."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import TensorProto, helper
-
-    from lantern_rt.bundle import GraphEntry
-    from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner, runs_in_place_steps
+    from lantern_rt.runtime.backends.onnxruntime_backend import runs_in_place_steps
 
     if not runs_in_place_steps():
         pytest.skip("this onnxruntime has no TensorScatter")
-    shapes = {"cache": [1, 1, 4, 2], "rows": [1, 1, 1, 2], "start": [1]}
-    graph = helper.make_graph(
-        [helper.make_node("TensorScatter", ["cache", "rows", "start"], ["out"], axis=2)],
-        "g",
-        [
-            helper.make_tensor_value_info(n, TensorProto.INT64 if n == "start" else TensorProto.FLOAT, shape)
-            for n, shape in shapes.items()
-        ],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, shapes["cache"])],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]), tmp_path / "g.onnx")
-
-    class Folder:
-        def file(self, entry: GraphEntry):
-            return tmp_path / entry.file
-
     specs = (
         TensorSpec("cache", (1, 1, 4, 2), "float32"),
         TensorSpec("rows", (1, 1, 1, 2), "float32"),
         TensorSpec("start", (1,), "int64"),
     )
-    entry = GraphEntry("g", "g.onnx", specs, (TensorSpec("out", (1, 1, 4, 2), "float32"),))
-    run = ort_runner(threads=1)(Folder(), entry)
+    out_spec = TensorSpec("out", (1, 1, 4, 2), "float32")
+    run = one_node_runner(tmp_path, "TensorScatter", specs, out_spec, opset=24, axis=2)
     capfd.readouterr()
     out = run(cache=torch.zeros(1, 1, 4, 2), rows=torch.ones(1, 1, 1, 2), start=torch.tensor([2]))[0]
     assert float(out.sum()) == 2.0
