@@ -482,13 +482,18 @@ class DrafterTree(nn.Module):
 
     @property
     def _past(self) -> int:
-        """The index of the first ``past_*`` input."""
-        return 11 if self.prefix else 10
+        """The index of the first ``past_*`` input (the sampling settings come before it)."""
+        return self._noise + 1 + len(SAMPLING_SPECS)
+
+    @property
+    def _noise(self) -> int:
+        """The index of the ``noise`` input (the catch-up rows come before it)."""
+        return next(i for i, spec in enumerate(self.spec.inputs) if spec.name == "noise")
 
     def _draft(
         self, step: DraftStep, inputs: tuple[Tensor, ...], context: Context | Scratch | None = None
     ) -> tuple[Tensor, ...]:
-        first = self._past - 5  # the noise input's index
+        first = self._noise
         rows = CatchUp(*inputs[:5], inputs[5] if self.prefix else None)
         noise, sampling = inputs[first], inputs[first + 1 : self._past]
         if context is None:
@@ -502,7 +507,7 @@ class DrafterTree(nn.Module):
         output is compared; CFG 3 without filtering; random caches."""
         c, b = self.drafter.config, self.batch
         rows = catch_up_rows(self.tree)
-        first = self._past - 5  # the noise input's index
+        first = self._noise
         length = torch.randint(self.capacity - rows, (b,), generator=g)
         m = torch.randint(1, rows + 1, (b,), generator=g)
         top = self.drafter.freqs_cis.shape[0] - ROPE_PAD_ROWS - 1
