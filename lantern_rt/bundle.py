@@ -4,8 +4,8 @@ between the exporter and every engine.
 The exporter (:mod:`lantern_rt.export`) and calibration write bundles through
 :func:`staged_bundle` and :func:`write_manifest`; everyone else reads one through
 :meth:`Bundle.open`, which checks the manifest against its schema, every file against its sha256,
-every graph's declared inputs and outputs against its ONNX file, what the manifest states of the
-model against those graphs, and the manifest against its own digest (``manifest_digest``), once.
+every graph's declared inputs and outputs against its ONNX file and the dtypes the runtime feeds
+and reads, what the manifest states of the model against those graphs, and the manifest against its own digest (``manifest_digest``), once.
 The digest catches accidental edits, not deliberate ones: it is not a signature. The :class:`Bundle`
 it returns is passed down to backends, engines, calibration and the benchmark, which trust it.
 """
@@ -48,6 +48,23 @@ PREFILL_GRAPH = "target_prefill"
 DRAFTER_PREFILL_GRAPH = "drafter_prefill"  # the drafter over a multi-slot prefix (captions)
 TEXT_ENCODER_GRAPH = "text_encoder"  # prompt token ids -> caption features (text-conditional)
 VQ_DECODE_GRAPH = "vq_decode"
+
+# The dtype of each graph input the runtime builds and output it reads, by name, in every bundle
+# whatever its precision: a graph declaring another is refused on open (:func:`_check_dtypes`),
+# not by the runner at its first call. ``hidden`` and the caches (``past_*``, ``new_*``,
+# ``present_*``) are in a graph's compute dtype instead; ``cond`` is in CONDITION_DTYPES.
+RUNTIME_DTYPES = {
+    **dict.fromkeys(
+        ("node_tokens", "tokens", "cache_length", "root_position", "count", "length", "kept"), "int64"
+    ),
+    **dict.fromkeys(("top_k", "neighbors", "k", "codes", "ids", "mask"), "int64"),
+    **dict.fromkeys(("prefix", "valid", "greedy"), "bool"),
+    **dict.fromkeys(("q", "noise", "bonus_noise", "cfg_scale", "temperature", "top_p"), "float32"),
+    **dict.fromkeys(("cap_a", "cap_b", "logits", "probs", "images", "features"), "float32"),
+}
+# ``cond`` by the model's kind (gpt.model_type): class ids, T5 caption features (fp32 at every precision),
+# prompt token ids
+CONDITION_DTYPES = {"c2i": "int64", "t2i": "float32", "chameleon": "int64"}
 
 
 class BundleError(LanternError, ValueError):
@@ -191,8 +208,9 @@ class Bundle:
     @classmethod
     def open(cls, path: str | Path, check: Callable[[Bundle], Any] | None = None) -> Bundle:
         """Open the bundle at ``path`` after checking its manifest's schema and version, every
-        file's sha256, every graph's declared I/O against its ONNX file, the sizes, trees and
-        classes the manifest states against those graphs (:func:`_check_sizes`), then ``check(bundle)``
+        file's sha256, every graph's declared I/O against its ONNX file and the dtypes the runtime feeds and reads
+        (:func:`_check_dtypes`), the sizes, trees and classes the manifest states against those
+        graphs (:func:`_check_sizes`), then ``check(bundle)``
         (what a reader above this layer reads: ``families.loading.open_bundle``), and last the
         manifest's own digest; :class:`BundleError` says what is wrong."""
         path = Path(path).resolve()
@@ -204,6 +222,7 @@ class Bundle:
             bundle = cls(path, manifest)
         except ConfigError as err:  # gpt fields the config refuses
             raise BundleError(f"{path}: {err}") from None
+        _check_dtypes(bundle)
         _check_sizes(bundle)
         if check is not None:
             check(bundle)
@@ -301,6 +320,21 @@ def _check_files(path: Path, manifest: dict[str, Any]) -> None:
         inputs, outputs = io_specs(path / graph["file"])
         if inputs != graph["inputs"] or outputs != graph["outputs"]:
             raise BundleError(f"{path}: graph {name}'s inputs/outputs differ from {MANIFEST}")
+
+
+def _check_dtypes(bundle: Bundle) -> None:
+    """Every graph input and output the runtime feeds or reads (:data:`RUNTIME_DTYPES`,
+    :data:`CONDITION_DTYPES`) declared in the dtype it has there."""
+    condition = CONDITION_DTYPES[bundle.gpt.model_type]
+    for entry in bundle.graphs.values():
+        for io, specs, verb in (("input", entry.inputs, "feeds"), ("output", entry.outputs, "reads")):
+            for spec in specs:
+                wanted = condition if spec.name == "cond" else RUNTIME_DTYPES.get(spec.name)
+                if wanted is not None and spec.dtype != wanted:
+                    raise BundleError(
+                        f"{bundle.path}: graph {entry.name} declares {io} {spec.name} as {spec.dtype}, "
+                        f"and the runtime {verb} it as {wanted}: re-export the bundle"
+                    )
 
 
 def _check_sizes(bundle: Bundle) -> None:

@@ -1,0 +1,93 @@
+"""Command-line faults of issue 57: a graph input of a dtype the runtime does not feed, a
+``--features`` file that calls ``sys.exit``, and an export stopped by SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+import lantern_rt.runtime.backends.bundle_graphs as bundle_graphs
+import lantern_rt.runtime.backends.onnxruntime_backend as onnxruntime_backend
+from lantern_rt.bundle import CONDITION_DTYPES, MANIFEST, RUNTIME_DTYPES
+from lantern_rt.cli import main
+from lantern_rt.fileio import sha256
+from lantern_rt.graph_spec import dtype_name
+from tests.test_export import shared_bundle
+from tests.test_faults_output import resign
+
+# -- 1. graph dtypes: refused when the bundle is opened ----------------------------------------
+
+
+@pytest.fixture
+def bundle(tmp_path_factory, tmp_path) -> Path:
+    """A copy of the tiny class-conditional bundle (tests/test_export.py's, exported once)."""
+    return Path(shutil.copytree(shared_bundle(tmp_path_factory, "c2i-fp32"), tmp_path / "bundle"))
+
+
+def forge_dtype(bundle: Path, graph: str, io: str, name: str, dtype: str) -> None:
+    """Declare tensor ``name`` of ``graph`` as ``dtype`` in its ONNX file and in the manifest
+    alike, the file's sha256 and the manifest's digest recomputed: a "valid" manifest."""
+    file = bundle / json.loads((bundle / MANIFEST).read_text())["graphs"][graph]["file"]
+    model = onnx.load(str(file), load_external_data=False)
+    values = model.graph.input if io == "inputs" else model.graph.output
+    value = next(v for v in values if v.name == name)
+    value.type.tensor_type.elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    onnx.save(model, str(file))
+
+    def change(manifest: dict[str, Any]) -> None:
+        next(s for s in manifest["graphs"][graph][io] if s["name"] == name)["dtype"] = dtype
+        manifest["files"][file.name] = sha256(file)
+
+    resign(bundle, change)
+
+
+# (graph, "inputs"/"outputs", tensor, forged dtype, what the runtime feeds or reads)
+FORGED = {
+    "class-ids-int32": ("target_prefill", "inputs", "cond", "int32", "feeds it as int64"),
+    "tokens-int32": ("target_ar_step_w16", "inputs", "node_tokens", "int32", "feeds it as int64"),
+    "noise-float64": ("target_ar_step", "inputs", "noise", "float64", "feeds it as float32"),
+    "codes-int32": ("vq_decode", "inputs", "codes", "int32", "feeds it as int64"),
+    "kept-int32": ("target_ar_step", "outputs", "kept", "int32", "reads it as int64"),
+}
+
+
+@pytest.mark.parametrize("graph, io, name, dtype, says", FORGED.values(), ids=FORGED)
+def test_a_dtype_the_runtime_does_not_feed_is_refused_on_open(bundle, tmp_path, graph, io, name, dtype, says):
+    forge_dtype(bundle, graph, io, name, dtype)
+    png = tmp_path / "x.png"
+    generate = ["generate", "-q", "--bundle", str(bundle), "-n", "1", "--class", "1", "-o", str(png)]
+    for args in (generate, ["inspect", str(bundle)]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and result.stdout == "", (args[0], result.output)
+        assert result.stderr == (
+            f"error: {bundle.resolve()}: graph {graph} declares {io[:-1]} {name} as {dtype}, "
+            f"and the runtime {says}: re-export the bundle\n"
+        )
+    assert not png.exists()
+
+
+def test_the_dtypes_checked_on_open_are_those_the_runtime_feeds(bundle, tmp_path, monkeypatch):
+    """Every input an AR run feeds whose name RUNTIME_DTYPES (or CONDITION_DTYPES) holds has that
+    dtype: the table is the runtime's, not a copy of what the exporter declares."""
+    fed: dict[str, set[str]] = {}
+    check = bundle_graphs.check_input
+
+    def record(spec, arg):
+        fed.setdefault(spec.name, set()).add(dtype_name(arg.dtype))
+        check(spec, arg)
+
+    for module in (bundle_graphs, onnxruntime_backend):
+        monkeypatch.setattr(module, "check_input", record)
+    args = ["generate", "-q", "--bundle", str(bundle), "-n", "1", "--class", "1", "--method", "ar"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "x.png")])
+    assert result.exit_code == 0, result.output
+    wanted = RUNTIME_DTYPES | {"cond": CONDITION_DTYPES["c2i"]}
+    known = {name: dtypes for name, dtypes in fed.items() if name in wanted}
+    assert len(known) >= 15 and all(dtypes == {wanted[name]} for name, dtypes in known.items()), fed
