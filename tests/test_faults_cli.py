@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,28 @@ def test_the_dtypes_checked_on_open_are_those_the_runtime_feeds(bundle, tmp_path
     wanted = RUNTIME_DTYPES | {"cond": CONDITION_DTYPES["c2i"]}
     known = {name: dtypes for name, dtypes in fed.items() if name in wanted}
     assert len(known) >= 15 and all(dtypes == {wanted[name]} for name, dtypes in known.items()), fed
+
+
+# -- 2. --features: sys.exit while loading ------------------------------------------------------
+
+
+def bench_features(model: Path, spec: str, out: Path):
+    args = ["bench", "--model", str(model), "--backend", "torch", "--config", "ar", "--out", str(out)]
+    return CliRunner().invoke(main, [*args, "--features", spec])
+
+
+def test_a_features_file_that_exits_is_one_line(tiny_model_dir, tmp_path):
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\n\nsys.exit(3)\n")
+    result = bench_features(tiny_model_dir, f"{exits}:make", tmp_path / "never")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: --features {exits}:make: {exits}, line 3: SystemExit: 3\n"
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_features_file_interrupted_still_interrupts(tiny_model_dir, tmp_path):
+    """KeyboardInterrupt is not the file's failure: the run stops as for Ctrl-C."""
+    interrupts = tmp_path / "interrupts.py"
+    interrupts.write_text("raise KeyboardInterrupt\n")
+    result = bench_features(tiny_model_dir, f"{interrupts}:make", tmp_path / "never")
+    assert result.exit_code == 128 + signal.SIGINT and result.stderr == "error: stopped by SIGINT\n"

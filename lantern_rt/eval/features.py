@@ -30,6 +30,8 @@ from lantern_rt.training.data import to_model_range
 TORCHSCRIPT_SUFFIXES = (".pt", ".ts")
 IMPORTLIB_DIR = Path(importlib.__file__).parent
 SPEC_FORMS = "use path/to/file.py:NAME, package.module:NAME or a TorchScript .pt/.ts file"
+# what the user's code raises that is its own failure, sys.exit() included (Ctrl-C still interrupts)
+USER_FAILURES = (Exception, SystemExit)
 
 
 def _import(target: str, spec: str) -> ModuleType:
@@ -37,7 +39,7 @@ def _import(target: str, spec: str) -> ModuleType:
     if not target.endswith(".py"):
         try:
             return importlib.import_module(target)
-        except Exception as exc:  # the user's module: a syntax error or any failure while it runs
+        except USER_FAILURES as exc:  # the user's module: a syntax error or any failure while it runs
             raise ConfigError(f"--features {spec}: cannot import {target}: {_where(exc)}") from None
     path = Path(target)
     if not path.is_file():
@@ -47,7 +49,7 @@ def _import(target: str, spec: str) -> ModuleType:
     module = importlib.util.module_from_spec(loader_spec)
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file: a syntax error or any failure while it runs
+    except USER_FAILURES as exc:  # the user's file: a syntax error or any failure while it runs
         raise ConfigError(f"--features {spec}: {_where(exc, path)}") from None
     return module
 
@@ -93,7 +95,7 @@ def _extractor(spec: str) -> Any:
         raise ConfigError(f"--features {spec}: {name} is not callable ({type(factory).__name__})")
     try:
         made = factory()
-    except Exception as exc:  # the user's code
+    except USER_FAILURES as exc:  # the user's code
         origin = Path(module.__file__) if getattr(module, "__file__", None) else None
         raise ConfigError(f"--features {spec}: {name}() fails: {_where(exc, origin)}") from None
     if not callable(made):
@@ -125,7 +127,7 @@ def load_features(spec: str, image_shape: tuple[int, int, int]) -> FeatureFn:
             features(probe)
     except ConfigError:
         raise
-    except Exception as exc:  # the user's code: any failure on a valid batch is theirs to fix
+    except USER_FAILURES as exc:  # the user's code: any failure on a valid batch is theirs to fix
         raise ConfigError(
             f"--features {spec}: fails on a batch {list(probe.shape)} in [-1, 1]: {first_line(exc)}"
         ) from None
