@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +89,13 @@ def write_model_dir(root: Path, gpt: Transformer, vq: VQModel, gpt_file: str = "
 @pytest.fixture
 def tiny_model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny", tiny_gpt(), tiny_vq())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (for a server the test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --- built once per session --------------------------------------------------------------------

@@ -14,7 +14,6 @@ import base64
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ parser = pytest.importorskip("prometheus_client.parser")
 from PIL import Image  # noqa: E402
 
 from lantern_rt.images import grid  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 GEN = "/v1/images/generations"
@@ -60,12 +60,6 @@ class Server:
                 if sample.name == name and (labels is None or sample.labels == labels):
                     return sample.value
         return 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from lantern_rt.cli.options import (
 )
 from lantern_rt.errors import EXIT_BAD_INPUT, UserError, reports_errors
 from lantern_rt.runtime.run_shape import MAX_STREAMS
+from lantern_rt.serve.limits import MAX_CONNECTIONS, READ_TIMEOUT
 
 
 @click.command("serve")
@@ -46,6 +47,20 @@ from lantern_rt.runtime.run_shape import MAX_STREAMS
     default=300.0,
     show_default=True,
     help="Seconds a request may take; past it, 504 and its images are cancelled.",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=READ_TIMEOUT,
+    show_default=True,
+    help="Seconds a request's head may take to arrive, and then its body; past either, 408 and the connection closes.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=MAX_CONNECTIONS,
+    show_default=True,
+    help="Open connections, at most; a request on one past them gets 503 and its connection closes.",
 )
 @click.option(
     "--ray",
@@ -80,6 +95,8 @@ def serve_cmd(
     port,
     max_queue_images,
     request_timeout,
+    read_timeout,
+    max_connections,
     use_ray,
 ):
     """Serve POST /v1/images/generations (OpenAI's shape), /v1/models, /health, /health/ready and
@@ -106,12 +123,25 @@ def serve_cmd(
     if use_ray:
         from lantern_rt.serve.ray_serve import run_on_ray
 
-        run_on_ray(load, md.name, max_queue_images, request_timeout, host, port)
+        run_on_ray(load, md.name, max_queue_images, request_timeout, host, port, read_timeout=read_timeout)
         return
-    sys.exit(_run_server(load, md.name, max_queue_images, request_timeout, host, port))
+    sys.exit(
+        _run_server(
+            load, md.name, max_queue_images, request_timeout, read_timeout, max_connections, host, port
+        )
+    )
 
 
-def _run_server(load, model: str, max_queue_images: int, request_timeout: float, host: str, port: int) -> int:
+def _run_server(
+    load,
+    model: str,
+    max_queue_images: int,
+    request_timeout: float,
+    read_timeout: float,
+    max_connections: int,
+    host: str,
+    port: int,
+) -> int:
     """Run uvicorn until SIGTERM or SIGINT (the requests in flight finish first): exit code 0, or
     2 when the model fails to load."""
     import uvicorn
@@ -119,6 +149,7 @@ def _run_server(load, model: str, max_queue_images: int, request_timeout: float,
     from lantern_rt.serve.app import ServeSettings, create_app
     from lantern_rt.serve.engine import Engine
     from lantern_rt.serve.metrics import Metrics
+    from lantern_rt.serve.transport import ServerConfig
 
     failure: list[str] = []
 
@@ -127,8 +158,8 @@ def _run_server(load, model: str, max_queue_images: int, request_timeout: float,
         server.should_exit = True
 
     engine = Engine(load, max_queue_images, Metrics(), on_failure)
-    app = create_app(engine, ServeSettings(model, request_timeout))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    app = create_app(engine, ServeSettings(model, request_timeout, read_timeout))
+    server = uvicorn.Server(ServerConfig(app, host, port, read_timeout, max_connections))
     # uvicorn re-raises the signal that stopped it once it has drained; a stop asked for is a clean exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

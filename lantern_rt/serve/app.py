@@ -2,7 +2,7 @@
 sampling fields and acceptance statistics), ``GET /v1/models``, ``/health``, ``/health/ready``
 and ``/metrics``. Handlers only check, queue and wait: the engine's thread decodes
 (:mod:`lantern_rt.serve.engine`). Every error is a JSON body in OpenAI's shape, never a
-traceback."""
+traceback, and quotes at most :data:`QUOTED_CHARS` characters of what the client sent."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import math
+import re
 import secrets
 import time
 import uuid
@@ -21,24 +22,41 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantern_rt.api import Generator
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.images import pil_image
-from lantern_rt.serve.engine import Closed, Engine, ImageRequest, QueueFull
+from lantern_rt.serve.engine import Closed, Engine, ImageRequest, QueueFull, TooManyImages
+from lantern_rt.serve.limits import READ_TIMEOUT
 from lantern_rt.settings import MAX_SEED
 
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's limit on n
 MAX_BODY_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 16  # a body nests arrays and objects at most this deep (a valid one: 1)
+QUOTED_CHARS = 100  # of a value an error message quotes
+MAX_MESSAGE_CHARS = 1000  # of an error message
 GENERATIONS = "/v1/images/generations"
+REQUEST_ID = b"x-request-id"
 # the request fields the running decode fixes, and the server flag that sets each
 SAMPLING_FLAGS = {
     "cfg_scale": "--cfg-scale",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",
+}
+# request fields that name a decode setting of the server, not of a request, and its flag
+DECODE_FLAGS = {
+    "method": "--method",
+    "tree": "--tree",
+    "window": "--window",
+    "lantern_k": "--lantern-k",
+    "lantern_delta": "--lantern-delta",
+    "lantern_lambda": "--lantern-lambda",
+    "coupling": "--coupling",
+    "greedy": "--greedy",
 }
 
 
@@ -50,16 +68,35 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
 
+def clip(text: str, limit: int = QUOTED_CHARS) -> str:
+    """``text``, cut to ``limit`` characters (the last an ellipsis) when longer."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def quoted(value: object) -> str:
+    """``value`` as an error message quotes it: its repr, clipped."""
+    return clip(repr(value))
+
+
+def new_request_id() -> bytes:
+    """An ``X-Request-Id`` value: a uuid4."""
+    return str(uuid.uuid4()).encode()
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error body (the message clipped to :data:`MAX_MESSAGE_CHARS`)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
+    message = clip(message, MAX_MESSAGE_CHARS)
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class GenerationBody(BaseModel):
-    """``POST /v1/images/generations``: OpenAI's fields, lantern's sampling fields; others are
-    ignored (as OpenAI's ``quality`` or ``style``)."""
+    """``POST /v1/images/generations``: OpenAI's fields and lantern's sampling fields, strictly
+    typed (a JSON ``true`` is not a class id, a number is not a string); any other field is an
+    error but OpenAI's that do not change what this server makes, which are accepted and
+    ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str | int
     n: int = Field(1, ge=1, le=MAX_IMAGES_PER_REQUEST)
@@ -71,14 +108,28 @@ class GenerationBody(BaseModel):
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    # OpenAI's, accepted and ignored
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None
+    moderation: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_or_class_id(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise PydanticCustomError("prompt_type", "must be a string or an integer (a class id)")
+        return value
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """What the app needs besides its engine: the model's name and the request deadline."""
+    """What the app needs besides its engine: the model's name, the request deadline, and the
+    seconds a request's body may take to arrive."""
 
     model: str
     request_timeout: float
+    read_timeout: float = READ_TIMEOUT
 
 
 class RequestIds:
@@ -93,7 +144,7 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = str(uuid.uuid4()).encode()
+        request_id = new_request_id()
         t0 = time.monotonic()
         status = [500]
         started = [False]
@@ -128,7 +179,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         yield
         await asyncio.to_thread(engine.close)
 
-    app = FastAPI(title="lantern-rt", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="lantern-rt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     app.add_middleware(RequestIds, metrics=metrics)
 
@@ -166,7 +217,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     @app.post(GENERATIONS)
     async def generations(request: Request):
         arrived = time.monotonic()
-        body = await _parse(request)
+        body = await _parse(request, settings.read_timeout)
         if not engine.ready.is_set():
             raise ApiError(
                 503, engine.failed or "loading: exporting or warming up the model (GET /health/ready)"
@@ -181,6 +232,8 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         job = ImageRequest(labels, seed, on_done, arrived=arrived)
         try:
             engine.submit(job)
+        except TooManyImages as exc:
+            raise ApiError(400, str(exc), "n") from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
         except Closed as exc:
@@ -221,19 +274,27 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     return app
 
 
-async def _parse(request: Request) -> GenerationBody:
-    """The body, at most :data:`MAX_BODY_BYTES` (413), JSON (400), of the right fields (422)."""
+async def _parse(request: Request, read_timeout: float) -> GenerationBody:
+    """The body: arrived within ``read_timeout`` seconds (408), at most :data:`MAX_BODY_BYTES`
+    (413), JSON nested at most :data:`MAX_JSON_DEPTH` deep (400), of known fields (400) of the
+    right types and values (422)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        raw = await asyncio.wait_for(_read_body(request), read_timeout)
+    except asyncio.TimeoutError:
+        message = f"the body did not arrive within --read-timeout {read_timeout:g} s"
+        raise ApiError(408, message, headers={"Connection": "close"}) from None
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+    if _nests_deeper(text, MAX_JSON_DEPTH):
+        raise ApiError(400, f"the body nests JSON arrays and objects over {MAX_JSON_DEPTH} deep")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
         raise ApiError(400, f"the body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
@@ -241,8 +302,58 @@ async def _parse(request: Request) -> GenerationBody:
         return GenerationBody.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = clip(str(first["loc"][0])) if first["loc"] else None
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, _unrecognized(str(first["loc"][0])), param) from None
         raise ApiError(422, f"{param}: {first['msg']}", param) from None
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, at most :data:`MAX_BODY_BYTES` (413)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    return bytes(raw)
+
+
+_JSON_SPECIAL = re.compile(r'[\[\]{}"\\]')
+
+
+def _nests_deeper(text: str, limit: int) -> bool:
+    """Whether the JSON ``text`` opens over ``limit`` arrays or objects inside one another
+    (counted outside its strings, in one pass over its brackets, quotes and backslashes: the
+    parser itself recurses)."""
+    depth, in_string, escaped = 0, False, -1  # escaped: the position a backslash escapes
+    for special in _JSON_SPECIAL.finditer(text):
+        char, at = special.group(), special.start()
+        if at == escaped:
+            continue
+        if in_string:
+            if char == "\\":
+                escaped = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def _unrecognized(name: str) -> str:
+    """The 400's message for a body field this server does not know."""
+    message = f"unrecognized request argument supplied: {clip(name)}"
+    if name in DECODE_FLAGS:
+        return f"{message}: the running decode fixes it; start lantern serve with {DECODE_FLAGS[name]}"
+    if name == "lantern":
+        return f"{message}: the running decode fixes lantern's settings; start lantern serve with its flags"
+    return message
 
 
 def _labels(engine: Engine, settings: ServeSettings, body: GenerationBody) -> tuple[list[int | str], int]:
@@ -251,14 +362,14 @@ def _labels(engine: Engine, settings: ServeSettings, body: GenerationBody) -> tu
     gen = engine.generator
     info = gen.info
     if body.model not in (None, settings.model):
-        raise ApiError(400, f"this server runs model {settings.model!r}, not {body.model!r}", "model")
+        raise ApiError(400, f"this server runs model {settings.model!r}, not {quoted(body.model)}", "model")
     if body.response_format not in (None, "b64_json"):
         raise ApiError(
             400, "response_format must be b64_json (PNG): this server keeps no image URLs", "response_format"
         )
     size = f"{info.image_size}x{info.image_size}"
     if body.size not in (None, "auto", size):
-        raise ApiError(400, f"size must be {size} (the model's), not {body.size!r}", "size")
+        raise ApiError(400, f"size must be {size} (the model's), not {quoted(body.size)}", "size")
     running = gen.sampling
     for name, flag in SAMPLING_FLAGS.items():
         asked, runs = getattr(body, name), getattr(running, name)
@@ -274,8 +385,9 @@ def _labels(engine: Engine, settings: ServeSettings, body: GenerationBody) -> tu
         raise ApiError(400, "prompt names one class: its id or its name", "prompt")
     try:
         (condition,) = gen.conditions(prompt)
-    except LanternError as exc:
-        raise ApiError(400, first_line(exc), "prompt") from None
+    except LanternError as exc:  # it may quote the prompt: clipped
+        text = prompt.strip()
+        raise ApiError(400, first_line(exc).replace(repr(text), quoted(text)), "prompt") from None
     seed = secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed
     return [condition] * body.n, seed
 

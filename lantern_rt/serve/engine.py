@@ -33,6 +33,10 @@ class QueueFull(LanternError):
         self.retry_after = retry_after
 
 
+class TooManyImages(LanternError):
+    """A request of more images than the queue holds: it could never be taken."""
+
+
 class Closed(LanternError):
     """The engine takes no more requests (it is stopping, or its model failed to load)."""
 
@@ -102,11 +106,17 @@ class Engine:
         self._thread.start()
 
     def submit(self, request: ImageRequest) -> None:
-        """Queue ``request``'s images; :class:`QueueFull` (with a Retry-After) when they do not
-        fit, :class:`Closed` when the engine is stopping."""
+        """Queue ``request``'s images; :class:`TooManyImages` when they could never fit,
+        :class:`QueueFull` (with a Retry-After) when they do not fit now, :class:`Closed` when
+        the engine is stopping."""
         with self._cond:
             if self._closed or self.failed:
                 raise Closed(self.failed or "the server is shutting down")
+            if request.n > self.max_queue_images:
+                raise TooManyImages(
+                    f"n {request.n} is over the {self.max_queue_images} images the queue holds "
+                    "(lantern serve --max-queue-images): ask for fewer"
+                )
             if self._queued + request.n > self.max_queue_images:
                 wait = self._queued * (self._image_seconds or 1.0) / self.slots
                 raise QueueFull(
