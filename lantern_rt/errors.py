@@ -9,6 +9,7 @@ of the package, so every layer can use it.
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 from typing import Any
 
@@ -23,6 +24,17 @@ class LanternError(Exception):
 
 class UserError(LanternError):
     """Bad input given on the command line."""
+
+
+class Interrupted(SystemExit):
+    """A signal stopped the run: Ctrl-C (SIGINT) in a command, or SIGTERM while a file or folder
+    is written (:func:`lantern_rt.fileio.sigterm_raises`), raised where the process was so that
+    each block it leaves removes what it was writing; exit code 128 + the signal. A SystemExit,
+    so that no ``except Exception`` takes it."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 class TextEncoderError(LanternError, ValueError):
@@ -53,7 +65,14 @@ def first_line(exc: BaseException) -> str:
 class OneLineErrors(click.Group):
     """A command group whose usage errors (an unknown option, a value of the wrong type or out of
     range) are one line ``error: ...`` with exit code 2, as every other bad input is, rather than
-    click's usage, hint and error lines."""
+    click's usage, hint and error lines; a run stopped by a signal (:class:`Interrupted`) is one
+    line ``error: stopped by SIGINT`` with exit code 128 + the signal, rather than ``Aborted!``."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(signal.SIGINT) from None
 
     def main(self, *args, **kwargs):
         standalone = kwargs.pop("standalone_mode", True)
@@ -63,6 +82,9 @@ class OneLineErrors(click.Group):
             lines = exc.format_message().strip().splitlines()  # names the option, as str(exc) does not
             click.echo(f"error: {lines[0] if lines else 'invalid command line'}", err=True)
             sys.exit(EXIT_BAD_INPUT)
+        except Interrupted as exc:
+            click.echo(f"error: stopped by {signal.Signals(exc.signum).name}", err=True)
+            sys.exit(exc.code)
         except click.ClickException as exc:
             exc.show()
             sys.exit(exc.exit_code)

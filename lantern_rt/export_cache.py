@@ -92,6 +92,8 @@ def cached_bundle(
             waiting = functools.partial(
                 print, f"waiting for another run exporting {md.name}", file=sys.stderr
             )
+            # the empty lock file stays, after a stopped or killed run too: no lock is left held, and
+            # removing it would let a third run lock a new file while a waiting one holds this one
             stack.enter_context(held(root / f".{out.name}.lock", create=True, waiting=waiting))
         except OSError as exc:
             raise WriteError(

@@ -2,7 +2,8 @@
 
 Every temporary file or folder is ``.NAME.XXXXXXXX<suffix>`` beside its destination and held
 with an ``flock`` while its writer lives, so a later writer of the same destination removes the
-ones a killed run left (:func:`remove_stale`) and never a live run's.
+ones a killed run left (:func:`remove_stale`) and never a live run's. A run stopped by SIGTERM or
+Ctrl-C removes its own first (:func:`sigterm_raises`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from lantern_rt.errors import LanternError
+from lantern_rt.errors import Interrupted, LanternError
 
 
 class WriteError(LanternError, OSError):
@@ -66,29 +69,55 @@ def write_together(writes: Mapping[Path, Callable[[Path], object]]) -> None:
     staged: list[tuple[Path, Path, int]] = []  # (tmp, path, fd holding its lock)
     done: list[Path] = []
     path = Path()
+    with sigterm_raises():
+        try:
+            for path, write in writes.items():
+                remove_stale(path, path.suffix)
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+                staged.append((Path(tmp), path, fd))
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                write(Path(tmp))
+                os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+            for tmp, path, _ in staged:
+                os.replace(tmp, path)
+                done.append(path)
+        except BaseException as exc:
+            for new in done:
+                new.unlink(missing_ok=True)
+            for tmp, _, _ in staged:
+                tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # a nested atomic write names its own temporary file: name ours
+                reason = exc.reason if isinstance(exc, WriteError) else str(exc.strerror or exc)
+                raise WriteError(f"cannot write {path}: {reason}", reason) from None
+            raise
+        finally:
+            for _, _, fd in staged:
+                os.close(fd)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """For the block: SIGTERM raises :class:`~lantern_rt.errors.Interrupted` where the process
+    is, as Ctrl-C raises KeyboardInterrupt, so that the block removes what it was writing before
+    the process ends (SIGTERM's default action ends it at once); another SIGTERM is ignored until
+    the block ends. Only in the main thread (where Python runs signal handlers) and only in place
+    of the default action: a handler of the process's own is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup runs to its end
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        for path, write in writes.items():
-            remove_stale(path, path.suffix)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-            staged.append((Path(tmp), path, fd))
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            write(Path(tmp))
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
-        for tmp, path, _ in staged:
-            os.replace(tmp, path)
-            done.append(path)
-    except BaseException as exc:
-        for new in done:
-            new.unlink(missing_ok=True)
-        for tmp, _, _ in staged:
-            tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):  # a nested atomic write names its own temporary file: name ours
-            reason = exc.reason if isinstance(exc, WriteError) else str(exc.strerror or exc)
-            raise WriteError(f"cannot write {path}: {reason}", reason) from None
-        raise
+        yield
     finally:
-        for _, _, fd in staged:
-            os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -131,26 +160,28 @@ def remove_stale(dest: Path, suffix: str) -> None:
 @contextlib.contextmanager
 def staged_folder(dest: Path, what: str, error: type[LanternError] = WriteError) -> Iterator[Path]:
     """A temporary folder ``.NAME.XXXXXXXX.tmp`` beside ``dest`` to write a whole folder into
-    (held locked while it lives; the ones killed runs left are removed first), renamed to
+    (held locked while it lives; the ones killed runs left are removed first; SIGTERM removes
+    it too, :func:`sigterm_raises`), renamed to
     ``dest`` (replacing an existing one, :func:`replace_folder`) when the block succeeds and
     removed when it fails: readers see the old folder or the new one, never a part. An OS
     error making it is ``error``, one line naming ``what`` (the user's word for it) and
     ``dest``."""
     dest = Path(dest)
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(dest, ".tmp")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    except OSError as err:
-        raise error(f"cannot write {what} {dest}: {err.strerror or err}") from None
-    try:
-        with held(tmp):
-            yield tmp
-            tmp.chmod(0o755)  # mkdtemp made it private
-            replace_folder(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with sigterm_raises():
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(dest, ".tmp")
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+        except OSError as err:
+            raise error(f"cannot write {what} {dest}: {err.strerror or err}") from None
+        try:
+            with held(tmp):
+                yield tmp
+                tmp.chmod(0o755)  # mkdtemp made it private
+                replace_folder(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def replace_folder(tmp: Path, dest: Path) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from lantern_rt.cli import main
 from lantern_rt.fileio import sha256
 from lantern_rt.graph_spec import dtype_name
 from tests.test_export import shared_bundle
-from tests.test_faults_output import resign
+from tests.test_faults_output import resign, start
 
 # -- 1. graph dtypes: refused when the bundle is opened ----------------------------------------
 
@@ -117,3 +119,51 @@ def test_a_features_file_interrupted_still_interrupts(tiny_model_dir, tmp_path):
     interrupts.write_text("raise KeyboardInterrupt\n")
     result = bench_features(tiny_model_dir, f"{interrupts}:make", tmp_path / "never")
     assert result.exit_code == 128 + signal.SIGINT and result.stderr == "error: stopped by SIGINT\n"
+
+
+# -- 3. an export stopped by a signal (real processes) ------------------------------------------
+
+
+def stop_when(proc: subprocess.Popen, folder: Path, pattern: str, sig: int, but: Path | None = None) -> str:
+    """Send ``sig`` to ``proc`` once something matching ``pattern`` in ``folder`` (other than
+    ``but``) appears; its stderr once it has exited."""
+    deadline = time.monotonic() + 60
+    while not (folder.is_dir() and any(p != but for p in folder.glob(pattern))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no temporary folder appeared"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    return proc.communicate(timeout=60)[1]
+
+
+def stopped_by(sig: int, err: str, proc: subprocess.Popen) -> None:
+    """The process exited 128 + ``sig``, its last line on stderr saying so (before it: only
+    onnx's notes), no traceback."""
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err
+    assert err.splitlines()[-1] == f"error: stopped by {signal.Signals(sig).name}", err
+    assert err.count("error:") == 1, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_export_removes_its_folder_and_a_killed_one_s(tiny_model_dir, tmp_path, sig):
+    """The run removes its own temporary folder before it exits, and the one a killed run left
+    (unlocked) when it starts."""
+    exports = tmp_path / "exports"
+    stale = exports / ".b.dead0001.tmp"
+    stale.mkdir(parents=True)
+    (stale / "half.onnx").write_bytes(b"x")
+    args = ["--tree", "chain-1", "--cache-windows", "1", "--out", str(exports / "b")]
+    proc = start("export", "-q", "--model", str(tiny_model_dir), *args)
+    stopped_by(sig, stop_when(proc, exports, ".b.*.tmp", sig, but=stale), proc)
+    assert list(exports.iterdir()) == []
+
+
+def test_a_stopped_first_use_export_leaves_only_the_cache_s_lock(tiny_model_dir, tmp_path):
+    """The export cache's temporary folder is removed too; its lock file stays, empty and unheld."""
+    cache = tmp_path / "cache"
+    args = ["-n", "1", "--model", str(tiny_model_dir), "--backend", "onnxruntime", "--tree", "chain-1"]
+    proc = start("generate", "-q", *args, "-o", str(tmp_path / "x.png"), env={"LANTERN_CACHE": str(cache)})
+    stopped_by(signal.SIGTERM, stop_when(proc, cache / "bundles", ".tiny-*.tmp", signal.SIGTERM), proc)
+    (lock,) = (cache / "bundles").iterdir()
+    assert lock.name.startswith(".tiny-") and lock.name.endswith(".lock") and lock.read_bytes() == b""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "tiny"]
