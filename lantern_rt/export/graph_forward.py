@@ -171,8 +171,9 @@ class Block(nn.Module):
     ):
         super().__init__()
         self.attn_norm, self.wo, self.ffn_norm, self.w2 = attn_norm, wo, ffn_norm, w2
-        self.register_buffer("wqkv", wqkv.detach().clone(), persistent=False)
-        self.register_buffer("w13", w13.detach().clone(), persistent=False)
+        # the model's own fused weights (an export holds many graphs of one model: no copies)
+        self.register_buffer("wqkv", wqkv.detach(), persistent=False)
+        self.register_buffer("w13", w13.detach(), persistent=False)
         self.n_head, self.n_kv, self.head_dim = heads
         self.qk_norm = qk_norm is not None
         if qk_norm is not None:  # [H + Hkv, 1, D]: over q and k as [B, H + Hkv, S, D]
