@@ -117,7 +117,7 @@ def test_greedy_tokens_equal_the_demos_on_torch(wide, demo_tokens, name) -> None
     assert torch.equal(greedy_tokens(torch_pipeline(wide, method(name))), demo_tokens[name])
 
 
-@pytest.mark.slow  # exports the tiny widening (about 30 s)
+@pytest.mark.slow  # exports the tiny widening, then decodes (about 100 s on this shared CPU)
 def test_greedy_tokens_equal_the_demos_on_onnxruntime(wide, demo_tokens, tmp_path) -> None:
     path = export_bundle(wide, tmp_path / "bundle", trees=[load_tree(TREE)], threads=1, windows=1)
     bundle = Bundle.open(path)
@@ -172,7 +172,12 @@ def test_widen_command(tmp_path: Path) -> None:
     out = CliRunner().invoke(main, ["widen", "--size", "tiny", "--out", str(tmp_path / "m")])
     assert out.exit_code == 0, out.output
     assert open_model_dir(tmp_path / "m").gpt.dim == 384
-    taken = tmp_path / "taken"
-    (taken / "x").mkdir(parents=True)
-    refused = CliRunner().invoke(main, ["widen", "--size", "tiny", "--out", str(taken)])
-    assert refused.exit_code == 2 and (taken / "x").is_dir()
+    again = CliRunner().invoke(main, ["widen", "--size", "tiny", "--out", str(tmp_path / "m")])
+    assert again.exit_code == 0, again.output  # its own output is replaced
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "config.json").write_text("{}")  # another model directory
+    (tmp_path / "file").write_text("")
+    for taken in ("user", "file"):
+        refused = CliRunner().invoke(main, ["widen", "--size", "tiny", "--out", str(tmp_path / taken)])
+        assert refused.exit_code == 2 and "is not a model directory 'lantern widen' wrote" in refused.output
+    assert (tmp_path / "user" / "config.json").read_text() == "{}"

@@ -21,7 +21,7 @@ from lantern_rt.models.sizes import SIZES
     "--out",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write the model directory here (a new folder, or one this command wrote). "
+    help="Write the model directory here (a new folder, or one this command wrote: replaced). "
     "Default: the cache, $LANTERN_CACHE/models (built once, reused after).",
 )
 @reports_errors
@@ -35,11 +35,24 @@ def widen_cmd(size: str, out: Path | None) -> None:
     from lantern_rt.models.widen import write_widened
 
     size_shape(size)
-    if out is not None and out.exists() and not (out / "config.json").is_file():
-        if not out.is_dir() or any(out.iterdir()):
-            raise UserError(f"--out {out} exists and is not a model directory; give a new folder")
+    if out is not None and not _replaceable(out):
+        raise UserError(
+            f"--out {out} exists and is not a model directory 'lantern widen' wrote; give a new folder"
+        )
     t0 = time.perf_counter()
     path = sized_model_dir(size) if out is None else write_widened(out, size)
     weights = sum(f.stat().st_size for f in path.rglob("*.safetensors"))
     click.echo(f"{size}: {weights / 1e6:.0f} MB of weights in {time.perf_counter() - t0:.1f}s", err=True)
     click.echo(path)
+
+
+def _replaceable(out: Path) -> bool:
+    """Whether ``--out`` may be (re)written: absent, an empty folder, or a widened model's."""
+    from lantern_rt.models.config import ConfigError, read_json
+
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return True
+    try:
+        return out.is_dir() and "widened" in read_json(out / "config.json")
+    except ConfigError:
+        return False

@@ -120,18 +120,24 @@ class Spec(NamedTuple):
     make: Callable[[], Tensor]
 
 
-def _rand(g: torch.Generator, shape: tuple[int, ...]) -> Tensor:
+Shape = tuple[int, ...]
+
+
+def _rand(g: torch.Generator, shape: Shape) -> Tensor:
     return torch.randn(shape, generator=g) * STD
 
 
-def _pad(demo: Tensor, width: int) -> Tensor:
-    """``demo`` [..., D] in the first D of ``width`` columns, zeros after (a residual writer)."""
-    out = torch.zeros(*demo.shape[:-1], width)
+# The makers of :class:`Spec` tensors: each takes the tensor's shape last (:func:`_spec` passes it).
+
+
+def _pad(demo: Tensor, shape: Shape) -> Tensor:
+    """``demo`` [..., D] in the first D columns, zeros after (a residual writer)."""
+    out = torch.zeros(shape)
     out[..., : demo.shape[-1]] = demo
     return out
 
 
-def _reads(g: torch.Generator, demo: Tensor | None, shape: tuple[int, int], rows: Tensor | slice) -> Tensor:
+def _reads(g: torch.Generator, demo: Tensor | None, rows: Tensor | slice, shape: Shape) -> Tensor:
     """A matrix reading the residual: random, with ``demo`` at ``rows`` and the first D columns."""
     out = _rand(g, shape)
     if demo is not None:
@@ -139,7 +145,7 @@ def _reads(g: torch.Generator, demo: Tensor | None, shape: tuple[int, int], rows
     return out
 
 
-def _writes(demo: Tensor | None, shape: tuple[int, int], cols: Tensor | slice) -> Tensor:
+def _writes(demo: Tensor | None, cols: Tensor | slice, shape: Shape) -> Tensor:
     """A matrix writing to the residual: zero, with ``demo`` in the first D rows at ``cols``."""
     out = torch.zeros(shape)
     if demo is not None:
@@ -147,160 +153,101 @@ def _writes(demo: Tensor | None, shape: tuple[int, int], cols: Tensor | slice) -
     return out
 
 
-def _norm(g: torch.Generator, w: Widening, demo: Tensor | None) -> Tensor:
+def _norm(g: torch.Generator, w: Widening, demo: Tensor | None, shape: Shape) -> Tensor:
     """RMSNorm weights: the demo's times sqrt(D / D'), random around 1 elsewhere."""
-    out = 1 + 0.1 * torch.randn(w.wide.dim, generator=g)
+    out = 1 + 0.1 * torch.randn(shape, generator=g)
     if demo is not None:
         out[: demo.shape[0]] = demo * w.norm_scale
     return out
 
 
-def _heads(g: torch.Generator, w: Widening, demo: Tensor | None, query: bool) -> Tensor:
+def _heads(g: torch.Generator, w: Widening, demo: Tensor | None, query: bool, shape: Shape) -> Tensor:
     """A q, k or v projection [n_head' x 64, D']: the demo's heads at :attr:`Widening.head_rows`
     (q scaled by sqrt(ratio), and zero in the demo's columns of those heads' other rows), random
     elsewhere."""
     if demo is not None and query and w.mistake != "q_scale":
         demo = demo * math.sqrt(w.ratio)
-    out = _reads(g, demo, (w.wide.n_head * w.wide.head_dim, w.wide.dim), w.head_rows)
+    out = _reads(g, demo, w.head_rows, shape)
     if demo is not None and query:
         out[w.blank_rows, : demo.shape[1]] = 0
     return out
 
 
-def _qkv(g: torch.Generator, w: Widening, demo: Tensor | None) -> Tensor:
-    """LlamaGen's joined ``wqkv`` (q, k, v rows stacked)."""
+def _qkv(g: torch.Generator, w: Widening, demo: Tensor | None, shape: Shape) -> Tensor:
+    """LlamaGen's joined ``wqkv``: the q, k and v projections' rows stacked."""
     parts = (None, None, None) if demo is None else demo.chunk(3)
-    return torch.cat([_heads(g, w, part, i == 0) for i, part in enumerate(parts)])
+    third = (shape[0] // 3, shape[1])
+    return torch.cat([_heads(g, w, part, i == 0, third) for i, part in enumerate(parts)])
 
 
-def _fc(g: torch.Generator, w: Widening, demo: Tensor) -> Tensor:
+def _fc(g: torch.Generator, w: Widening, demo: Tensor, shape: Shape) -> Tensor:
     """The drafter's input fusion [D', 2D'] over (embedding, hidden): the demo's blocks in the
     first D rows, zero rows after, random columns for the extra input dims."""
     d, wide = w.demo.dim, w.wide.dim
-    out = _rand(g, (wide, 2 * wide))
+    out = _rand(g, shape)
     out[d:] = 0
     out[:d, :d] = demo[:, :d]
     out[:d, wide : wide + d] = demo[:, d:]
     return out
 
 
+def _spec(name: str, shape: Shape, make: Callable[..., Tensor], *args: object) -> Spec:
+    return Spec(name, shape, functools.partial(make, *args, shape))
+
+
 def target_specs(w: Widening, demo: dict[str, Tensor], g: torch.Generator) -> list[Spec]:
     """The wide target's tensors in LlamaGen's names, from the demo's state ``demo``."""
     dim, ffn, vocab = w.wide.dim, w.wide.ffn_hidden, w.wide.vocab_size
-    qkv_rows = (w.wide.n_head + 2 * w.wide.kv_heads) * w.wide.head_dim
-    classes = demo["cls_embedding.embedding_table.weight"]
+    qkv = ((w.wide.n_head + 2 * w.wide.kv_heads) * w.wide.head_dim, dim)
+    tokens, classes = demo["tok_embeddings.weight"], demo["cls_embedding.embedding_table.weight"]
     specs = [
-        Spec(
-            "tok_embeddings.weight", (vocab, dim), functools.partial(_pad, demo["tok_embeddings.weight"], dim)
-        ),
-        Spec(
-            "cls_embedding.embedding_table.weight",
-            (classes.shape[0], dim),
-            functools.partial(_pad, classes, dim),
-        ),
+        _spec("tok_embeddings.weight", (vocab, dim), _pad, tokens),
+        _spec("cls_embedding.embedding_table.weight", (classes.shape[0], dim), _pad, classes),
     ]
-    ffn_rows = slice(0, w.demo.ffn_hidden)
+    units, heads = slice(0, w.demo.ffn_hidden), w.head_rows
     for i in range(w.wide.n_layer):
         p = f"layers.{i}."
-        old = {k.removeprefix(p): v for k, v in demo.items() if k.startswith(p)}
+        old = {k.removeprefix(p): v for k, v in demo.items() if k.startswith(p)}.get  # None: an extra layer
         specs += [
-            Spec(
-                p + "attention_norm.weight",
-                (dim,),
-                functools.partial(_norm, g, w, old.get("attention_norm.weight")),
-            ),
-            Spec(
-                p + "attention.wqkv.weight",
-                (qkv_rows, dim),
-                functools.partial(_qkv, g, w, old.get("attention.wqkv.weight")),
-            ),
-            Spec(
-                p + "attention.wo.weight",
-                (dim, dim),
-                functools.partial(_writes, old.get("attention.wo.weight"), (dim, dim), w.head_rows),
-            ),
-            Spec(p + "ffn_norm.weight", (dim,), functools.partial(_norm, g, w, old.get("ffn_norm.weight"))),
-            Spec(
-                p + "feed_forward.w1.weight",
-                (ffn, dim),
-                functools.partial(_reads, g, old.get("feed_forward.w1.weight"), (ffn, dim), ffn_rows),
-            ),
-            Spec(
-                p + "feed_forward.w3.weight",
-                (ffn, dim),
-                functools.partial(_reads, g, old.get("feed_forward.w3.weight"), (ffn, dim), ffn_rows),
-            ),
-            Spec(
-                p + "feed_forward.w2.weight",
-                (dim, ffn),
-                functools.partial(_writes, old.get("feed_forward.w2.weight"), (dim, ffn), ffn_rows),
-            ),
+            _spec(p + "attention_norm.weight", (dim,), _norm, g, w, old("attention_norm.weight")),
+            _spec(p + "attention.wqkv.weight", qkv, _qkv, g, w, old("attention.wqkv.weight")),
+            _spec(p + "attention.wo.weight", (dim, dim), _writes, old("attention.wo.weight"), heads),
+            _spec(p + "ffn_norm.weight", (dim,), _norm, g, w, old("ffn_norm.weight")),
+            _spec(p + "feed_forward.w1.weight", (ffn, dim), _reads, g, old("feed_forward.w1.weight"), units),
+            _spec(p + "feed_forward.w3.weight", (ffn, dim), _reads, g, old("feed_forward.w3.weight"), units),
+            _spec(p + "feed_forward.w2.weight", (dim, ffn), _writes, old("feed_forward.w2.weight"), units),
         ]
     return specs + [
-        Spec("norm.weight", (dim,), functools.partial(_norm, g, w, demo["norm.weight"])),
-        Spec(
-            "output.weight",
-            (vocab, dim),
-            functools.partial(_reads, g, demo["output.weight"], (vocab, dim), slice(None)),
-        ),
+        _spec("norm.weight", (dim,), _norm, g, w, demo["norm.weight"]),
+        _spec("output.weight", (vocab, dim), _reads, g, demo["output.weight"], slice(None)),
     ]
 
 
 def drafter_specs(w: Widening, demo: dict[str, Tensor], layers: int, g: torch.Generator) -> list[Spec]:
     """The wide drafter's tensors in the EAGLE names, from the demo drafter's state ``demo``."""
-    dim, ffn = w.wide.dim, w.wide.ffn_hidden
+    dim, ffn, width = w.wide.dim, w.wide.ffn_hidden, w.wide.n_head * w.wide.head_dim
     embed = demo["embed_tokens.weight"]
-    ffn_rows = slice(0, w.demo.ffn_hidden)
     specs = [
-        Spec("embed_tokens.weight", (embed.shape[0], dim), functools.partial(_pad, embed, dim)),
-        Spec("fc.weight", (dim, 2 * dim), functools.partial(_fc, g, w, demo["fc.weight"])),
-        Spec("fc.bias", (dim,), functools.partial(_pad, demo["fc.bias"], dim)),
+        _spec("embed_tokens.weight", (embed.shape[0], dim), _pad, embed),
+        _spec("fc.weight", (dim, 2 * dim), _fc, g, w, demo["fc.weight"]),
+        _spec("fc.bias", (dim,), _pad, demo["fc.bias"]),
     ]
-    heads = w.wide.n_head * w.wide.head_dim
+    units, heads = slice(0, w.demo.ffn_hidden), w.head_rows
     for i in range(layers):
         p = f"layers.{i}."
-        if p + "input_layernorm.weight" in demo:
-            specs.append(
-                Spec(
-                    p + "input_layernorm.weight",
-                    (dim,),
-                    functools.partial(_norm, g, w, demo[p + "input_layernorm.weight"]),
-                )
-            )
+        old = {k.removeprefix(p): v for k, v in demo.items() if k.startswith(p)}
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            if name in old:  # EAGLE's layer 0 has no input norm
+                specs.append(_spec(p + name, (dim,), _norm, g, w, old[name]))
+        for x in ("q", "k", "v"):
+            name = f"self_attn.{x}_proj.weight"
+            specs.append(_spec(p + name, (width, dim), _heads, g, w, old[name], x == "q"))
+        o_proj = "self_attn.o_proj.weight"
         specs += [
-            Spec(
-                p + f"self_attn.{name}_proj.weight",
-                (heads, dim),
-                functools.partial(_heads, g, w, demo[p + f"self_attn.{name}_proj.weight"], name == "q"),
-            )
-            for name in ("q", "k", "v")
-        ]
-        specs += [
-            Spec(
-                p + "self_attn.o_proj.weight",
-                (dim, heads),
-                functools.partial(_writes, demo[p + "self_attn.o_proj.weight"], (dim, heads), w.head_rows),
-            ),
-            Spec(
-                p + "post_attention_layernorm.weight",
-                (dim,),
-                functools.partial(_norm, g, w, demo[p + "post_attention_layernorm.weight"]),
-            ),
-            Spec(
-                p + "mlp.gate_proj.weight",
-                (ffn, dim),
-                functools.partial(_reads, g, demo[p + "mlp.gate_proj.weight"], (ffn, dim), ffn_rows),
-            ),
-            Spec(
-                p + "mlp.up_proj.weight",
-                (ffn, dim),
-                functools.partial(_reads, g, demo[p + "mlp.up_proj.weight"], (ffn, dim), ffn_rows),
-            ),
-            Spec(
-                p + "mlp.down_proj.weight",
-                (dim, ffn),
-                functools.partial(_writes, demo[p + "mlp.down_proj.weight"], (dim, ffn), ffn_rows),
-            ),
+            _spec(p + o_proj, (dim, width), _writes, old[o_proj], heads),
+            _spec(p + "mlp.gate_proj.weight", (ffn, dim), _reads, g, old["mlp.gate_proj.weight"], units),
+            _spec(p + "mlp.up_proj.weight", (ffn, dim), _reads, g, old["mlp.up_proj.weight"], units),
+            _spec(p + "mlp.down_proj.weight", (dim, ffn), _writes, old["mlp.down_proj.weight"], units),
         ]
     return specs
 
