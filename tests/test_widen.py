@@ -1,4 +1,4 @@
-"""The demo widened to LlamaGen's shapes (lantern_rt/models/widen.py) keeps the demo's function:
+"""The demo widened to LlamaGen's shapes (lantern_rt/sized_demo/widen.py) keeps the demo's function:
 its logits equal the demo's to fp32 round-off (a prefill, cached steps, the drafter), its greedy
 tokens equal the demo's for every method on torch and onnxruntime, and each planted mistake of
 the widening moves the logits past that tolerance. At the ``tiny`` size (dim 384, 6 heads of 64,
@@ -22,11 +22,11 @@ from lantern_rt.generate import generate
 from lantern_rt.models.checkpoint import read_state_dict
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import DEMO_DIR
-from lantern_rt.models.sizes import SIZES, sized_model_dir
-from lantern_rt.models.widen import MISTAKES, Widening, write_widened
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
+from lantern_rt.sized_demo.sizes import SIZES, sized_model_dir
+from lantern_rt.sized_demo.widen import MISTAKES, Widening, write_widened
 
 # fp32 round-off of the widened model measured 1.3e-5 on logits up to 16; the subtlest planted
 # mistake (eps not rescaled) moves them by 7e-2

@@ -1,7 +1,7 @@
 """The demo model at LlamaGen's sizes: the names, and the cached model directory of each.
 
 A sized model is the demo widened to a LlamaGen GPT shape with its function kept
-(:mod:`lantern_rt.models.widen`): the demo's tokens at the cost of a real-sized step. Each is
+(:mod:`lantern_rt.sized_demo.widen`): the demo's tokens at the cost of a real-sized step. Each is
 built on first use under ``$LANTERN_CACHE/models`` (or ``~/.cache/lantern-rt/models``), keyed
 by the demo's files, the size, the seed and the widening's own source, so a changed recipe
 builds anew. Torch-free at import: the command line reads :data:`SIZES` for its ``--help``.
@@ -46,7 +46,7 @@ def sized_model_dir(size: str, seed: int = DEFAULT_SEED) -> Path:
     cache cannot be written."""
     from lantern_rt.export_cache import cache_root
     from lantern_rt.fileio import WriteError, held
-    from lantern_rt.models import widen
+    from lantern_rt.sized_demo import widen
 
     size_shape(size)
     root = cache_root().parent / "models"

@@ -1,7 +1,7 @@
 """Function-preserving widening: the demo's weights inside a model and drafter of LlamaGen's shape.
 
 The demo (dim 160, 6 layers, 5 heads of 32, FFN 448) becomes a model of a
-:data:`~lantern_rt.models.sizes.SIZES` shape (LlamaGen's dim, layers, heads of 64 and FFN width)
+:data:`~lantern_rt.sized_demo.sizes.SIZES` shape (LlamaGen's dim, layers, heads of 64 and FFN width)
 whose logits are the demo's to fp32 round-off, by these rules (the formulas of
 :mod:`lantern_rt.models.target` and :mod:`lantern_rt.models.drafter`):
 
@@ -56,7 +56,7 @@ from lantern_rt.families.loading import load_drafter, load_target, open_model_di
 from lantern_rt.fileio import staged_folder
 from lantern_rt.models.config import ConfigError, GPTConfig, to_dict
 from lantern_rt.models.model_dir import DEMO_DIR
-from lantern_rt.models.sizes import DEFAULT_SEED, MULTIPLE_OF, size_shape
+from lantern_rt.sized_demo.sizes import DEFAULT_SEED, MULTIPLE_OF, size_shape
 
 STD = 0.02  # LlamaGen's initialisation of its Linear and Embedding weights
 # Deliberate mistakes a test plants to see that the widening's check catches each: RMSNorm's eps
@@ -276,7 +276,7 @@ def write_safetensors(path: Path, specs: list[Spec]) -> int:
 
 
 def write_widened(out: Path, size: str, seed: int = DEFAULT_SEED, mistake: str | None = None) -> Path:
-    """Write the demo widened to ``size`` (a :data:`~lantern_rt.models.sizes.SIZES` name) as a
+    """Write the demo widened to ``size`` (a :data:`~lantern_rt.sized_demo.sizes.SIZES` name) as a
     model directory at ``out`` (whole or not at all; one there is replaced): the wide target
     and drafter in fp32, the demo's tokenizer and neighbour table, its config with the GPT
     shape changed. ``mistake`` (tests only) plants one of :data:`MISTAKES`."""
