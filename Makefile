@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,ray,t2i,chameleon,serve]"
+	$(PY) -m pip install -q -e ".[dev,ray,t2i,chameleon,serve,openvino]"
 	touch $(STAMP)
 
 demo: $(STAMP)

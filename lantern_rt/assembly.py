@@ -34,8 +34,8 @@ from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
-from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, RunShape
-from lantern_rt.runtime.streams import Stream, auto_streams, stream_threads
+from lantern_rt.runtime.run_shape import RunShape
+from lantern_rt.runtime.streams import Stream, cpu_streams, stream_threads
 from lantern_rt.runtime.tree import StaticTree, load_tree
 
 if TYPE_CHECKING:  # the settings read the backend registry, which builds through this module
@@ -251,8 +251,7 @@ def onnxruntime_pipeline(
     if streams is None:
         streams = 1
         if default_providers()[0] != CUDA:
-            batches = AUTO_STREAMS_MAX if images is None else -(-images // shape.batch_size)
-            streams, threads = auto_streams(threads, batches)
+            streams, threads = cpu_streams(shape, threads, images)
     graphs = bundle.batch(shape.batch_size)
     # one stream calls its sessions alone: their pools may spin within a call (not measured
     # shared by several streams)

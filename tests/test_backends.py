@@ -97,12 +97,14 @@ def test_the_default_backend_follows_the_old_rules(monkeypatch):
 
 
 def test_what_a_backend_runs_and_where_is_asked_of_its_record():
-    assert list(BACKENDS) == ["onnxruntime", "tensorrt", "torch"]
+    assert list(BACKENDS) == ["onnxruntime", "openvino", "tensorrt", "torch"]
     assert cpu_backends(bundle=False) == ("torch", "onnxruntime")  # lantern bench's default rows
     assert cpu_backends(bundle=True) == ("onnxruntime",)
     assert runs_on_gpu("tensorrt", "cpu") and runs_on_gpu("torch", "cuda:0")
     assert not runs_on_gpu("onnxruntime", "cpu") and not runs_on_gpu("torch", "cpu")
-    with pytest.raises(ConfigError, match="unknown backend 'jax'; choose from onnxruntime, tensorrt, torch"):
+    with pytest.raises(
+        ConfigError, match="unknown backend 'jax'; choose from onnxruntime, openvino, tensorrt, torch"
+    ):
         backend_named("jax")
     with pytest.raises(ConfigError, match="the torch backend runs a model directory, not a bundle"):
         backend_named("torch").check_bundle()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.decode import ImageResult, Job, JobSource, Speculation, StepCache, decode_images
-from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, available_cores
+from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, RunShape, available_cores
 from lantern_rt.runtime.sampling import SamplingConfig
 
 
@@ -43,6 +43,15 @@ def auto_streams(threads: int, batches: int, cores: int | None = None) -> tuple[
     budget = threads or (cores or available_cores())
     streams = max(1, min(budget, batches, AUTO_STREAMS_MAX))
     return streams, threads if streams == 1 else budget
+
+
+def cpu_streams(shape: RunShape, threads: int, images: int | None) -> tuple[int, int]:
+    """(streams, threads) of a run in ``shape`` on the CPU: its streams as given, or for streams
+    None :func:`auto_streams` for a run of ``images`` images (None: a run of any length)."""
+    if shape.streams is not None:
+        return shape.streams, threads
+    batches = AUTO_STREAMS_MAX if images is None else -(-images // shape.batch_size)
+    return auto_streams(threads, batches)
 
 
 def decode_streams(

@@ -119,6 +119,16 @@ def _onnxruntime_in_place(device: str) -> bool:
     return writes_cache_in_place(device)
 
 
+def _openvino(
+    source: ModelDir | Bundle, method: MethodConfig, shape: RunShape, options: EngineOptions
+) -> Pipeline:
+    from lantern_rt.runtime.backends.openvino_backend import openvino_pipeline
+
+    if not options.device.startswith("cpu"):
+        raise ConfigError(f"the openvino backend runs on the CPU, not {options.device}: use --device cpu")
+    return openvino_pipeline(source, method, shape, threads=options.threads, images=options.images)  # type: ignore[arg-type]
+
+
 def _tensorrt(
     source: ModelDir | Bundle, method: MethodConfig, shape: RunShape, options: EngineOptions
 ) -> Pipeline:
@@ -148,6 +158,14 @@ BACKENDS: dict[str, Backend] = {
             in_place=_onnxruntime_in_place,
             cpu_rank=0,
             gpu_rank=2,
+        ),
+        Backend(
+            "openvino",
+            "openvino",
+            "pip install 'lantern-rt[openvino]'",
+            frozenset({BUNDLE}),
+            _openvino,
+            streams=True,
         ),
         Backend(
             "tensorrt",
@@ -205,9 +223,9 @@ def runs_on_gpu(backend: str, device: str) -> bool:
 
 
 def cpu_backends(bundle: bool) -> tuple[str, ...]:
-    """The backends that run on a CPU and take a bundle (``bundle``) or a model directory (as it
-    is or exported), those that run it as it is first: what ``lantern bench`` measures when
-    given none (torch and onnxruntime; onnxruntime for a bundle)."""
+    """The backends ranked on a CPU (:attr:`Backend.cpu_rank`) that take a bundle (``bundle``)
+    or a model directory (as it is or exported), those that run it as it is first: what
+    ``lantern bench`` measures when given none (torch and onnxruntime; onnxruntime for a bundle)."""
     given = BUNDLE if bundle else MODEL
-    able = [b for b in BACKENDS.values() if not b.gpu_only and (BUNDLE in b.runs or not bundle)]
+    able = [b for b in BACKENDS.values() if b.cpu_rank is not None and (BUNDLE in b.runs or not bundle)]
     return tuple(b.name for b in sorted(able, key=lambda b: given not in b.runs))
