@@ -54,34 +54,112 @@ def share_weights(graphs: Sequence[Path], weights_file: Path, min_bytes: int = 1
     ``weights_file``, once per distinct content, renamed to its content name ``w_<hash>``; the
     graphs are rewritten in place and the external data files they read before are deleted
     unless another graph of the folder reads them. Refuses a ``weights_file`` that exists:
-    sharing runs once, on freshly exported graphs."""
+    sharing runs once, on freshly exported graphs. The weights pass through memory one tensor
+    at a time; no graph is rewritten unless every one is shared."""
     graphs, weights_file = [Path(p) for p in graphs], Path(weights_file)
-    folder = weights_file.parent
     _check_share_args(graphs, weights_file)
     listed = {p.resolve() for p in graphs}
-    others = [p for p in folder.glob("*.onnx") if not p.name.startswith(".") and p.resolve() not in listed]
-    still_read = set().union(*(_external_locations(_load_bare(p)) for p in others))
     old: set[str] = set()  # external data files the graphs read before
     serialized: list[bytes] = []
-    stats = {"tensors": 0, "bytes": 0, "references": 0}
+    result: list[SharedWeights] = []
 
     def write(tmp: Path) -> None:
-        offsets: dict[str, tuple[int, int]] = {}  # content key -> (offset, length)
         with tmp.open("wb") as out:
+            writer = WeightsWriter(out, weights_file.name, min_bytes)
             for path in graphs:
-                model = _load_bare(path)
-                old.update(_external_locations(model))
-                external_data_helper.load_external_data_for_model(model, str(folder))
-                stats["references"] += _share_model(model, out, offsets, weights_file.name, min_bytes)
+                model, read = writer.join(path)
+                old.update(read)
                 serialized.append(model.SerializeToString())  # here, to fail before any rename
-            stats["tensors"], stats["bytes"] = len(offsets), out.tell()
+            result.append(writer.result(weights_file))
 
     atomic_write(weights_file, write)
     for path, data in zip(graphs, serialized, strict=True):
         atomic_write(path, lambda tmp, data=data: tmp.write_bytes(data))
-    for location in old - still_read:
+    _delete_unread(weights_file.parent, old, listed)
+    return result[0]
+
+
+class WeightsWriter:
+    """A weights file open for writing that graphs join one at a time: :meth:`join` moves a
+    graph's initializers of at least ``min_bytes`` into it, once per distinct content, reading
+    one tensor at a time (from its external data file or its proto)."""
+
+    def __init__(self, out: BinaryIO, location: str, min_bytes: int = 1024):
+        self.out, self.location, self.min_bytes = out, location, min_bytes
+        self.offsets: dict[str, tuple[int, int]] = {}  # content key -> (offset, length)
+        self.references = 0
+        self.size = out.tell()
+
+    def join(self, path: Path) -> tuple[onnx.ModelProto, set[str]]:
+        """The graph at ``path`` (left as it is) reading this file for its big initializers,
+        renamed to their content names, and everything else inline; the external data files
+        (relative to its folder) it read before."""
+        model = _load_bare(Path(path))
+        read = _external_locations(model)
+        self.references += _share_model(model, Path(path).parent, self, self.min_bytes)
+        return model, read
+
+    def place(self, key: str, raw: bytes) -> tuple[int, int]:
+        """Where the content ``raw`` (content key ``key``) lies in the file: written now, aligned
+        to :data:`ALIGN`, unless it is there already."""
+        if key not in self.offsets:
+            self.out.write(b"\0" * (-self.out.tell() % ALIGN))
+            self.offsets[key] = (self.out.tell(), len(raw))
+            self.out.write(raw)
+            self.size = self.out.tell()
+        return self.offsets[key]
+
+    def result(self, file: Path) -> SharedWeights:
+        """What the file holds so far (``file``: its final path)."""
+        return SharedWeights(file, len(self.offsets), self.size, self.references)
+
+
+class GraphByGraph:
+    """:func:`share_weights` for graphs exported one at a time into a fresh folder: :meth:`add`
+    moves a graph's big initializers into ``weights_file`` at once, rewrites the graph and
+    deletes the external data files it read unless another graph of the folder reads them, so
+    that the folder holds the shared file and the graph being exported, never every graph's
+    own copy of the weights. A failure leaves the folder half shared (an exporter's staging
+    folder, removed on failure)."""
+
+    def __init__(self, weights_file: Path, min_bytes: int = 1024):
+        self.file = Path(weights_file)
+        _check_weights_file(self.file)
+        self._out = self.file.open("xb")
+        self._writer = WeightsWriter(self._out, self.file.name, min_bytes)
+        self._added: set[Path] = set()
+
+    def add(self, graph: Path) -> None:
+        """Share ``graph``'s weights (a graph of the weights file's folder, added once)."""
+        graph = Path(graph)
+        _check_graph_folder(graph, self.file)
+        if graph.resolve() in self._added:
+            raise ShareError(f"{graph} is added twice")
+        model, read = self._writer.join(graph)
+        self._out.flush()
+        atomic_write(graph, lambda tmp: tmp.write_bytes(model.SerializeToString()))
+        self._added.add(graph.resolve())
+        _delete_unread(self.file.parent, read - {self.file.name}, self._added)
+
+    def close(self) -> SharedWeights:
+        """Close the weights file (again: nothing); what it holds."""
+        self._out.close()
+        return self._writer.result(self.file)
+
+    def __enter__(self) -> GraphByGraph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _delete_unread(folder: Path, locations: set[str], shared: set[Path]) -> None:
+    """Delete the external data files ``locations`` of ``folder`` that no graph there reads,
+    the graphs ``shared`` (resolved paths, which read the weights file alone) aside."""
+    others = [p for p in folder.glob("*.onnx") if not p.name.startswith(".") and p.resolve() not in shared]
+    still_read = set().union(*(_external_locations(_load_bare(p)) for p in others))
+    for location in locations - still_read:
         (folder / location).unlink(missing_ok=True)
-    return SharedWeights(weights_file, **stats)
 
 
 def _check_share_args(graphs: list[Path], weights_file: Path) -> None:
@@ -90,8 +168,16 @@ def _check_share_args(graphs: list[Path], weights_file: Path) -> None:
     if len({p.resolve() for p in graphs}) != len(graphs):
         raise ShareError("a graph is listed twice")
     for path in graphs:
-        if path.resolve().parent != weights_file.resolve().parent:
-            raise ShareError(f"{path} is not in the folder of {weights_file}")
+        _check_graph_folder(path, weights_file)
+    _check_weights_file(weights_file)
+
+
+def _check_graph_folder(graph: Path, weights_file: Path) -> None:
+    if graph.resolve().parent != weights_file.resolve().parent:
+        raise ShareError(f"{graph} is not in the folder of {weights_file}")
+
+
+def _check_weights_file(weights_file: Path) -> None:
     if weights_file.exists():
         raise ShareError(
             f"{weights_file} already exists: the graphs share their weights already "
@@ -99,11 +185,10 @@ def _check_share_args(graphs: list[Path], weights_file: Path) -> None:
         )
 
 
-def _share_model(
-    model: onnx.ModelProto, out: BinaryIO, offsets: dict[str, tuple[int, int]], location: str, min_bytes: int
-) -> int:
-    """Move ``model``'s big initializers into ``out`` (new contents only) and rename them; the
-    number of initializers now reading ``location``."""
+def _share_model(model: onnx.ModelProto, folder: Path, writer: WeightsWriter, min_bytes: int) -> int:
+    """Move ``model``'s big initializers into ``writer``'s file (new contents only) and rename
+    them, and bring every other tensor it reads from a file of ``folder`` inline; the number of
+    initializers now reading the weights file."""
     taken = set(_value_names(model.graph))
     names: dict[str, str] = {}  # content key -> name, within this model
 
@@ -117,19 +202,6 @@ def _share_model(
             taken.add(name)
         return names[key]
 
-    def place(tensor: onnx.TensorProto, key: str, raw: bytes) -> None:
-        if key not in offsets:
-            start = -out.tell() % ALIGN
-            out.write(b"\0" * start)
-            offsets[key] = (out.tell(), len(raw))
-            out.write(raw)
-        offset, length = offsets[key]
-        for field in _TYPED_FIELDS:
-            tensor.ClearField(field)
-        tensor.raw_data = raw  # set_external_data insists on raw_data
-        external_data_helper.set_external_data(tensor, location, offset, length)
-        tensor.ClearField("raw_data")
-
     count = 0
 
     def share(graph: onnx.GraphProto, outer: dict[str, str], visible: dict[str, str], top: bool) -> None:
@@ -139,8 +211,9 @@ def _share_model(
         keep = []
         interface = {v.name for v in graph.output} if top else set()
         for tensor in graph.initializer:
-            raw = _raw_bytes(tensor) if tensor.name not in interface else None
-            if raw is None or len(raw) < max(min_bytes, 1):
+            raw = _raw_bytes(tensor, folder)
+            if tensor.name in interface or raw is None or len(raw) < max(min_bytes, 1):
+                _inline(tensor, raw)
                 keep.append(tensor)
                 continue
             key = _content_key(tensor, raw)
@@ -150,7 +223,7 @@ def _share_model(
                 continue
             renames[tensor.name] = visible[key] = name_of(key)
             tensor.name = visible[key]
-            place(tensor, key, raw)
+            _set_external(tensor, writer.location, *writer.place(key, raw))
             keep.append(tensor)
         del graph.initializer[:]
         graph.initializer.extend(keep)
@@ -164,13 +237,41 @@ def _share_model(
                 share(sub, renames, visible, top=False)
 
     share(model.graph, {}, {}, top=True)
+    for tensor in _attribute_tensors(model.graph):
+        _inline(tensor, _raw_bytes(tensor, folder))
     return count
 
 
-def _raw_bytes(tensor: onnx.TensorProto) -> bytes | None:
-    """The tensor's little-endian bytes as ``raw_data`` holds them; None for strings."""
+def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Point ``tensor`` at ``length`` bytes from ``offset`` of ``location`` (its data dropped),
+    as ``external_data_helper.set_external_data`` writes it."""
+    for field in (*_TYPED_FIELDS, "raw_data"):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+
+
+def _inline(tensor: onnx.TensorProto, raw: bytes | None) -> None:
+    """Hold an external ``tensor``'s bytes ``raw`` in the proto itself; others stay as they are."""
+    if raw is not None and external_data_helper.uses_external_data(tensor):
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.raw_data = raw
+
+
+def _raw_bytes(tensor: onnx.TensorProto, folder: Path) -> bytes | None:
+    """The tensor's little-endian bytes as ``raw_data`` holds them, read from its external data
+    file (in ``folder``) when it has one; None for strings."""
     if tensor.data_type == onnx.TensorProto.STRING:
         return None
+    if external_data_helper.uses_external_data(tensor):
+        info = external_data_helper.ExternalDataInfo(tensor)
+        with (folder / info.location).open("rb") as f:
+            f.seek(info.offset or 0)
+            return f.read() if info.length is None else f.read(info.length)
     if tensor.HasField("raw_data"):
         return tensor.raw_data
     return numpy_helper.from_array(numpy_helper.to_array(tensor)).raw_data
@@ -219,13 +320,20 @@ def _load_bare(path: Path) -> onnx.ModelProto:
     return onnx.load(str(path), load_external_data=False)
 
 
+def _attribute_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """The tensors held in the attributes of the nodes of ``graph`` and its subgraphs."""
+    for g in with_subgraphs(graph):
+        for attr in (a for node in g.node for a in node.attribute):
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+
+
 def _external_locations(model: onnx.ModelProto) -> set[str]:
     """The external data files ``model`` reads (relative to its folder), from its initializers
     and its nodes' tensor attributes."""
     tensors = [t for g in with_subgraphs(model.graph) for t in g.initializer]
-    for g in with_subgraphs(model.graph):
-        for attr in (a for node in g.node for a in node.attribute):
-            tensors += [attr.t, *attr.tensors]
+    tensors += _attribute_tensors(model.graph)
     return {
         external_data_helper.ExternalDataInfo(t).location
         for t in tensors

@@ -61,7 +61,7 @@ from lantern_rt.runtime.kv_cache import cache_windows
 from lantern_rt.runtime.run_shape import CACHE_WINDOWS, check_batch_sizes, check_cache_windows
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, tree_to_json
 from lantern_rt.settings import DEFAULT_OPSET
-from lantern_rt.shared_weights import share_weights
+from lantern_rt.shared_weights import GraphByGraph
 from lantern_rt.version import package_version
 
 NEIGHBORS_K = 1000  # latent neighbours kept per code (fewer for a smaller codebook)
@@ -168,9 +168,10 @@ def export_bundle(
         on_start()
     with staged_bundle(out) as tmp:
         entries = {}
-        for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
-            entries[module.spec.name] = export_graph(module, reference, tmp, opset, threads)
-        share_weights([tmp / entry["file"] for entry in entries.values()], tmp / WEIGHTS)
+        with GraphByGraph(tmp / WEIGHTS) as shared:  # each graph's weights join the file once it passes
+            for module, reference in tqdm(graphs, desc="export", unit="graph", disable=not progress):
+                entries[module.spec.name] = entry = export_graph(module, reference, tmp, opset, threads)
+                shared.add(tmp / entry["file"])
         extras = family.write_bundle_files(model_dir, target, tmp)
         save_neighbors(neighbors, tmp / NEIGHBORS)
         manifest = _manifest(
@@ -339,7 +340,7 @@ def export_graph(
                 output_names=[t.name for t in spec.outputs],
                 opset_version=IN_PLACE_OPSET if spec.writes_cache else opset,
                 dynamo=True,
-                external_data=True,  # moved into the bundle's one weights file (share_weights)
+                external_data=True,  # moved into the bundle's one weights file (GraphByGraph)
                 verbose=False,
             )
     except Exception as err:  # the exporter raises many types; report one line
