@@ -383,7 +383,7 @@ def generate_set(
             started = not ray.is_initialized()
             if started:
                 ray.init(
-                    address=None if ray_address == "local" else ray_address,
+                    address=ray_address,  # "local": a new cluster even where RAY_ADDRESS names one
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                 )
