@@ -25,7 +25,8 @@ from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
-from lantern_rt.sized_demo.sizes import SIZES, sized_model_dir
+from lantern_rt.sized_demo.cache import sized_model_dir
+from lantern_rt.sized_demo.sizes import SIZES
 from lantern_rt.sized_demo.widen import MISTAKES, Widening, write_widened
 
 # fp32 round-off of the widened model measured 1.3e-5 on logits up to 16; the subtlest planted

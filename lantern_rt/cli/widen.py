@@ -31,7 +31,8 @@ def widen_cmd(size: str, out: Path | None) -> None:
     The demo's weights are placed in the wider tensors and the rest made inert but dense (random
     weights, zero only where a product must not change), so the model gives the demo's tokens
     at the cost of a real LlamaGen step. Prints the model directory; run it with --model DIR."""
-    from lantern_rt.sized_demo.sizes import size_shape, sized_model_dir
+    from lantern_rt.sized_demo.cache import sized_model_dir
+    from lantern_rt.sized_demo.sizes import size_shape
     from lantern_rt.sized_demo.widen import write_widened
 
     size_shape(size)
