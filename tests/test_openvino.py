@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -104,6 +105,34 @@ def test_the_record_runs_bundles_on_the_cpu_and_is_never_chosen_unasked():
     record.check_bundle()
     with pytest.raises(ConfigError, match="runs on the CPU, not cuda: use --device cpu"):
         record.build(None, MethodConfig(), RunShape(), EngineOptions("cuda"))  # type: ignore[arg-type]
+
+
+@needs_openvino
+def test_a_graph_openvino_cannot_read_is_refused_naming_it_and_the_operator(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    from lantern_rt.runtime.backends.openvino_backend import ov_runner
+
+    shape = [1, 4]
+    node = helper.make_node("TensorScatter", ["cache", "rows", "start"], ["present"], axis=1)
+    inputs = [
+        ("cache", TensorProto.FLOAT, shape),
+        ("rows", TensorProto.FLOAT, [1, 1]),
+        ("start", TensorProto.INT64, [1]),
+    ]
+    graph = helper.make_graph(
+        [node],
+        "scatter",
+        [helper.make_tensor_value_info(*i) for i in inputs],
+        [helper.make_tensor_value_info("present", TensorProto.FLOAT, shape)],
+    )
+    path = tmp_path / "scatter.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)]), str(path))
+    bundle, entry = SimpleNamespace(file=lambda entry: path), SimpleNamespace(drafting=False)
+    with pytest.raises(ConfigError) as refused:
+        ov_runner(1)(bundle, entry)  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert message == f"openvino cannot run {path}: No conversion rule found for operations: TensorScatter-24"
 
 
 # --- a trained tiny pair's bundles -------------------------------------------------------------
