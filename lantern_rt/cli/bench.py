@@ -25,11 +25,19 @@ from lantern_rt.cli.options import (
 )
 from lantern_rt.errors import reports_errors
 from lantern_rt.prompt_files import read_prompts
+from lantern_rt.sized_demo.sizes import SIZES
 
 
 @click.command("bench")
 @model_option
 @bundle_option("Benchmark an exported bundle instead.")
+@click.option(
+    "--size",
+    default=None,
+    help=f"Benchmark the demo widened to a LlamaGen shape: {', '.join(SIZES)} (tiny: for tests). The "
+    "demo's tokens at a real model's step cost, built into the cache on first use ('lantern widen'). "
+    "Not with --model or --bundle.",
+)
 @click.option(
     "--backend",
     "backends",
@@ -133,6 +141,7 @@ from lantern_rt.prompt_files import read_prompts
 def bench_cmd(
     model_path,
     bundle,
+    size,
     backends,
     configs,
     trees,
@@ -163,12 +172,13 @@ def bench_cmd(
     import shlex
 
     from lantern_rt.eval.bench import DEFAULT_CONFIGS, BenchSettings, run_bench
-    from lantern_rt.eval.report import speed_table
+    from lantern_rt.eval.report import bandwidth_line, speed_table
 
     settings = BenchSettings(
         out=out,
         model=model_path,
         bundle=bundle,
+        size=size,
         backends=backends,
         configs=configs or DEFAULT_CONFIGS,
         trees=trees,
@@ -196,6 +206,7 @@ def bench_cmd(
     )
     results = run_bench(settings)
     click.echo(speed_table(results["rows"]))
+    click.echo(bandwidth_line(results["machine"]), err=True)
     if results["quality_note"]:
         click.echo(f"no quality metrics: {results['quality_note']}", err=True)
     click.echo(f"wrote results.json, results.md and plots -> {out}", err=True)

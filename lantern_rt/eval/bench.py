@@ -6,7 +6,10 @@ decode loop per image (``seconds_per_image_end_to_end`` adds VQ decoding); quali
 configuration's images with the Fashion-MNIST test set in the feature space of the in-repo
 classifier (``lantern_rt/eval/classifier.py``), next to calibration rows that say what a real
 sample, the tokenizer and a second AR seed score. ``--features`` and ``--reference`` swap in the
-user's feature extractor and real images (``lantern_rt/eval/features.py``), for any model.
+user's feature extractor and real images (``lantern_rt/eval/features.py``), for any model. Each
+row has its memory floor beside its speed (:mod:`lantern_rt.eval.memory_floor`, at the bandwidth
+a copy loop measures in the run); ``--size`` runs the demo widened to a LlamaGen size
+(:mod:`lantern_rt.sized_demo`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from lantern_rt.assembly import Pipeline
 from lantern_rt.bundle import Bundle
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
 from lantern_rt.eval.features import load_features, load_reference, user_features
+from lantern_rt.eval.memory_floor import (
+    StepBytes,
+    copy_bandwidth,
+    floor_fields,
+    pipeline_step_bytes,
+    torch_step_bytes,
+)
 from lantern_rt.eval.metrics import (
     FeatureFn,
     class_accuracy,
@@ -66,6 +76,8 @@ from lantern_rt.settings import (
     run_defaults,
     window_tree,
 )
+from lantern_rt.sized_demo.cache import sized_model_dir
+from lantern_rt.sized_demo.sizes import size_shape
 from lantern_rt.stats import GenerationStats
 from lantern_rt.training.data import (
     CLASS_NAMES,
@@ -231,15 +243,23 @@ class Measurement:
     histogram: Counter[int] = field(default_factory=Counter)
     images: list[np.ndarray] = field(default_factory=list)  # uint8 [n, H, W, C] per chunk
     peak_mb: float = 0.0
+    step_bytes: StepBytes | None = None  # what its calls read at least (None: unknown, no floor)
 
     @classmethod
     def of_pipeline(
-        cls, pipe: Pipeline, sampling: SamplingConfig, seed: int, generate_fn: GenerateFn
+        cls,
+        pipe: Pipeline,
+        sampling: SamplingConfig,
+        seed: int,
+        generate_fn: GenerateFn,
+        step_bytes: StepBytes | None = None,
     ) -> Measurement:
         def run(labels: Sequence[int], start: int) -> Generation:
             return generate_fn(pipe, labels, sampling, seed=seed, progress=False, start_index=start)
 
-        return cls(run, pipe.method, pipe.backend, pipe.batch_size, pipe, len(pipe.streams))
+        return cls(
+            run, pipe.method, pipe.backend, pipe.batch_size, pipe, len(pipe.streams), step_bytes=step_bytes
+        )
 
     def add(self, gen: Generation) -> None:
         stats = gen.stats
@@ -294,10 +314,12 @@ def run_interleaved(
 # --- rows ----------------------------------------------------------------------------------
 
 
-def speed_row(m: Measurement) -> dict[str, Any]:
-    """The result row of a measurement, quality fields still empty and no speedup yet."""
+def speed_row(m: Measurement, rows_per_image: int, bandwidth: float) -> dict[str, Any]:
+    """The result row of a measurement, with its memory floor at ``bandwidth`` bytes/s for
+    ``rows_per_image`` cache rows per image (:func:`~lantern_rt.eval.memory_floor.floor_fields`);
+    quality fields still empty and no speedup yet."""
     mc = m.method
-    return {
+    row = {
         "method": mc.method,
         "backend": m.backend,
         "tree": None if mc.method == "ar" else mc.tree,
@@ -311,6 +333,11 @@ def speed_row(m: Measurement) -> dict[str, Any]:
         "images_per_second": 1.0 / median(m.seconds),
         "seconds_per_image_p90": percentile(m.seconds, 90),
         "seconds_per_image_end_to_end": median(m.end_to_end),
+    }
+    return {
+        **row,
+        **floor_fields(m.step_bytes, row, rows_per_image, bandwidth),
+        "ar_seconds_per_image": None,
         "speedup_vs_ar": None,
         **dict.fromkeys(QUALITY_FIELDS),
         "quality_note": None,
@@ -321,23 +348,23 @@ def speed_row(m: Measurement) -> dict[str, Any]:
 
 
 def add_speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with ``speedup_vs_ar``: the AR row's median seconds on its backend, batch size
-    and stream count / its own (None where that has no AR row: the baseline's)."""
+    """Each row with ``ar_seconds_per_image``, the median seconds of the AR row of its setting
+    (:func:`_setting`), and ``speedup_vs_ar``, that over its own (both None where the setting
+    has no AR row)."""
     ar = {_setting(r): r["seconds_per_image_all"] for r in rows if r["method"] == "ar"}
     return [
         {
             **r,
-            "speedup_vs_ar": speedup(ar[key], r["seconds_per_image_all"])
-            if (key := _setting(r)) in ar
-            else None,
+            "ar_seconds_per_image": median(ar[key]) if (key := _setting(r)) in ar else None,
+            "speedup_vs_ar": speedup(ar[key], r["seconds_per_image_all"]) if key in ar else None,
         }
         for r in rows
     ]
 
 
-def _setting(row: dict[str, Any]) -> tuple[str, int, int]:
-    """What a row's AR reference shares with it: backend, batch size, streams."""
-    return row["backend"], row["batch_size"], row.get("streams", 1)
+def _setting(row: dict[str, Any]) -> tuple[str, str | None, int, int]:
+    """What a row's AR reference shares with it: backend, weight precision, batch size, streams."""
+    return row["backend"], row.get("weight_precision"), row["batch_size"], row.get("streams", 1)
 
 
 # --- quality -------------------------------------------------------------------------------
@@ -520,6 +547,7 @@ class BenchSettings:
     out: Path
     model: Path | None = None
     bundle: Path | None = None
+    size: str | None = None  # the demo widened to this sized_demo.SIZES name, instead of model/bundle
     backends: tuple[str, ...] = ()  # () = the CPU backends (registry.cpu_backends): torch and onnxruntime
     configs: tuple[str, ...] = DEFAULT_CONFIGS
     trees: tuple[str, ...] = ()  # () = the tree `lantern generate` would use (settings.run_defaults)
@@ -704,16 +732,29 @@ def baseline_measurement(
         )
         return Generation(list(labels), out.tokens, images, stats)
 
-    return Measurement(run, MethodConfig("ar"), name, batch_size)
+    return Measurement(run, MethodConfig("ar"), name, batch_size, step_bytes=torch_step_bytes(model))
+
+
+def sized_model(size: str | None, model: Path | None, bundle: Path | None) -> Path | None:
+    """The model directory of ``--size`` (built into the cache on first use), or ``model``
+    when no size is given; :class:`ConfigError` for an unknown size or a size beside ``model``
+    or ``bundle``, before anything is built."""
+    if size is None:
+        return model
+    size_shape(size)
+    if model is not None or bundle is not None:
+        raise ConfigError(f"--size {size} runs the demo widened to {size}: drop --model and --bundle")
+    return sized_model_dir(size)
 
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Run the benchmark and write results.json, results.md and the plots into ``s.out``."""
     from lantern_rt.eval.report import write_report
 
-    # beside a bundle, --model names what the baseline runs
     check_device(s.device)
-    info, source = open_source(None if s.bundle and s.baseline else s.model, s.bundle)
+    model = sized_model(s.size, s.model, s.bundle)
+    # beside a bundle, --model names what the baseline runs
+    info, source = open_source(None if s.bundle and s.baseline else model, s.bundle)
     md = source if isinstance(source, ModelDir) else None
     backends = resolve_backends(s.backends, md is None)
     trees = s.trees or tuple(
@@ -738,7 +779,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 "--compile compiles the torch rows' decode steps: add --backend torch or use --no-compile"
             )
         require_compiler(s.device)
-    baseline = None if s.baseline is None else baseline_model(s.baseline, source, s.model)
+    baseline = None if s.baseline is None else baseline_model(s.baseline, source, model)
     for size in sizes if isinstance(source, Bundle) else ():
         source.batch(size)  # refused before any run
     out = output_dir(s.out)
@@ -751,35 +792,35 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             if (b, mc.tree) not in sources:
                 shape = RunShape(guided=sampling.guided)
                 sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, shape, s.device)
-    runs = [
-        Measurement.of_pipeline(
-            build_pipeline(
-                sources[b, mc.tree],
-                mc,
-                RunShape(size, sampling.guided, streams=streams),
-                backend=b,
-                device=s.device,
-                threads=s.threads,
-                cuda_graphs=s.cuda_graphs,
-                compile=s.compile and backend_named(b).compiles,
-            ),
-            sampling,
-            s.seed,
-            generate,
-        )
-        for size in sizes
-        for streams in stream_counts
-        for b in backends
-        if streams == 1 or b in streaming
-        for mc in configs
-    ]
+    step_bytes: dict[tuple[str, MethodConfig], StepBytes | None] = {}  # read once per source and method
+    runs = []
+    for size in sizes:
+        for streams in stream_counts:
+            for b in backends:
+                for mc in configs if streams == 1 or b in streaming else ():
+                    pipe = build_pipeline(
+                        sources[b, mc.tree],
+                        mc,
+                        RunShape(size, sampling.guided, streams=streams),
+                        backend=b,
+                        device=s.device,
+                        threads=s.threads,
+                        cuda_graphs=s.cuda_graphs,
+                        compile=s.compile and backend_named(b).compiles,
+                    )
+                    if (b, mc) not in step_bytes:
+                        step_bytes[b, mc] = pipeline_step_bytes(pipe, sources[b, mc.tree])
+                    runs.append(Measurement.of_pipeline(pipe, sampling, s.seed, generate, step_bytes[b, mc]))
     if s.baseline is not None:
         runs += [baseline_measurement(s.baseline, baseline, sampling, s.seed, size) for size in sizes]
+    bandwidth = copy_bandwidth(s.threads or torch.get_num_threads())
     runs = run_interleaved(runs, labels, s.warmup, chunk_size(sizes, len(labels), stream_counts))
     ref, note = quality_reference(
         info, classes, len(labels), s.quality, s.classifier, s.data_root, feature_fn, reference
     )
-    rows = with_quality(add_speedups([speed_row(m) for m in runs]), runs, ref, note, labels)
+    rows_per_image = 2 if sampling.guided else 1
+    speed = [speed_row(m, rows_per_image, bandwidth.bytes_per_s) for m in runs]
+    rows = with_quality(add_speedups(speed), runs, ref, note, labels)
     calibration = (
         []
         if ref is None
@@ -791,9 +832,15 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "date": started.isoformat(timespec="seconds"),
         "command": s.command,
-        "machine": {**machine_info(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "machine": {
+            **machine_info(),
+            "load_average_start": load_start,
+            "load_average_end": os.getloadavg(),
+            "copy_bandwidth": bandwidth.as_json(),
+        },
         "settings": {
             "model": info.name,
+            "size": s.size,
             "source": str(source.root if md is not None else source.path),
             "backends": list(backends),
             "classes": classes,

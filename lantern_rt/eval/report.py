@@ -60,13 +60,17 @@ SPEED_COLUMNS: list[Column] = [
     ("params", lambda r: params_text(r["params"])),
     ("tree", lambda r: r["tree"] or ""),
     ("backend", lambda r: r["backend"]),
+    ("weights", lambda r: r.get("weight_precision") or "–"),
     ("B", lambda r: str(r.get("batch_size", 1))),
     ("streams", lambda r: str(r.get("streams", 1))),
     ("tau", lambda r: fmt(r["mean_accepted_length"], ".2f")),
     ("s/img", lambda r: fmt(r["seconds_per_image"], ".4f")),
+    ("AR s/img", lambda r: fmt(r.get("ar_seconds_per_image"), ".4f")),
+    ("speedup", lambda r: fmt(r["speedup_vs_ar"], ".2f", "x")),
+    ("floor s/img", lambda r: fmt(r.get("floor_seconds_per_image"), ".4f")),
+    ("meas/floor", lambda r: fmt(r.get("measured_over_floor"), ".2f", "x")),
     ("img/s", lambda r: fmt(r.get("images_per_second"), ".2f")),
     ("s/img p90", lambda r: fmt(r["seconds_per_image_p90"], ".4f")),
-    ("speedup", lambda r: fmt(r["speedup_vs_ar"], ".2f", "x")),
     ("FD", lambda r: fmt(r["fd_classifier"], ".3g")),
     ("FD vs AR", lambda r: fmt(r.get("fd_vs_ar"), ".3g")),
     ("class acc", lambda r: fmt(r["class_accuracy"])),
@@ -87,8 +91,10 @@ CALIBRATION_COLUMNS: list[Column] = [
 NOTES = """\
 tau: tokens committed per target verify call over the run, bonus included. s/img: median seconds of \
 the decode loop per image (p90 beside it; VQ decoding excluded), img/s its inverse; B: images decoded \
-together per step (a call's decode time is shared by its images). speedup: the AR row's median on the \
-same backend and B over this row's, from this run. FD: Fréchet distance of classifier features to the \
+together per step (a call's decode time is shared by its images). weights: their precision as \
+stored. AR s/img: the median of the AR row with the same backend, weights, B and streams, from this \
+run; speedup: that over this row's. floor s/img: the memory floor, the bytes an image's calls must \
+read over the copy loop's bandwidth (above); meas/floor: s/img over it (1.00x: at the memory bound). FD: Fréchet distance of classifier features to the \
 Fashion-MNIST test images of the benchmarked classes (lower is better); FD vs AR: between this row's \
 images and the AR row's (compare with the AR seed rows of the calibration: the noise between two AR \
 runs); precision/recall: k=3 \
@@ -105,11 +111,34 @@ def speed_table(rows: Sequence[Row]) -> str:
     return table(SPEED_COLUMNS, rows)
 
 
+FLOOR_FORMULA = (
+    "floor s/img = ((W_target x C_target + W_draft x C_draft) / B + KV x R x L x C_target) / bandwidth: "
+    "W_target the target's weight bytes a call reads at the row's precision (embedding tables left out), "
+    "W_draft the drafter's and its LM head's (0 without a drafter), C_target and C_draft the target and "
+    "drafting calls per image (verify calls + the prefill; one drafting call a verify call), KV the K and "
+    "V bytes of one cache entry over all layers, R cache rows per image (2 with CFG), L the prefix plus "
+    "half the image tokens (lantern_rt/eval/memory_floor.py)"
+)
+
+
+def bandwidth_line(machine: dict[str, Any]) -> str:
+    """The results header's line on the memory bandwidth the floors are taken at."""
+    bw = machine.get("copy_bandwidth")
+    if not bw:
+        return "Memory bandwidth: not measured (no floors)."
+    return (
+        f"Memory bandwidth {bw['bytes_per_s'] / 1e9:.2f} GB/s: a copy loop, two arrays of "
+        f"{bw['array_bytes'] / 2**20:.0f} MiB, {bw['threads']} thread(s), best of {bw['repeats']} "
+        "(bytes read + written per second)."
+    )
+
+
 def results_markdown(results: dict[str, Any]) -> str:
     s, m = results["settings"], results["machine"]
     load = f"{m['load_average_start'][0]:.2f} -> {m['load_average_end'][0]:.2f}"
+    sized = f" (the demo widened to {s['size']})" if s.get("size") else ""
     lines = [
-        f"# lantern bench: {s['model']}",
+        f"# lantern bench: {s['model']}{sized}",
         "",
         f"`{results['command']}`",
         "",
@@ -118,6 +147,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"{len(s['classes'])} classes x {s['num_images_per_class']} image(s) per class and configuration, seed "
         f"{s['seed']}, {s['warmup']} warmup image(s) per configuration, CFG {s['sampling']['cfg_scale']:g}, "
         f"temperature {s['sampling']['temperature']:g}.",
+        f"{bandwidth_line(m)} {FLOOR_FORMULA}.",
         "",
         "## Speed and quality",
         "",
