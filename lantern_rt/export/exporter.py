@@ -151,19 +151,13 @@ def export_bundle(
     trees = _check_args(out, trees, dtype, opset, overwrite)
     sizes = check_batch_sizes(list(batch_sizes))
     check_cache_windows(windows)
-    target, vq, drafter, neighbors, extra = models or load_export_models(model_dir)
+    models = models or load_export_models(model_dir)
+    target, drafter, neighbors = models.target, models.drafter, models.neighbors
     k = neighbors_k(model_dir)
     spans = cache_windows(cache_capacity(target), windows)
     scratch = scratch_slots(trees, drafter is not None) if in_place else ScratchSlots(0, 0)
-    graphs = [
-        pair
-        for b in sizes
-        for pair in _graphs(target, drafter, trees, DTYPES[dtype], k, b, spans, guided, scratch)
-    ]
-    decode = VQDecode(vq, target.config)
-    graphs.append((decode, decode))
+    graphs = graph_pairs(models, trees, dtype, k, sizes, spans, guided, scratch)
     family = family_named(model_dir.family)
-    graphs += [(module, module) for module in extra]
     if on_start is not None:
         on_start()
     with staged_bundle(out) as tmp:
@@ -261,11 +255,37 @@ def scratch_slots(trees: Sequence[StaticTree], has_drafter: bool) -> ScratchSlot
     )
 
 
+def graph_pairs(
+    models: ExportModels,
+    trees: list[StaticTree],
+    dtype: str,
+    neighbors_k: int,
+    batch_sizes: list[int],
+    windows: tuple[int, ...],
+    guided: bool,
+    scratch: ScratchSlots,
+) -> list[tuple[GraphModule, GraphModule]]:
+    """(graph to export, fp32 reference) pairs of a bundle, in export order: the step graphs of
+    each batch size (:func:`_graphs`), the VQ decoder, the family's extra graphs. The modules
+    read the models' weights; the models in ``dtype`` are one copy for every batch size (none
+    in fp32)."""
+    target, vq, drafter, _, extra = models
+    cast = DTYPES[dtype]
+    low = (_cast(target, cast), None if drafter is None else _cast(drafter, cast))
+    pairs = [
+        pair
+        for b in batch_sizes
+        for pair in _graphs(target, drafter, low, trees, neighbors_k, b, windows, guided, scratch)
+    ]
+    decode = VQDecode(vq, target.config)
+    return [*pairs, (decode, decode), *((module, module) for module in extra)]
+
+
 def _graphs(
     target: Transformer,
     drafter: Drafter | None,
+    low_models: tuple[Transformer, Drafter | None],
     trees: list[StaticTree],
-    dtype: torch.dtype,
     neighbors_k: int,
     batch: int,
     windows: tuple[int, ...],
@@ -273,14 +293,14 @@ def _graphs(
     scratch: ScratchSlots = ScratchSlots(0, 0),
 ) -> list[tuple[GraphModule, GraphModule]]:
     """(graph to export, fp32 reference) pairs of the step graphs for ``batch`` images per call
-    (2B CFG rows, or B when not ``guided``),
-    the target's steps once per cache window in ``windows`` a step over its tree can read
+    (2B CFG rows, or B when not ``guided``), ``low_models`` the target and drafter in the graphs'
+    dtype, the target's steps once per cache window in ``windows`` a step over its tree can read
     (:func:`~lantern_rt.bundle.step_windows`; the VQ decoder always runs in fp32:
     its softmax and GroupNorms are not fp16-safe, and it runs once per image). AR's step
     verifies the root-only tree and credits no neighbours: its table is one column nothing
     reads. ``scratch``: the target's steps and the drafting calls write their K/V into that
     many scratch slots of their caches (:class:`TargetVerify`, :class:`DrafterTree`; 0: not)."""
-    low = _cast(target, dtype)
+    low, low_drafter = low_models
     pairs: list[tuple[GraphModule, GraphModule]] = [
         (TargetPrefill(low, batch, guided), TargetPrefill(target, batch, guided))
     ]
@@ -297,7 +317,7 @@ def _graphs(
             pairs.append((TargetVerify(low, *step), TargetVerify(target, *step)))
     if drafter is not None:
         c = target.config
-        low_drafter, cap = _cast(drafter, dtype), drafter_capacity(c.cls_token_num, c.block_size)
+        cap = drafter_capacity(c.cls_token_num, c.block_size)
         if c.cls_token_num > 1:
             prefill = (c.cls_token_num, batch, guided)
             pairs.append((DrafterPrefill(low_drafter, *prefill), DrafterPrefill(drafter, *prefill)))
