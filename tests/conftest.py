@@ -248,3 +248,15 @@ def anole_dir(tmp_path_factory: pytest.TempPathFactory):
 def lumina_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Lumina-mGPT-layout model directory (rows ending in row-end tokens), no drafter."""
     yield from _chameleon_dir(tmp_path_factory, "lumina")
+
+
+@pytest.fixture(scope="module")
+def ray_alone() -> Iterator[None]:
+    """Held while a module's tests run Ray: one local Ray at a time on this machine, across test
+    workers (a second local Ray started beside the first makes Ray Serve's proxy actor die)."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "lantern-rt-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -46,7 +46,7 @@ def reference(tiny_dir, tmp_path_factory) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(ray_alone):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray

@@ -42,14 +42,6 @@ if not sys.platform.startswith("linux"):
 MARK = "LANTERN_RAY_TEST"
 # the same images in every command: the torch backend on one thread (a replica's share of 2 CPUs)
 SAME = ("--backend", "torch", "--threads", "1")
-# `lantern serve` with run_on_ray's replicas set, as the command line has no option for them
-DRIVER = """
-import functools, sys
-from lantern_rt.cli import main
-from lantern_rt.serve import ray_serve
-ray_serve.run_on_ray = functools.partial(ray_serve.run_on_ray, replicas=2)
-main(sys.argv[1:])
-"""
 
 
 def marked(mark: str) -> list[int]:
@@ -91,6 +83,11 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_ray_at_a_time(ray_alone) -> None:
+    """No other test worker's Ray runs beside this module's."""
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("model") / "tiny", tiny_gpt(3), tiny_vq(3))
@@ -125,7 +122,18 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     mark, port, log = uuid.uuid4().hex, free_port(), tmp / "log"
     env = {**os.environ, MARK: mark, "LANTERN_CACHE": str(tmp / "cache")}
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own
-    command = [sys.executable, "-c", DRIVER, "serve", "--ray", "--model", str(tiny_dir), *SAME]
+    command = [
+        sys.executable,
+        "-m",
+        "lantern_rt.cli",
+        "serve",
+        "--ray",
+        "--replicas",
+        "2",
+        "--model",
+        str(tiny_dir),
+    ]
+    command += SAME
     process = subprocess.Popen(
         [*command, "--port", str(port)], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
     )

@@ -16,6 +16,7 @@ from lantern_rt.cli.options import (
     served_run_options,
 )
 from lantern_rt.errors import EXIT_BAD_INPUT, UserError, reports_errors
+from lantern_rt.runtime.backends.registry import runs_on_gpu
 from lantern_rt.runtime.run_shape import MAX_STREAMS
 from lantern_rt.serve.limits import MAX_CONNECTIONS, READ_TIMEOUT
 
@@ -66,7 +67,15 @@ from lantern_rt.serve.limits import MAX_CONNECTIONS, READ_TIMEOUT
     "--ray",
     "use_ray",
     is_flag=True,
-    help="Run as a Ray Serve deployment (one replica per GPU; needs ray[serve]).",
+    help="Run as a Ray Serve deployment on a local Ray (or the cluster RAY_ADDRESS names): one replica "
+    "per GPU, or --replicas on CPUs; needs the ray extra.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --ray: replicas to run (default: one per GPU, or one on a CPU); CPU replicas share the "
+    "CPUs evenly (give each its share with --threads).",
 )
 @reports_errors
 def serve_cmd(
@@ -98,9 +107,12 @@ def serve_cmd(
     read_timeout,
     max_connections,
     use_ray,
+    replicas,
 ):
     """Serve POST /v1/images/generations (OpenAI's shape), /v1/models, /health, /health/ready and
     /metrics, decoding every request's images in one continuously batched decode loop."""
+    if replicas is not None and not use_ray:
+        raise UserError("--replicas needs --ray (one process serves without Ray)")
     if use_ray:
         from lantern_rt.serve.ray_serve import import_ray_serve
 
@@ -123,7 +135,18 @@ def serve_cmd(
     if use_ray:
         from lantern_rt.serve.ray_serve import run_on_ray
 
-        run_on_ray(load, md.name, max_queue_images, request_timeout, host, port, read_timeout=read_timeout)
+        gpu = runs_on_gpu(backend, device) if backend else not device.startswith("cpu")
+        run_on_ray(
+            load,
+            md.name,
+            max_queue_images,
+            request_timeout,
+            host,
+            port,
+            read_timeout=read_timeout,
+            replicas=replicas,
+            gpu=gpu,
+        )
         return
     sys.exit(
         _run_server(

@@ -111,7 +111,13 @@ def run_on_ray(
         gpu = torch.cuda.is_available() if gpu is None else gpu
         plan = plan_replicas(replicas, gpu, ray.cluster_resources())
         deployment = _deployment(serve, load, model, max_queue_images, request_timeout, read_timeout, plan)
-        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except ray.exceptions.RayError as exc:  # its proxy actor died (a port taken, memory)
+            raise UserError(
+                f"Ray Serve could not start its HTTP proxy on {host}:{port}: {first_line(exc)} "
+                "(its log: /tmp/ray/session_latest/logs)"
+            ) from None
         click.echo(
             f"lantern serve: {model} on http://{host}:{port} in {plan.replicas} Ray Serve replica(s) "
             "(deploying: loading the model in each)",
