@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
+import os
+import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.config import GPTConfig, VQConfig, to_dict
+from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 
@@ -96,6 +102,59 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- shared by the whole run ----------------------------------------------------------------------
+# ONNX exports are most of the suite's time (3-6 s a graph even for the tiny models), so a bundle
+# is exported once per run, whichever module or test worker asks for it first.
+
+SHARED = "LANTERN_TEST_SHARED"  # the environment variable naming the run's shared folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The run's folder shared by its test workers (pytest-xdist's workers keep their base
+    temporary folders in the run's), named by ``$LANTERN_TEST_SHARED``, and the export cache in
+    it, ``$LANTERN_CACHE`` for every test that sets none of its own: a model directory a command
+    runs on onnxruntime is exported once per run (the cache's lock makes concurrent first uses
+    wait for one export), and nothing is written to the user's cache."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SHARED, str(root))
+        mp.setenv("LANTERN_CACHE", str(root / "cache"))
+        yield root
+
+
+def shared_cache() -> Path:
+    """The run's export cache (``$LANTERN_CACHE`` of the tests that set none of their own)."""
+    return Path(os.environ[SHARED]) / "cache"
+
+
+def exported(md: ModelDir, out: Path, trees: Sequence[Any] = (), **options: Any) -> Path:
+    """``export_bundle(md, out, trees, **options)``: exported once per run for the same model files
+    (config included), trees and options that shape the bundle, by whichever test asks first
+    (under a lock, across test workers), and copied to ``out``, a folder of the caller's own."""
+    from lantern_rt.export.exporter import export_bundle
+    from lantern_rt.export_cache import model_fingerprint
+    from lantern_rt.fileio import held
+    from lantern_rt.runtime.tree import tree_to_json
+
+    call = inspect.signature(export_bundle).bind(md, out, trees, **options)
+    call.apply_defaults()
+    unshaping = ("model_dir", "out", "trees", "threads", "progress", "overwrite", "on_start", "models")
+    settings = {k: v for k, v in call.arguments.items() if k not in unshaping}
+    settings |= {"model": model_fingerprint(md), "trees": [tree_to_json(t) for t in trees]}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(os.environ[SHARED]) / "bundles"
+    folder.mkdir(exist_ok=True)
+    bundle = folder / f"{md.name}-{key}"
+    with held(folder / f".{bundle.name}.lock", create=True):
+        if not bundle.is_dir():
+            export_bundle(md, bundle, trees, **{"threads": 1, **options})
+    shutil.copytree(bundle, out)
+    return Path(out)
 
 
 # --- built once per session --------------------------------------------------------------------

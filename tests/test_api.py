@@ -7,8 +7,6 @@ seeds but the pipeline; the job-source tests check the loop against its own iter
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -18,14 +16,14 @@ from lantern_rt.generate import image_generator
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.decode import IDLE, decode_images
 
-pytestmark = pytest.mark.slow  # exports the demo once (about a minute)
+# exports the demo for batch size 2 into the run's export cache (about a minute), once for
+# tests/test_serve.py too
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def generator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[lantern_rt.api.Generator]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LANTERN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield lantern_rt.load(batch_size=2, streams=1, threads=1)
+def generator() -> lantern_rt.api.Generator:
+    return lantern_rt.load(batch_size=2, streams=1, threads=1)
 
 
 def alone(generator, label: int, seed: int, index: int) -> torch.Tensor:

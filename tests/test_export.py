@@ -55,7 +55,7 @@ from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 from lantern_rt.runtime.drafting import catch_up_rows, noise_rows
 from lantern_rt.runtime.tree import ROOT_ONLY, build_tree, load_tree, tree_to_json
-from tests.conftest import randomize, tiny_gpt, tiny_vq, write_model_dir
+from tests.conftest import exported, randomize, tiny_gpt, tiny_vq, write_model_dir
 
 T2I_GQA = {"model_type": "t2i", "cls_token_num": 3, "caption_dim": 12, "n_head": 4, "n_kv_head": 2}
 # name -> (model overrides, dtype, trees, with a drafter): between them every feature, fp32 and
@@ -87,12 +87,11 @@ def make_bundle(
     **options: Any,
 ) -> Path:
     """Write the models as ``path``-model beside ``path`` and export them to ``path`` (with
-    ``export_bundle``'s ``options``)."""
+    ``export_bundle``'s ``options``; once per run: :func:`tests.conftest.exported`)."""
     model = write_model_dir(path.with_name(f"{path.name}-model"), target, vq)
     if drafter is not None:
         add_drafter(model, drafter)
-    trees_ = [load_tree(t) for t in trees]
-    return export_bundle(open_model_dir(model), path, trees_, dtype=dtype, threads=1, **options)
+    return exported(open_model_dir(model), path, [load_tree(t) for t in trees], dtype=dtype, **options)
 
 
 def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:

@@ -21,16 +21,12 @@ from click.testing import CliRunner
 
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
-from lantern_rt.export.exporter import export_bundle
-from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate
 from lantern_rt.models.config import ConfigError
-from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.backends.registry import EngineOptions, backend_named
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import MethodConfig
 from tests import token_fixture_cases as demo
 from tests.conftest import tiny_gpt, tiny_vq
@@ -275,12 +271,11 @@ def test_bench_measures_openvino_beside_onnxruntime(fp32, tmp_path):
 
 
 @needs_openvino
-@pytest.mark.slow  # the demo's export (one tree, one cache window): about a minute
+@pytest.mark.slow  # the demo's export (one tree, one cache window): about a minute, once per run
 def test_the_demos_greedy_tokens_equal_onnxruntimes(tmp_path):
     """ar, exact and LANTERN++ against the tokens onnxruntime recorded (tests/fixtures), sjd
     against onnxruntime on the same bundle."""
-    md = open_model_dir(DEMO_DIR)
-    bundle = Bundle.open(export_bundle(md, tmp_path / "demo", [load_tree(demo.TREE)], windows=1, threads=1))
+    bundle = Bundle.open(demo.demo_bundle(tmp_path / "demo"))  # tests/test_token_fixtures.py's too
     with np.load(demo.FIXTURE) as data:
         recorded = {key: torch.from_numpy(data[key]) for key in data.files}
     for method in (*demo.METHODS, "sjd"):

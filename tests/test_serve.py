@@ -2,17 +2,17 @@
 talked to over HTTP as a client would (httpx, the openai package), checked against ``lantern
 generate`` and against the server's own metrics.
 
-Two servers share one export cache (the demo is exported once, for batch size 2): a fast one
-(lantern++) for equality, concurrency, bad requests, metrics and the openai client, and a slow
-one (AR, a small queue and a short deadline) for what needs time to pass: joining a running
-batch, 429, 504, a client leaving, SIGTERM.
+The servers run on the run's export cache (tests/conftest.py), where the demo is exported once
+for batch size 2, for tests/test_api.py too: a fast server (lantern++) for equality,
+concurrency, bad requests, metrics and the openai client, and a slow one (AR, a small queue and
+a short deadline) for what needs time to pass: joining a running batch, 429, 504, a client
+leaving, SIGTERM.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -62,16 +62,10 @@ class Server:
         return 0.0
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("serve-cache")
-
-
-def start_server(cache: Path, log: Path, *options: str) -> Server:
+def start_server(log: Path, *options: str) -> Server:
     port = free_port()
-    env = {**os.environ, "LANTERN_CACHE": str(cache)}
     command = [sys.executable, "-m", "lantern_rt.cli", "serve", "--port", str(port), "--batch-size", "2"]
-    process = subprocess.Popen([*command, *options], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    process = subprocess.Popen([*command, *options], stdout=log.open("w"), stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + 600  # the first start exports the demo
     while time.monotonic() < deadline:
@@ -94,8 +88,8 @@ def stop(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def fast(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(cache, tmp_path_factory.mktemp("fast") / "log", "--max-queue-images", "32")
+def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("fast") / "log", "--max-queue-images", "32")
     yield server
     stop(server)
 
@@ -106,18 +100,18 @@ SLOW = ("--method", "ar", "--backend", "torch", "--threads", "1", "--max-queue-i
 
 
 @pytest.fixture(scope="module")
-def slow(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("slow") / "log"
-    server = start_server(cache, log, *SLOW)
+    server = start_server(log, *SLOW)
     yield server
     stop(server)
 
 
 @pytest.fixture(scope="module")
-def strict(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The slow server with a request deadline: eight images outlast it several times over."""
     log = tmp_path_factory.mktemp("strict") / "log"
-    server = start_server(cache, log, *SLOW, "--request-timeout", str(DEADLINE))
+    server = start_server(log, *SLOW, "--request-timeout", str(DEADLINE))
     yield server
     stop(server)
 
@@ -131,7 +125,7 @@ def pngs(response: httpx.Response) -> np.ndarray:
     return np.stack(arrays)
 
 
-def test_same_images_as_lantern_generate(fast: Server, cache: Path, tmp_path: Path) -> None:
+def test_same_images_as_lantern_generate(fast: Server, tmp_path: Path) -> None:
     response = fast.post({"prompt": "3", "n": 2, "seed": 7})
     assert response.status_code == 200, response.text
     images = pngs(response)
@@ -139,7 +133,6 @@ def test_same_images_as_lantern_generate(fast: Server, cache: Path, tmp_path: Pa
     subprocess.run(
         [sys.executable, "-m", "lantern_rt.cli", "generate", "--class", "3", "-n", "2", "--seed", "7"]
         + ["--batch-size", "2", "-q", "-o", str(out)],
-        env={**os.environ, "LANTERN_CACHE": str(cache)},
         check=True,
         capture_output=True,
     )

@@ -9,22 +9,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from token_fixture_cases import CASES, FIXTURE, LABELS, METHODS, SEED, TREE, method_config, sampling
+from token_fixture_cases import (
+    CASES,
+    FIXTURE,
+    LABELS,
+    METHODS,
+    SEED,
+    demo_bundle,
+    method_config,
+    sampling,
+)
 
 from lantern_rt.assembly import onnxruntime_pipeline, torch_pipeline
 from lantern_rt.bundle import Bundle
-from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate
 from lantern_rt.models.model_dir import DEMO_DIR
-from lantern_rt.runtime.tree import load_tree
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """The demo and its bundle of TREE (one cache window: the tokens do not depend on the
+    windows, tests/test_cache_windows.py), exported once per run (tests/test_openvino.py's too)."""
     md = open_model_dir(DEMO_DIR)
-    path = export_bundle(md, tmp_path_factory.mktemp("demo") / "bundle", trees=[load_tree(TREE)], threads=1)
-    return md, Bundle.open(path)
+    return md, Bundle.open(demo_bundle(tmp_path_factory.mktemp("demo") / "bundle"))
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,16 @@ MODES = ("greedy", "sampled")
 CASES = [(b, m, "greedy") for b in BACKENDS for m in METHODS]
 
 
+def demo_bundle(out: Path) -> Path:
+    """The demo's bundle of TREE with one cache window, copied to ``out`` (exported once per run)."""
+    from lantern_rt.families.loading import open_model_dir
+    from lantern_rt.models.model_dir import DEMO_DIR
+    from lantern_rt.runtime.tree import load_tree
+    from tests.conftest import exported
+
+    return exported(open_model_dir(DEMO_DIR), out, [load_tree(TREE)], windows=1)
+
+
 def method_config(method: str) -> MethodConfig:
     return MethodConfig(method, tree=TREE, k=10, lam=5.0)
 
