@@ -3,8 +3,12 @@
 # minutes. Writes gpu_check/gpu_check.{json,md} (or $1). Installs nothing: the GPU machine has
 # no network, so the checkout runs from PYTHONPATH with the Python packages already there
 # (torch with CUDA and Triton, onnx, onnxruntime, safetensors, click, tqdm, pillow, numpy).
+# It measures the demo widened to GPT-XL (and GPT-L while the time allows: --sizes-budget),
+# built into $LANTERN_CACHE/models (default ~/.cache/lantern-rt/models: 3.1 GB for GPT-XL) in
+# another process while the demo runs (lantern_rt/eval/gpu_check.py says what runs in which order).
 # `scripts/gpu_check.sh --quick [OUT]` is the dry run: tiny sizes on whatever device is here
-# (a CPU: eager and compiled steps, LlamaGen's loop on the demo), no TensorRT.
+# (a CPU: eager and compiled steps, the demo widened to the `tiny` size, LlamaGen's loop on the
+# demo and on it), no TensorRT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

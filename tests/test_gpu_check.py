@@ -8,7 +8,7 @@ import torch
 
 from lantern_rt.eval import gpu_check
 from lantern_rt.models.config import GPTConfig
-from tests.conftest import TINY_GPT, tiny_gpt
+from tests.conftest import TINY_GPT, tiny_gpt, tiny_vq
 
 
 def test_step_costs_and_report_run_on_a_cpu(monkeypatch):
@@ -142,3 +142,41 @@ def test_compiled_step_modes_and_their_kernels_on_a_cpu(monkeypatch):
     result = {"step_costs": [costs], "bandwidth": {"label": "x", "bytes_per_s": 1e11}}
     text = "\n".join(gpu_check.step_mode_report(result))
     assert "| tiny | 1 | ar_step |" in text and "| tiny | 1 | verify |" in text
+
+
+def test_sized_rows_measure_each_method_with_its_floor_and_the_demo_s_tokens(monkeypatch, tmp_path):
+    """The sized section on a CPU (torch eager), a tiny model standing in for both the sized
+    model and the demo: speed, tau, speedup, floor and greedy agreement per method; the report's
+    table and its comparison with LlamaGen's loop at that size."""
+    from tests.test_bench import model_with_drafter
+
+    model = model_with_drafter(tmp_path / "tiny", tiny_vq())
+    monkeypatch.setattr(gpu_check, "sized_model_dir", lambda size: model)
+    monkeypatch.setattr(gpu_check, "DEMO_DIR", model)
+    methods = (gpu_check.MethodConfig("ar"), gpu_check.MethodConfig("lantern++", tree="chain-3"))
+    monkeypatch.setattr(gpu_check, "SIZED_METHODS", methods)
+    reference = {}
+    rows = gpu_check.sized_rows("GPT-XL", "cpu", [0, 1], [0], 1e10, reference)
+    assert [(r["size"], r["path"], r["method"], r["tree"]) for r in rows] == [
+        ("GPT-XL", "torch-eager", "ar", None),
+        ("GPT-XL", "torch-eager", "lantern++", "chain-3"),
+    ]
+    assert set(reference) == {(False, m) for m in methods}
+    other = {key: tokens.roll(1, dims=1) for key, tokens in reference.items()}  # not this model's tokens
+    assert not any(
+        r["greedy_equal_to_demo"] for r in gpu_check.sized_rows("GPT-XL", "cpu", [0], [0], 1e10, other)
+    )
+    ar, lantern = rows
+    assert ar["speedup_vs_ar"] == 1.0 and ar["tau"] == 1.0 and lantern["tau"] > 1.0
+    assert lantern["speedup_vs_ar"] == ar["s_per_image"] / lantern["s_per_image"]
+    for r in rows:
+        assert r["images"] == 2 and r["greedy_equal_to_demo"] and r["floor_s_per_image"] > 0
+        assert r["measured_over_floor"] == pytest.approx(r["s_per_image"] / r["floor_s_per_image"])
+    best = min(r["s_per_image"] for r in rows)
+    loops = [
+        {"model": gpu_check.sized_name("GPT-XL"), "batch": 1, "compiled": False, "images_per_s": 0.5 / best}
+    ]
+    text = "\n".join(gpu_check.sized_report(rows, loops, "a copy loop's 10.00 GB/s"))
+    assert "| GPT-XL | torch-eager | lantern++ | chain-3 | 2 |" in text and "| yes |" in text
+    assert f"| {2 * best:.4f} | 2.00x | - | - |" in text  # LlamaGen eager at twice the fastest row's s/img
+    assert gpu_check.sized_paths("cuda") == [("torch-eager", False), ("torch-cudagraphs", True)]

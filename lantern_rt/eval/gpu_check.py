@@ -5,7 +5,7 @@
    the tree its device runs by default: ``GPU_DEFAULT_TREE`` on the GPU, ``CPU_DEFAULT_TREE``
    on the CPU), seconds per image, mean accepted length, speedup over AR on the same path, and
    greedy token agreement between the paths that run the same method and tree.
-2. Per-step costs for LlamaGen-B and -XL shaped targets with random weights (fp16, CUDA
+2. Per-step costs for a LlamaGen-XL shaped target with random weights (fp16, CUDA
    graphs) at batch sizes 1, 4 and 16, for LlamaGen-XL T2I Stage I's shape (a 120-slot
    caption prefix, partly padding) and, on a GPU, Anole-7B's (14 GB of fp16 weights, a 64-slot
    prompt with per-row padding, 1024 image tokens): an AR step, a tree verify (acceptance included, one
@@ -17,20 +17,34 @@
    from CUDA graphs (eager and compiled), each beside its memory floor (the weight and KV bytes
    it must read over the device's peak bandwidth, :data:`PEAK_BANDWIDTH`) and with its kernels
    per call (torch.profiler: GPU kernels on a GPU, compute ops on a CPU).
-4. The GPU peer: LlamaGen's own sampling loop (:mod:`lantern_rt.eval.baseline`) compiled as its
-   ``--compile`` does (``torch.compile(decode_one_token, mode="reduce-overhead",
-   fullgraph=True)``) over the demo and the same random-weight shapes, in the same run.
+4. The GPU peer: LlamaGen's own sampling loop (:mod:`lantern_rt.eval.baseline`), eager and
+   compiled as its ``--compile`` does (``torch.compile(decode_one_token, mode="reduce-overhead",
+   fullgraph=True)``), over the demo and each sized model of 6. (fp32, the same weights), in the
+   same run.
 5. A drafter-free window (issue 50): a pac tree's verify (``PAC_TREE``, exact ``sjd``) against
    an AR step at B = 1 at LlamaGen-XL's and, on a GPU, Anole-7B's shapes, with the speedup
    projected from the demo's tau with that tree (``PAC_TAU``).
+6. The demo widened to LlamaGen's sizes (:mod:`lantern_rt.sized_demo`; ``--sizes``, GPT-XL then
+   GPT-L while ``--sizes-budget`` allows): the demo's tokens and acceptance at a real model's step
+   cost, so s/image at XL is measured, not projected. Torch eager and CUDA graphs (fp32, B = 1),
+   AR against LANTERN++ on ``GPU_DEFAULT_TREE`` and on chain-5, each with its memory floor and
+   whether its greedy tokens are the demo's; the fastest against LlamaGen's loop (4.).
+
+Order and budget: the demo, then the sized models (the first built in another process while the
+demo runs), LlamaGen's loops, then the step costs; a run stays under 8 minutes on an H100 by
+skipping a second size past ``--sizes-budget`` and compiled modes past ``--compile-budget``.
 Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
-the tests on a CPU; ``scripts/gpu_check.sh --quick`` runs it on a CPU).
+the tests on a CPU; ``scripts/gpu_check.sh --quick`` runs it on a CPU, with the ``tiny`` size).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -40,11 +54,18 @@ from typing import Any
 import torch
 
 from lantern_rt.eval.baseline import CompiledLoopStep, LoopStep, torch_batched_ar
+from lantern_rt.eval.memory_floor import (
+    copy_bandwidth,
+    floor_fields,
+    kv_entry_bytes,
+    pipeline_step_bytes,
+    target_weight_bytes,
+)
 from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.generate import generate
 from lantern_rt.models.config import gpt_config
 from lantern_rt.models.drafter import Drafter, DrafterConfig
-from lantern_rt.models.model_dir import DEMO_DIR
+from lantern_rt.models.model_dir import DEMO_DIR, ModelDir
 from lantern_rt.models.target import Transformer
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, relax_inputs
@@ -58,6 +79,7 @@ from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, load_tree
 from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig
+from lantern_rt.sized_demo.cache import sized_model_dir
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
 GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
@@ -123,6 +145,108 @@ def demo_rows(device: str, labels: list[int]) -> list[dict[str, Any]]:
                     "greedy_agreement_vs_first_path": float((tokens == first).float().mean()),
                 }
             )
+    return rows
+
+
+# The demo widened to LlamaGen's sizes (lantern_rt.sized_demo): the demo's tokens and acceptance at
+# a real model's step cost, so that its s/image is measured, not projected. Each size runs these.
+SIZED_METHODS = (
+    MethodConfig("ar"),
+    MethodConfig("lantern++", tree=GPU_DEFAULT_TREE),
+    MethodConfig("lantern++", tree="chain-5"),
+)
+
+
+def sized_paths(device: str) -> list[tuple[str, bool]]:
+    """(name, cuda_graphs) of the torch paths a sized model runs on ``device``."""
+    eager = [("torch-eager", False)]
+    return [*eager, ("torch-cudagraphs", True)] if device.startswith("cuda") else eager
+
+
+def prebuild(size: str) -> subprocess.Popen:
+    """Start building the sized model ``size`` into the cache in another process (``lantern
+    widen``), so that the check runs meanwhile; :func:`sized_model_dir` waits on the cache's
+    lock for it."""
+    command = [sys.executable, "-m", "lantern_rt.cli", "widen", "--size", size]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+def greedy_tokens(
+    md: ModelDir, graphs: bool, method: MethodConfig, device: str, labels: list[int]
+) -> torch.Tensor:
+    """Greedy tokens of ``labels`` on the torch path (``graphs``: CUDA graphs)."""
+    pipe = build_pipeline(md, method, backend="torch", device=device, threads=1, cuda_graphs=graphs)
+    return generate(pipe, labels, GREEDY, seed=0, progress=False).tokens
+
+
+def sized_run(
+    md: ModelDir, graphs: bool, method: MethodConfig, device: str, labels: list[int], bandwidth: float | None
+) -> dict[str, Any]:
+    """One sized row on the torch path: the greedy tokens of ``labels[0]`` (the warm-up too),
+    then ``labels`` sampled and timed: seconds per image (median), tau, and the memory floor at
+    ``bandwidth`` bytes/s (:mod:`lantern_rt.eval.memory_floor`; B = 1; None: no floor)."""
+    pipe = build_pipeline(md, method, backend="torch", device=device, threads=1, cuda_graphs=graphs)
+    greedy = generate(pipe, labels[:1], GREEDY, seed=0, progress=False).tokens
+    stats = generate(pipe, labels, SAMPLING, seed=0, progress=False).stats
+    seconds = statistics.median(stats.seconds_per_image)
+    measured = {
+        "num_images": stats.num_images,
+        "verify_calls": stats.verify_calls,
+        "batch_size": 1,
+        "seconds_per_image": seconds,
+    }
+    step = pipeline_step_bytes(pipe, md) if bandwidth else None
+    floor = floor_fields(step, measured, 2 if SAMPLING.guided else 1, bandwidth or 1.0)
+    return {
+        "images": len(labels),
+        "s_per_image": seconds,
+        "tau": stats.mean_accepted_length,
+        "floor_s_per_image": floor["floor_seconds_per_image"],
+        "measured_over_floor": floor["measured_over_floor"],
+        "greedy_tokens": greedy,
+    }
+
+
+def sized_rows(
+    size: str,
+    device: str,
+    labels: list[int],
+    eager_labels: list[int],
+    bandwidth: float | None,
+    reference: dict[tuple[bool, MethodConfig], torch.Tensor],
+) -> list[dict[str, Any]]:
+    """The demo widened to ``size`` on each torch path (:func:`sized_paths`) x
+    :data:`SIZED_METHODS` at B = 1 (``labels`` timed, ``eager_labels`` on the slower eager path
+    of a GPU): speed, tau, speedup vs AR on that path, memory floor, and whether the greedy
+    tokens equal the demo's on the same path and method (``reference``: the demo's, filled
+    once and kept across sizes)."""
+    md = open_model_dir(sized_model_dir(size))
+    demo = open_model_dir(DEMO_DIR)
+    cuda = device.startswith("cuda")
+    rows = []
+    for path, graphs in sized_paths(device):
+        ar = None
+        for method in SIZED_METHODS:
+            timed = eager_labels if cuda and not graphs else labels
+            r = sized_run(md, graphs, method, device, timed, bandwidth)
+            if (graphs, method) not in reference:
+                reference[graphs, method] = greedy_tokens(demo, graphs, method, device, labels[:1])
+            tokens = r.pop("greedy_tokens")
+            ar = ar or r["s_per_image"]
+            rows.append(
+                {
+                    "size": size,
+                    "path": path,
+                    "method": method.method,
+                    "tree": None if method.method == "ar" else method.tree,
+                    **r,
+                    "speedup_vs_ar": ar / r["s_per_image"],
+                    "greedy_equal_to_demo": bool(torch.equal(tokens, reference[graphs, method])),
+                }
+            )
+            if cuda:  # the next row loads the model again: free this one's (pipelines hold cycles)
+                gc.collect()
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -347,16 +471,13 @@ def peak_bandwidth(device_name: str) -> tuple[str, float] | None:
 
 
 def step_bytes(model: Transformer, batch: int, cached: int) -> int:
-    """Bytes one decode call must read at least: the weights of the layers, final norm and LM
-    head (embedding tables are gathered, a few rows) and the K and V of ``cached`` committed
-    entries (after the condition prefix) for each of the 2B CFG rows."""
+    """Bytes one decode call must read at least (:mod:`lantern_rt.eval.memory_floor`'s rule):
+    the weights of the layers, final norm and LM head (embedding tables are gathered, a few
+    rows) and the K and V of ``cached`` committed entries (after the condition prefix) for each
+    of the 2B CFG rows."""
     cfg = model.config
-    modules = (model.layers, model.norm, model.output)
-    weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-    entries = cfg.cls_token_num + cached
-    element = model.output.weight.element_size()
-    kv = 2 * cfg.n_layer * 2 * batch * cfg.kv_heads * entries * cfg.head_dim * element
-    return weights + kv
+    kv = kv_entry_bytes(cfg, model.output.weight.element_size()) * 2 * batch * (cfg.cls_token_num + cached)
+    return target_weight_bytes(model) + kv
 
 
 def memory_floor_ms(model: Transformer, batch: int, cached: int, bandwidth: float) -> float:
@@ -496,6 +617,7 @@ def report(result: dict[str, Any]) -> str:
             f"| {r['path']} | {r['method']} | {r['tree'] or ''} | {r['s_per_image']:.4f} | {r['tau']:.2f} | "
             f"{r['speedup_vs_ar']:.2f}x | {r['greedy_agreement_vs_first_path']:.3f} |"
         )
+    lines += sized_report(result.get("sized", []), result.get("llamagen", []), result.get("sized_bandwidth"))
     lines += ["", "## Step costs, acceptance included (random weights, sampled LANTERN++)", ""]
     lines += [
         "| preset | dtype | tree | B | ms AR step | ms verify | verify / AR | ms whole step | whole / verify |"
@@ -518,6 +640,67 @@ def report(result: dict[str, Any]) -> str:
     lines += window_report(result.get("window_costs", []))
     lines += step_mode_report(result) + llamagen_report(result.get("llamagen", []))
     return "\n".join(lines)
+
+
+def bandwidth_label(peak: tuple[str, float] | None, bandwidth: float | None) -> str:
+    """What the sized rows' floors are taken at, in words."""
+    if peak is not None:
+        return f"the {peak[0]}'s peak bandwidth, {peak[1] / 1e12:.4g} TB/s"
+    return (
+        "an unknown bandwidth (no floors)"
+        if bandwidth is None
+        else f"a copy loop's {bandwidth / 1e9:.2f} GB/s"
+    )
+
+
+def _cell(value: float | None, spec: str = ".4f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def sized_name(size: str) -> str:
+    """The name of a sized model's rows in the LlamaGen-loop table."""
+    return f"{size} (demo widened)"
+
+
+def sized_report(rows: list[dict[str, Any]], loops: list[dict[str, Any]], bandwidth: Any) -> list[str]:
+    """The sized models' table (:func:`sized_rows`) and, per size, its fastest row against
+    LlamaGen's loop over the same weights at B = 1 (``loops``: :func:`llamagen_rows`)."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The demo at LlamaGen's sizes: measured (the demo's weights widened, its tokens and acceptance;"
+        " torch, fp32, B = 1)",
+        "",
+        "| size | path | method | tree | images | s/img | tau | speedup vs AR | floor s/img | measured / floor |"
+        " greedy = demo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['path']} | {r['method']} | {r['tree'] or ''} | {r['images']} | "
+            f"{r['s_per_image']:.4f} | {r['tau']:.2f} | {r['speedup_vs_ar']:.2f}x | {_cell(r['floor_s_per_image'])} | "
+            f"{_cell(r['measured_over_floor'], '.2f', 'x')} | {'yes' if r['greedy_equal_to_demo'] else 'NO'} |"
+        )
+    seconds = {(r["model"], r["compiled"]): r["batch"] / r["images_per_s"] for r in loops if r["batch"] == 1}
+    lines += [
+        "",
+        f"Floor: the bytes an image's calls read (lantern_rt/eval/memory_floor.py) over {bandwidth}.",
+        "",
+        "| size | fastest row | s/img | LlamaGen's loop eager s/img | speedup | compiled s/img | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size in dict.fromkeys(r["size"] for r in rows):
+        best = min((r for r in rows if r["size"] == size), key=lambda r: r["s_per_image"])
+        cells = [
+            f"{best['path']} {best['method']} {best['tree'] or ''}".strip(),
+            f"{best['s_per_image']:.4f}",
+        ]
+        for compiled in (False, True):
+            loop = seconds.get((sized_name(size), compiled))
+            cells += ["-", "-"] if loop is None else [f"{loop:.4f}", f"{loop / best['s_per_image']:.2f}x"]
+        lines.append(f"| {size} | {' | '.join(cells)} |")
+    return lines
 
 
 def window_report(rows: list[dict[str, Any]]) -> list[str]:
@@ -626,8 +809,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--compile-budget",
         type=float,
-        default=330.0,
+        default=240.0,
         help="Seconds into the run after which no new compiled mode starts (keeps a run under 8 min).",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="The demo widened to these sizes (lantern_rt.sized_demo), comma-separated, in order; '' for "
+        "none. Default: GPT-XL,GPT-L (tiny with --quick).",
+    )
+    parser.add_argument(
+        "--sizes-budget",
+        type=float,
+        default=150.0,
+        help="Seconds into the run after which no further size starts (the first always runs).",
     )
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -635,17 +830,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     found = peak_bandwidth(name)
     bw = found[1] if found else None
     started = time.perf_counter()
+    default_sizes = "tiny" if args.quick else "GPT-XL,GPT-L"
+    sizes = [s for s in (default_sizes if args.sizes is None else args.sizes).split(",") if s]
+    builder = prebuild(sizes[0]) if sizes and not args.quick else None  # built while the demo runs
 
     def compile_now() -> bool:
         """Whether to run compiled modes still: compiles cost tens of seconds each, and the
         whole check must end within ``--compile-budget`` seconds of compiling (later ones skipped)."""
         return not args.no_compile and time.perf_counter() - started < args.compile_budget
 
-    labels = [0, 1] if args.quick else list(range(10))
-    presets = ["GPT-B"] if args.quick else ["GPT-B", "GPT-XL"]
+    labels = [0, 1] if args.quick else list(range(5))
+    presets = ["GPT-B"] if args.quick else ["GPT-XL"]
     batches = [1, 2] if args.quick else [1, 4, 16]
     demo = demo_rows(args.device, labels)
     tau = next(r["tau"] for r in demo if r["method"] == "lantern++")  # the first path's: the GPU's on a GPU
+    # the sized rows' floors: at the device's peak bandwidth on a GPU (none off the table), a copy loop's on a CPU
+    sized_bw = bw if cuda else copy_bandwidth(torch.get_num_threads()).bytes_per_s
+    sized_labels = [0] if args.quick else [0, 1, 2]
+    sized, measured, reference = [], [], {}
+    for i, size in enumerate(sizes):
+        if i and time.perf_counter() - started > args.sizes_budget:
+            print(f"{size}: skipped (--sizes-budget {args.sizes_budget:g} s spent)", file=sys.stderr)
+            continue
+        sized += sized_rows(size, args.device, sized_labels, sized_labels[:1], sized_bw, reference)
+        measured.append(size)
+    if builder is not None:
+        builder.wait()
+    # LlamaGen's loop over the demo and each sized model measured (fp32, the same weights), one at a time
+    peers = [("demo", DEMO_DIR)] + [(sized_name(size), sized_model_dir(size)) for size in measured]
+    llamagen = []
+    for peer, root in peers:
+        model = load_target(open_model_dir(root), args.device)
+        llamagen += llamagen_rows([(peer, model)], [1], compile_now())
+        del model
     dtype = torch.float16 if cuda else torch.float32
     repeats = 2 if args.quick else 50
     costs = [  # compiled modes at B = 1 only, the largest shape first: each compile costs tens of seconds
@@ -691,16 +908,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
     kinds = [(presets[-1], "c2i")] + ([("", "chameleon")] if cuda and not args.quick else [])
     windows = [window_costs(p, PAC_TREE, PAC_TAU, args.device, dtype, repeats, kind) for p, kind in kinds]
-    demo_model = load_target(open_model_dir(DEMO_DIR), args.device)
-    peers = [("demo", demo_model)]
-    if not args.quick:
-        with torch.device(args.device):
-            peers += [(p, Transformer(_config(p, "c2i")).to(dtype).eval()) for p in reversed(presets)]
-    llamagen = [row for peer in peers for row in llamagen_rows([peer], [1], compile_now())]
     result = {
         "device": args.device,
         "device_name": name,
         "bandwidth": {"label": found[0], "bytes_per_s": bw} if found else None,
+        "sized_bandwidth": bandwidth_label(found, sized_bw),
+        "sized": sized,
         "llamagen": llamagen,
         "torch": torch.__version__,
         "demo": demo,
