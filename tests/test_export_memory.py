@@ -1,6 +1,6 @@
 """An export's memory and disk: the graph modules hold no copies of the weights, weights are
-shared graph by graph (the bundle ``share_weights`` would write), and a whole export's peak
-resident memory stays within a few times its weight bytes."""
+shared graph by graph (the bundle ``share_weights`` would write), and a whole export holds about
+one copy of the weights beyond the loaded model."""
 
 from __future__ import annotations
 
@@ -109,49 +109,63 @@ def test_graph_by_graph_writes_what_share_weights_writes(tmp_path):
         np.testing.assert_array_equal(got[0], want[0])
 
 
-# One process exports a tiny model, then one whose weights dwarf the process's own memory, the
-# same graphs of each; its peak resident memory (ru_maxrss) after the first is the baseline
-# (torch, onnxruntime, the exporter's tracing), the rise over it in the second holds the model
-# (once) and one graph's onnxruntime session (about once more) besides transients.
+# One process loads and exports a tiny model twice (the first pays the exporter's one-time
+# costs), then a model whose weights dwarf the process's own memory, the same three graphs of
+# each (prefill, AR step, VQ decoder), and measures how far its resident memory rises above what
+# it holds with the models loaded (VmHWM reset there; a child's ru_maxrss would start from its
+# parent's memory at the fork). The tiny model's second rise is the exporter's own; the rest of
+# the wide model's is one graph's onnxruntime session, which prepacks a copy of its weights:
+# 1.06x the weight bytes here; 3.8x when each graph module held a copy of its fused weights,
+# 2.4x when sharing read a whole graph's weights into its proto.
 CHILD = """
-import json, resource, sys
+import ctypes, json, re, sys
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from lantern_rt.export.exporter import export_bundle
+from lantern_rt.export.exporter import export_bundle, load_export_models
 from lantern_rt.families.loading import open_model_dir
-peaks = []
+
+def kib(field):
+    return int(re.search(field + r":\\s*(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+rises = []
 for model_dir, out in zip(sys.argv[1::2], sys.argv[2::2]):
-    export_bundle(open_model_dir(Path(model_dir)), Path(out), windows=1, threads=1)
-    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-print(json.dumps(peaks))
+    md = open_model_dir(Path(model_dir))
+    models = load_export_models(md)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what loading freed goes back to the system
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    loaded = kib("VmRSS")
+    export_bundle(md, Path(out), windows=1, threads=1, models=models)
+    rises.append((kib("VmHWM") - loaded) * 1024)
+print(json.dumps(rises))
 """
-PEAK_PER_WEIGHT_BYTE = 2.75
+RISE_PER_WEIGHT_BYTE = 1.5
 
 
-def export_peaks(*model_dirs: Path) -> list[int]:
-    """Peak resident bytes of a fresh process after exporting each of ``model_dirs`` in turn
-    (prefill, AR step, VQ decoder)."""
-    args = [str(p) for d in model_dirs for p in (d, d.with_suffix(".bundle"))]
+def export_rises(*model_dirs: Path) -> list[int]:
+    """How many bytes a fresh process's resident memory rises, at its peak, while it exports
+    each of ``model_dirs`` in turn (prefill, AR step, VQ decoder) above what it holds with the
+    models loaded."""
+    args = [str(p) for i, d in enumerate(model_dirs) for p in (d, d.with_suffix(f".{i}.bundle"))]
     done = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.slow  # two exports in fresh processes (about 20 s): the only measure of a whole export's memory
-def test_export_peak_memory_is_a_few_times_the_weights(tmp_path):
-    shape = dict(n_layer=2, vocab_size=64, block_size=16)
+@pytest.mark.slow  # three small exports in a fresh process (25-60 s): the one measure of an export's memory
+def test_an_export_holds_one_copy_of_the_weights_beyond_the_model(tmp_path):
+    shape = dict(n_layer=1, vocab_size=64, block_size=16)  # few nodes: a short export
     tiny = write_model_dir(tmp_path / "tiny", tiny_gpt(**shape), tiny_vq())
     torch.manual_seed(0)
-    big = Transformer(GPTConfig(**{**TINY_GPT, **shape, "dim": 1536, "n_head": 12})).eval()
+    big = Transformer(GPTConfig(**{**TINY_GPT, **shape, "dim": 2048, "n_head": 16})).eval()  # 193 MiB
     with torch.no_grad():
         big.output.weight.normal_(0, 0.02)  # LlamaGen zero-initialises the head
     weights = sum(p.numel() * p.element_size() for p in big.parameters())
     wide = write_model_dir(tmp_path / "wide", big, tiny_vq())
     del big
-    base, peak = export_peaks(tiny, wide)
-    ratio = (peak - base) / weights
-    assert ratio <= PEAK_PER_WEIGHT_BYTE, (
-        f"exporting {weights / 2**20:.0f} MiB of weights peaked {(peak - base) / 2**20:.0f} MiB above "
-        f"a tiny model's export ({base / 2**20:.0f} MiB): {ratio:.2f}x its weight bytes"
+    _, base, rise = export_rises(tiny, tiny, wide)
+    assert rise - base <= RISE_PER_WEIGHT_BYTE * weights, (
+        f"exporting {weights / 2**20:.0f} MiB of weights raised memory {(rise - base) / 2**20:.0f} MiB "
+        f"more than a tiny model's export ({base / 2**20:.0f} MiB) above the loaded models: "
+        f"{(rise - base) / weights:.2f}x the weight bytes"
     )
