@@ -4,6 +4,8 @@
 verify and drafting graphs of every batch size: the same transformer's weights) into one
 weights file, once per distinct content, renamed to its content name ``w_<sha256 prefix>`` (the
 exporter names a weight differently in each graph). A run loads the graphs of one batch size.
+:class:`GraphByGraph` does the same one graph at a time, as the exporter checks each, so that an
+export never holds (in memory or on disk) more than one graph's weights besides the shared file.
 
 What onnxruntime CPU (1.32) does with it in memory, measured with 4 one-thread sessions over
 graphs sharing 48 MiB of fp32 MatMul weights: with prepacking on (its default, which the
