@@ -7,6 +7,7 @@ another device."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import subprocess
@@ -260,7 +261,9 @@ def test_bench_measures_openvino_beside_onnxruntime(fp32, tmp_path):
     args += ["--config", "ar", "--config", "lantern++", "-n", "1", "--class", "0", "--no-quality"]
     result = CliRunner().invoke(main, [*args, "--threads", "1", "--warmup", "0", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["rows"]
+    assert results["machine"]["openvino"] == importlib.metadata.version("openvino")
     by = {(row["backend"], row["method"]): row for row in rows}
     assert set(by) == {(b, m) for b in ("onnxruntime", "openvino") for m in ("ar", "lantern++")}
     tau = {b: by[b, "lantern++"]["mean_accepted_length"] for b in ("onnxruntime", "openvino")}

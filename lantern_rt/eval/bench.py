@@ -610,6 +610,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "onnxruntime": _version("onnxruntime", "onnxruntime-gpu"),
+        "openvino": _version("openvino"),
         "lantern_rt": package_version(),
     }
 

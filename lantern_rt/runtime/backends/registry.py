@@ -166,7 +166,7 @@ BACKENDS: dict[str, Backend] = {
             frozenset({BUNDLE}),
             _openvino,
             streams=True,
-        ),
+        ),  # ranked nowhere: an extra; onnxruntime stays the CPU default (BENCHMARKS.md, "OpenVINO")
         Backend(
             "tensorrt",
             "tensorrt",
