@@ -77,16 +77,18 @@ def _external(name: str, array: np.ndarray, location: str, offset: int) -> Tenso
     return tensor
 
 
-def test_graph_weight_bytes_count_stored_bytes_once_and_skip_gathered_tables(tmp_path):
-    """fp32, fp16 and Q/DQ int8 weights at their stored sizes; a table only Gather reads left
-    out; two initializers naming the same bytes of the weights file counted once."""
+def test_graph_weight_bytes_count_stored_bytes_per_reader_and_skip_gathered_tables(tmp_path):
+    """fp32, fp16 and Q/DQ int8 weights at their stored sizes, once per reading node (a target
+    call) or once each (a drafting call: two initializers naming the same bytes of the weights
+    file once); a table only Gather reads, and an unread initializer, left out."""
     w = np.ones((4, 8), np.float32)
     (tmp_path / "weights.bin").write_bytes(w.tobytes())
     inits = [
         numpy_helper.from_array(np.ones((10, 4), np.float32), "table"),  # gathered: not counted
         _external("w", w, "weights.bin", 0),  # 128 bytes
-        _external("w_again", w, "weights.bin", 0),  # the same bytes: not counted again
-        numpy_helper.from_array(np.ones((4, 8), np.float16), "w16"),  # 64
+        _external("w_again", w, "weights.bin", 0),  # the same bytes
+        numpy_helper.from_array(np.ones((4, 8), np.float16), "w16"),  # 64, read twice
+        numpy_helper.from_array(np.ones((4, 8), np.float32), "unread"),
         numpy_helper.from_array(np.ones((4, 8), np.int8), "q"),  # 32
         numpy_helper.from_array(np.ones(8, np.float32), "scale"),  # 32
         numpy_helper.from_array(np.zeros(8, np.int8), "zero"),  # 8
@@ -97,6 +99,7 @@ def test_graph_weight_bytes_count_stored_bytes_once_and_skip_gathered_tables(tmp
         helper.make_node("MatMul", ["e", "w_again"], ["y2"]),
         helper.make_node("Cast", ["e"], ["e16"], to=TensorProto.FLOAT16),
         helper.make_node("MatMul", ["e16", "w16"], ["y3"]),
+        helper.make_node("MatMul", ["y3", "w16"], ["y5"]),
         helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["wq"], axis=1),
         helper.make_node("MatMul", ["e", "wq"], ["y4"]),
     ]
@@ -109,7 +112,8 @@ def test_graph_weight_bytes_count_stored_bytes_once_and_skip_gathered_tables(tmp
     )
     path = tmp_path / "g.onnx"
     onnx.save(helper.make_model(graph), path)
-    assert graph_weight_bytes(path) == 128 + 64 + 32 + 32 + 8
+    assert graph_weight_bytes(path) == 2 * 128 + 2 * 64 + 32 + 32 + 8
+    assert graph_weight_bytes(path, per_reader=False) == 128 + 64 + 32 + 32 + 8
 
 
 # --- the copy loop -------------------------------------------------------------------------

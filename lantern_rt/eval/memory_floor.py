@@ -9,14 +9,15 @@ Per image, for a row of B images per call and R rows per image (2 with CFG, 1 wi
 
 - ``W_target``: the bytes of the target's weights one call reads, at the row's precision: for a
   bundle the initializers of its AR step graph as stored (fp32 4 bytes a weight, fp16 2, Q/DQ
-  int8 1 plus its fp32 scales, MatMulNBits' packed blocks), for the torch rows the parameters of
-  the target's layers, final norm and output head. Each tensor counts once; embedding tables do
-  not count (a call gathers a few of their rows): a graph's initializers that only ``Gather``
-  nodes read, a torch model's embedding modules.
+  int8 1 plus its fp32 scales, MatMulNBits' packed blocks), once for each node that reads one
+  (a bundle stores equal tensors once: the sized demo's inert layers share one zero ``wo`` and
+  one zero ``w2``, which each of those layers reads); for the torch rows the parameters of the
+  target's layers, final norm and output head, each once. Embedding tables do not count (a
+  call gathers a few of their rows): a ``Gather`` node's table, a torch model's embeddings.
 - ``W_draft``: the same for a drafting call, the drafter's weights and the LM head it drafts
-  through (0 for AR and the drafter-free Jacobi methods). Counted once a call: a tree's levels
-  run the drafter again, so a drafter larger than the last-level cache streams it once a
-  level, which the floor leaves out (it stays a lower bound).
+  through, each tensor once (0 for AR and the drafter-free Jacobi methods). Counted once a
+  call: a tree's levels run the drafter again, so a drafter larger than the last-level cache
+  streams it once a level, which the floor leaves out (it stays a lower bound).
 - ``C_target``: target calls per image (its verify calls and its prefill); ``C_draft``: drafting
   calls per image (one a verify call). A call's weights serve its B images; calls a batch runs
   while some of its images are done already are not counted (a lower bound again).
@@ -117,28 +118,32 @@ def torch_step_bytes(model: Transformer, drafter: tuple[nn.Module, nn.Module] | 
     )
 
 
-def graph_weight_bytes(path: Path) -> int:
-    """Bytes of an ONNX graph's initializers as stored (subgraphs' included), each once (an
-    external one by file and offset), but those that only ``Gather`` nodes read."""
+def graph_weight_bytes(path: Path, per_reader: bool = True) -> int:
+    """Bytes of an ONNX graph's initializers as stored (subgraphs' included) that its nodes read:
+    ``per_reader``, once for each node that reads one (a tensor that several layers share is
+    read by each); else each once (an external one by file and offset). Reads by ``Gather``
+    nodes of their table (embeddings: a few rows) are left out, and so are unread initializers."""
     import onnx  # only where a graph file is read
 
     from lantern_rt.graph_rules import with_subgraphs
 
     graphs = list(with_subgraphs(onnx.load(str(path), load_external_data=False).graph))
-    readers: dict[str, set[str]] = {}
+    reads: dict[str, int] = {}  # initializer name -> nodes that read it, but as a Gather's table
     for graph in graphs:
         for node in graph.node:
-            for i, name in enumerate(node.input):
-                readers.setdefault(name, set()).add("gather" if node.op_type == "Gather" and i == 0 else "")
-    sizes: dict[tuple[str, ...], int] = {}
+            for i, name in enumerate(dict.fromkeys(node.input)):
+                if not (node.op_type == "Gather" and i == 0):
+                    reads[name] = reads.get(name, 0) + 1
+    total, seen = 0, set()
     for graph in graphs:
         for t in graph.initializer:
-            if readers.get(t.name, {""}) == {"gather"}:
-                continue
             ext = {e.key: e.value for e in t.external_data}
             key = (ext["location"], ext.get("offset", "0")) if "location" in ext else (graph.name, t.name)
-            sizes[key] = _stored_bytes(t, ext)
-    return sum(sizes.values())
+            if not reads.get(t.name) or (not per_reader and key in seen):
+                continue
+            seen.add(key)
+            total += _stored_bytes(t, ext) * (reads[t.name] if per_reader else 1)
+    return total
 
 
 def _stored_bytes(t: onnx.TensorProto, external: dict[str, str]) -> int:
@@ -157,19 +162,18 @@ def _stored_bytes(t: onnx.TensorProto, external: dict[str, str]) -> int:
 
 
 def bundle_step_bytes(bundle: Bundle, draft_tree: str | None = None) -> StepBytes:
-    """The :class:`StepBytes` of rows on ``bundle``: W_target from its AR step graph,
-    W_draft from the drafting graph of ``draft_tree`` (None: no drafter), the cache's element
-    size from the AR step's ``past_k_0`` input."""
+    """The :class:`StepBytes` of rows on ``bundle``: W_target from its AR step graph (per
+    reading node), W_draft from the drafting graph of ``draft_tree`` (each tensor once; None: no
+    drafter), the cache's element size from the AR step's ``past_k_0`` input."""
     size = bundle.constants.batch_sizes[0]  # every batch size's graphs hold the same weights
     step = bundle.graph(batched_name(AR_STEP_GRAPH, size))
     draft = None if draft_tree is None else bundle.trees[draft_tree].graph
+    draft_file = None if draft is None else bundle.file(bundle.graph(batched_name(draft, size)))
     element = np.dtype(step.input("past_k_0").dtype).itemsize
     return StepBytes(
         precision=bundle.dtype,
         target_weights=graph_weight_bytes(bundle.file(step)),
-        draft_weights=0
-        if draft is None
-        else graph_weight_bytes(bundle.file(bundle.graph(batched_name(draft, size)))),
+        draft_weights=0 if draft_file is None else graph_weight_bytes(draft_file, per_reader=False),
         kv_entry=kv_entry_bytes(bundle.gpt, element),
         mean_entries=mean_entries(bundle.gpt),
     )
