@@ -264,3 +264,27 @@ def onnxruntime_pipeline(
         )
     more = tuple(bundle_stream(graphs, method, runner, "onnxruntime") for _ in range(streams - 1))
     return dataclasses.replace(pipe, more_streams=more)
+
+
+def openvino_pipeline(
+    bundle: Bundle,
+    method: MethodConfig,
+    shape: RunShape = RunShape(),
+    *,
+    threads: int = 0,
+    images: int | None = None,
+) -> Pipeline:
+    """A bundle on OpenVINO's CPU plugin, decoding ``shape.streams`` batches at once (None:
+    :func:`~lantern_rt.runtime.streams.cpu_streams` for ``images`` images), as onnxruntime's
+    streams do: they share one compiled model per graph, each on an execution stream of its own
+    with its share of ``threads``. :class:`ConfigError` for a bundle OpenVINO cannot run."""
+    from lantern_rt.runtime.backends.openvino_backend import check_runnable, ov_runner
+
+    check_runnable(bundle)
+    streams, threads = cpu_streams(shape, threads, images)
+    stream_threads(threads, streams)  # raises for fewer threads than streams
+    graphs = bundle.batch(shape.batch_size)
+    runner = ov_runner(threads, streams)
+    pipe = bundle_pipeline(graphs, method, runner, "openvino")
+    more = tuple(bundle_stream(graphs, method, runner, "openvino") for _ in range(streams - 1))
+    return dataclasses.replace(pipe, more_streams=more)

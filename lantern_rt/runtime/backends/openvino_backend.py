@@ -10,14 +10,12 @@ each output is a buffer allocated once per runner that the request writes into.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import openvino as ov
 import torch
 from torch import Tensor
 
-from lantern_rt.assembly import Pipeline, bundle_pipeline, bundle_stream
 from lantern_rt.bundle import Bundle, GraphEntry
 from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.models.config import ConfigError
@@ -27,11 +25,9 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     check_input,
     ordered,
 )
-from lantern_rt.runtime.run_shape import RunShape
-from lantern_rt.runtime.streams import cpu_streams, stream_threads
 
 if TYPE_CHECKING:
-    from lantern_rt.settings import MethodConfig
+    pass
 
 
 def shared(tensor: Tensor) -> ov.Tensor:
@@ -141,25 +137,3 @@ def _reason(error: RuntimeError) -> str:
     lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
     named = [line for line in lines if "operations:" in line or "not supported" in line.lower()]
     return (named or lines or ["unknown error"])[-1]
-
-
-def openvino_pipeline(
-    bundle: Bundle,
-    method: MethodConfig,
-    shape: RunShape = RunShape(),
-    *,
-    threads: int = 0,
-    images: int | None = None,
-) -> Pipeline:
-    """A bundle on OpenVINO's CPU plugin, decoding ``shape.streams`` batches at once (None:
-    :func:`~lantern_rt.runtime.streams.cpu_streams` for ``images`` images), as onnxruntime's
-    streams do: they share one compiled model per graph, each on an execution stream of its own
-    with its share of ``threads``. :class:`ConfigError` for a bundle OpenVINO cannot run."""
-    check_runnable(bundle)
-    streams, threads = cpu_streams(shape, threads, images)
-    stream_threads(threads, streams)  # raises for fewer threads than streams
-    graphs = bundle.batch(shape.batch_size)
-    runner = ov_runner(threads, streams)
-    pipe = bundle_pipeline(graphs, method, runner, "openvino")
-    more = tuple(bundle_stream(graphs, method, runner, "openvino") for _ in range(streams - 1))
-    return dataclasses.replace(pipe, more_streams=more)

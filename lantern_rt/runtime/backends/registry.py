@@ -122,7 +122,7 @@ def _onnxruntime_in_place(device: str) -> bool:
 def _openvino(
     source: ModelDir | Bundle, method: MethodConfig, shape: RunShape, options: EngineOptions
 ) -> Pipeline:
-    from lantern_rt.runtime.backends.openvino_backend import openvino_pipeline
+    from lantern_rt.assembly import openvino_pipeline
 
     if not options.device.startswith("cpu"):
         raise ConfigError(f"the openvino backend runs on the CPU, not {options.device}: use --device cpu")
