@@ -22,7 +22,6 @@ from click.testing import CliRunner
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
 from lantern_rt.eval.bench import method_config
-from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate
 from lantern_rt.models.config import ConfigError
@@ -36,7 +35,7 @@ from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
 from lantern_rt.settings import DEFAULT_COUPLING, MethodConfig
-from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
+from tests.conftest import exported, tiny_gpt, tiny_vq, write_model_dir
 from tests.test_baseline import chi_square, chi_square_critical
 from tests.test_speculative import GREEDY
 
@@ -328,15 +327,13 @@ LABELS = [0, 3, 1, 4, 2]
 def no_drafter_bundle(tmp_path_factory) -> Bundle:
     """A random tiny target (no drafter) whose greedy and sampled images Jacobi drafts well enough
     (tau 1.3-1.5: a pattern-trained target, each token fixed by the one before, gives 1.0),
-    exported with the verify graphs of chain-3 and pac-2-2-7 at B 1 and 2."""
+    exported with the verify graphs of chain-3 and pac-2-2-7 at B 1 and 2 (one cache window: the
+    tokens do not depend on the windows, tests/test_cache_windows.py)."""
     target = tiny_gpt(1)
     path = tmp_path_factory.mktemp("jacobi") / "bundle"
     model = write_model_dir(path.with_name("bundle-model"), target, tiny_vq())
-    return Bundle.open(
-        export_bundle(
-            open_model_dir(model), path, [load_tree("chain-3"), load_tree(PAC)], threads=1, batch_sizes=(1, 2)
-        )
-    )
+    trees = [load_tree("chain-3"), load_tree(PAC)]
+    return Bundle.open(exported(open_model_dir(model), path, trees, batch_sizes=(1, 2), windows=1))
 
 
 def run(source, backend: str, method: MethodConfig, sampling: SamplingConfig, batch: int = 1):
@@ -469,18 +466,12 @@ def cli_tokens(model, tmp_path, name: str, *args: str) -> tuple[np.ndarray, dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["c2i", "t2i", "anole", "lumina"])
-def test_a_model_without_a_drafter_generates_with_sjd(
-    family,
-    request,
-    tmp_path,
-    monkeypatch,
-):
+def test_a_model_without_a_drafter_generates_with_sjd(family, request, tmp_path):
     """On onnxruntime (the model exported on first use, with the window's verify graph) and on
     torch: greedy sjd gives AR's tokens; the stats name the method and its window. The models: the
     tiny c2i model, the t2i one with T5, a tiny Anole, and a Lumina-mGPT whose grid rows end in
     forced row-end tokens (the window's spatial drafts then read the row above through a row end
     of its own)."""
-    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     fixture = {"c2i": "tiny_model_dir", "t2i": "prompt_model", "anole": "anole_dir", "lumina": "lumina_dir"}
     model = request.getfixturevalue(fixture[family])
     assert "drafter" not in json.loads((model / "config.json").read_text())["files"]
@@ -550,10 +541,9 @@ def test_calibrating_a_bundle_without_a_drafter_drives_its_window(no_drafter_bun
 
 
 @pytest.mark.slow
-def test_an_image_set_with_sjd_equals_generate(tiny_model_dir, tmp_path, monkeypatch):
+def test_an_image_set_with_sjd_equals_generate(tiny_model_dir, tmp_path):
     """`generate-set --method sjd --window 3` on a model directory without a drafter (exported on
     first use with the window's verify graph): the shards hold `generate`'s tokens."""
-    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     same = [
         "-q",
         "--model",

@@ -169,7 +169,8 @@ def test_batch_of_different_captions_equals_one_at_a_time():
 
 @pytest.fixture(scope="module")
 def t2i_bundle(tmp_path_factory):
-    """A fp32 t2i bundle with a drafter (its prefill graph), exported from a model directory."""
+    """A fp32 t2i bundle with a drafter (its prefill graph), exported from a model directory (one
+    cache window: the tokens do not depend on the windows, tests/test_cache_windows.py)."""
     root = tmp_path_factory.mktemp("t2i")
     model = t2i_gpt(3)
     md = write_model_dir(root / "model", model, tiny_vq())
@@ -180,7 +181,8 @@ def t2i_bundle(tmp_path_factory):
     config = json.loads((md / "config.json").read_text())
     config["files"]["drafter"] = "drafter"
     (md / "config.json").write_text(json.dumps(config))
-    out = export_bundle(open_model_dir(md), root / "bundle", trees=[load_tree("chain-2")], batch_sizes=[1, 2])
+    trees = [load_tree("chain-2")]
+    out = export_bundle(open_model_dir(md), root / "bundle", trees, threads=1, batch_sizes=[1, 2], windows=1)
     return model, Bundle.open(out)
 
 
@@ -237,13 +239,12 @@ def run_cli(*args: str):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("onnxruntime", marks=pytest.mark.slow)])
-def test_generate_with_prompts(prompt_model, tmp_path, monkeypatch, backend):
+def test_generate_with_prompts(prompt_model, tmp_path, backend):
     """`lantern generate --prompt` on both backends: greedy tokens equal LlamaGen's loop on the
     reference condition; one PNG row per prompt; the stats JSON names the prompts."""
     import numpy as np
     from PIL import Image
 
-    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     long = " ".join(["a red apple on a table"] * 6)
     prompts = ["A red apple", long]
     args = ["generate", "--model", str(prompt_model), "--backend", backend, "--greedy", "-n", "2", "-q"]
@@ -298,7 +299,7 @@ def test_bundle_text_encoder_equals_transformers(prompt_model, tmp_path):
     import onnxruntime as ort
     from transformers import T5EncoderModel
 
-    out = export_bundle(open_model_dir(prompt_model), tmp_path / "b", dtype="fp16")
+    out = export_bundle(open_model_dir(prompt_model), tmp_path / "b", dtype="fp16", threads=1, windows=1)
     bundle = Bundle.open(out)
     entry = bundle.graph("text_encoder")
     assert bundle.text_max_length == PROMPT_SLOTS and entry.outputs[0].dtype == "float32"
@@ -352,8 +353,7 @@ def test_prompts_file(prompt_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_with_prompts(prompt_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+def test_bench_with_prompts(prompt_model, tmp_path):
     args = ["bench", "--model", str(prompt_model), "--prompt", "a red apple", "--prompt", "a blue car"]
     result = run_cli(*args, "--config", "ar", "-n", "1", "--warmup", "0", "--out", str(tmp_path / "b"))
     assert result.exit_code == 0, result.output

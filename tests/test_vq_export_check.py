@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 from lantern_rt.export.exporter import (
     IMAGE_CHECK_INPUTS,
     ExportError,
+    check_inputs,
     compare_with_torch,
     disagreement,
     export_graph,
@@ -38,18 +40,28 @@ def decoders(request, tmp_path_factory) -> dict[str, VQDecode]:
     return out
 
 
+@pytest.fixture(scope="module")
+def graphs(decoders, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Each layout's decoder exported (its check passed) once: the graph file and manifest entry."""
+    out = {}
+    for layout, decode in decoders.items():
+        folder = tmp_path_factory.mktemp(f"vq-{layout}")
+        entry = export_graph(decode, decode, folder, threads=1)
+        out[layout] = (folder / entry["file"], entry)
+    return out
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_check_passes_over_many_draws_of_its_inputs(decoders, layout, tmp_path):
+def test_the_check_passes_over_many_draws_of_its_inputs(decoders, graphs, layout):
     """The exported decoder keeps to torch on 64 random code grids, in 16 draws of the check's
     inputs; the check's numbers are what the export recorded."""
-    decode = decoders[layout]
-    entry = export_graph(decode, decode, tmp_path, threads=1)
+    decode, (path, entry) = decoders[layout], graphs[layout]
     draws = [
         range(1 + i, 1 + i + IMAGE_CHECK_INPUTS)
         for i in range(0, 16 * IMAGE_CHECK_INPUTS, IMAGE_CHECK_INPUTS)
     ]
     for seeds in draws:
-        differences = compare_with_torch(tmp_path / entry["file"], decode, decode, threads=1, seeds=seeds)
+        differences = compare_with_torch(path, decode, decode, threads=1, seeds=seeds)
         assert disagreement(decode.spec, differences["images"]) is None, (seeds, differences)
         if seeds[0] == 1:
             assert entry["max_abs_err"] == {"images": differences["images"].max_abs}
@@ -110,12 +122,14 @@ LEVEL = 1 / 127.5  # an 8-bit level of an image in [-1, 1]
         (float("nan"), 0.0, "differs from torch by nan"),
     ],
 )
-def test_the_image_rule(decoders, sigma, shift, refused, tmp_path):
-    decode = decoders["lumina"]
-    reference = Perturbed(decode, sigma, shift)
+def test_the_image_rule(decoders, graphs, sigma, shift, refused):
+    """The export's check (export_graph's comparison on its inputs, then its rule) of the Lumina
+    decoder's graph against a perturbed reference (a wrong graph: test_a_wrong_decoder_is_refused)."""
+    decode, (path, _) = decoders["lumina"], graphs["lumina"]
+    seeds = range(1, 1 + check_inputs(decode.spec))
+    differences = compare_with_torch(path, decode, Perturbed(decode, sigma, shift), threads=1, seeds=seeds)
+    why = disagreement(decode.spec, differences["images"])
     if refused is None:
-        entry = export_graph(decode, reference, tmp_path, threads=1)
-        assert entry["max_abs_err"]["images"] > 0
+        assert why is None and differences["images"].max_abs > 0
     else:
-        with pytest.raises(ExportError, match=refused):
-            export_graph(decode, reference, tmp_path, threads=1)
+        assert why is not None and refused in why, why
