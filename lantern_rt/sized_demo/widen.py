@@ -21,8 +21,13 @@ whose logits are the demo's to fp32 round-off, by these rules (the formulas of
   mean over D, so eps' = eps D/D' and w' = w sqrt(D/D') give the same output (the extra dims'
   weights are random: they multiply 0).
 - FFN: the extra hidden units are random in ``w1``/``w3`` and zero in ``w2``'s columns.
-- Extra layers (after the demo's): random except ``wo`` and ``w2``, which are zero; they add
-  nothing to the residual and cost a full layer.
+- Extra layers (after the demo's): random except the v rows of ``wqkv`` and the up projection
+  ``w3``, which are zero, so that the attention's output (a mix of zero values) and the FFN's
+  hidden units (``silu(w1 x) * 0``) are exactly 0 and the random ``wo`` and ``w2`` add exactly 0 to
+  the residual; they cost a full layer. No whole tensor is zero: a bundle's weights file stores
+  identical tensors once, and zero ``wo``/``w2`` shared by every extra layer would be read from
+  one cached copy instead of streamed (each v/up block sits inside a fused matrix with random
+  rows).
 - Output head: random columns for the extra dims. The vocabulary stays the demo's 1024 codes
   (LlamaGen's is 16384): the head is 1024 x D' instead of 16384 x D', 3-5 MB of fp32 instead of
   50-84 MB, so a step streams 12% (GPT-B), 5% (L) or 3% (XL) fewer weight bytes than LlamaGen's.
@@ -174,10 +179,12 @@ def _heads(g: torch.Generator, w: Widening, demo: Tensor | None, query: bool, sh
 
 
 def _qkv(g: torch.Generator, w: Widening, demo: Tensor | None, shape: Shape) -> Tensor:
-    """LlamaGen's joined ``wqkv``: the q, k and v projections' rows stacked."""
-    parts = (None, None, None) if demo is None else demo.chunk(3)
+    """LlamaGen's joined ``wqkv``: the q, k and v projections' rows stacked (an extra layer's
+    ``demo`` None: random q and k, zero v)."""
     third = (shape[0] // 3, shape[1])
-    return torch.cat([_heads(g, w, part, i == 0, third) for i, part in enumerate(parts)])
+    if demo is None:  # an extra layer: v zero, so that its attention adds exactly 0
+        return torch.cat([_rand(g, third), _rand(g, third), torch.zeros(third)])
+    return torch.cat([_heads(g, w, part, i == 0, third) for i, part in enumerate(demo.chunk(3))])
 
 
 def _fc(g: torch.Generator, w: Widening, demo: Tensor, shape: Shape) -> Tensor:
@@ -208,14 +215,23 @@ def target_specs(w: Widening, demo: dict[str, Tensor], g: torch.Generator) -> li
     for i in range(w.wide.n_layer):
         p = f"layers.{i}."
         old = {k.removeprefix(p): v for k, v in demo.items() if k.startswith(p)}.get  # None: an extra layer
+        if old("attention.wqkv.weight") is None:  # zero v and w3: random wo and w2 add exactly 0
+            wo, w3 = _spec(p + "attention.wo.weight", (dim, dim), _rand, g), (torch.zeros, ())
+            w2 = _spec(p + "feed_forward.w2.weight", (dim, ffn), _rand, g)
+        else:
+            wo = _spec(p + "attention.wo.weight", (dim, dim), _writes, old("attention.wo.weight"), heads)
+            w3 = (_reads, (g, old("feed_forward.w3.weight"), units))
+            w2 = _spec(
+                p + "feed_forward.w2.weight", (dim, ffn), _writes, old("feed_forward.w2.weight"), units
+            )
         specs += [
             _spec(p + "attention_norm.weight", (dim,), _norm, g, w, old("attention_norm.weight")),
             _spec(p + "attention.wqkv.weight", qkv, _qkv, g, w, old("attention.wqkv.weight")),
-            _spec(p + "attention.wo.weight", (dim, dim), _writes, old("attention.wo.weight"), heads),
+            wo,
             _spec(p + "ffn_norm.weight", (dim,), _norm, g, w, old("ffn_norm.weight")),
             _spec(p + "feed_forward.w1.weight", (ffn, dim), _reads, g, old("feed_forward.w1.weight"), units),
-            _spec(p + "feed_forward.w3.weight", (ffn, dim), _reads, g, old("feed_forward.w3.weight"), units),
-            _spec(p + "feed_forward.w2.weight", (dim, ffn), _writes, old("feed_forward.w2.weight"), units),
+            _spec(p + "feed_forward.w3.weight", (ffn, dim), w3[0], *w3[1]),
+            w2,
         ]
     return specs + [
         _spec("norm.weight", (dim,), _norm, g, w, demo["norm.weight"]),
