@@ -94,7 +94,8 @@ from lantern_rt.sized_demo.sizes import SIZES
     "stream_counts",
     default="1",
     show_default=True,
-    help="Batches decoded at once, comma-separated (e.g. 1,2): the onnxruntime rows run at each, each "
+    help="Batches decoded at once, comma-separated (e.g. 1,2): the rows of backends that decode in streams "
+    "(onnxruntime, openvino) run at each, each "
     "stream on its share of --threads; the other rows run one stream.",
 )
 @click.option(

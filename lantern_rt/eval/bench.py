@@ -61,7 +61,7 @@ from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.pipeline import build_pipeline, open_source
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
-from lantern_rt.runtime.backends.registry import MODEL, backend_named, cpu_backends
+from lantern_rt.runtime.backends.registry import BACKENDS, MODEL, backend_named, cpu_backends
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes, check_stream_counts
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -772,7 +772,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     stream_counts = check_stream_counts(list(s.streams))
     streaming = [b for b in backends if backend_named(b).streams]
     if max(stream_counts) > 1 and not streaming:
-        raise ConfigError("--streams above 1 runs on onnxruntime: add --backend onnxruntime")
+        names = " or ".join(name for name, b in BACKENDS.items() if b.streams)
+        raise ConfigError(f"--streams above 1 runs on {names}: add --backend with one of them")
     stream_threads(s.threads, max(stream_counts))  # enough threads, checked before any work
     if s.compile:
         if not any(backend_named(b).compiles for b in backends):
