@@ -152,12 +152,15 @@ def test_per_image_cache_masks_and_writes():
 
 @pytest.fixture(scope="module")
 def batched_bundle(trained_pair, tmp_path_factory) -> Bundle:
+    """The trained pair's bundle of chain-5 for 3 and 1 images per call, one cache window (a
+    batch's windows: tests/test_cache_windows.py)."""
     target, drafter = trained_pair
     root = tmp_path_factory.mktemp("batched")
     model = write_model_dir(root / "model", target, tiny_vq())
     add_drafter(model, drafter)
+    trees = [load_tree("chain-5")]
     path = export_bundle(
-        open_model_dir(model), root / "bundle", [load_tree("chain-5")], threads=1, batch_sizes=[3, 1]
+        open_model_dir(model), root / "bundle", trees, threads=1, batch_sizes=[3, 1], windows=1
     )
     return Bundle.open(path)
 
@@ -338,6 +341,8 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
             "chain-5",
             "--batch-size",
             "2",
+            "--cache-windows",
+            "1",
             "--out",
             str(tmp_path / "b2"),
             "-q",
