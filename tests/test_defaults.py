@@ -136,7 +136,8 @@ def test_a_bundle_carries_the_model_s_sampling_and_the_device_s_tree(sampled_dir
     ``generate --bundle`` samples as the model's config said, with an explicit flag winning, and
     a manifest whose sampling_defaults are not the model's kind is refused in one line."""
     bundle = tmp_path / "bundle"
-    r = cli("export", "-q", "--model", str(sampled_dir), "--device", "cpu", "--out", str(bundle))
+    args = ["--device", "cpu", "--cache-windows", "1", "--out", str(bundle)]
+    r = cli("export", "-q", "--model", str(sampled_dir), *args)
     assert r.exit_code == 0, r.output
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert list(manifest["trees"]) == [CPU_DEFAULT_TREE]

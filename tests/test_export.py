@@ -105,19 +105,20 @@ def shared_bundle(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     return path
 
 
-def graph_names(trees: list[str], with_drafter: bool, prefix_slots: int = 1) -> set[str]:
+def graph_names(trees: list[str], with_drafter: bool, prefix_slots: int = 1, windows: int = 2) -> set[str]:
     """The graphs a bundle of these trees holds: with a drafter a drafting and a verify graph per
     tree (and, over a longer prefix, its prefill); without one, a verify graph per chain (a
-    Jacobi window); the target's steps per cache window."""
+    Jacobi window); the target's steps per cache window (of ``windows`` exported, 1 or more)."""
     names = {"target_prefill", "vq_decode"}
     if with_drafter and prefix_slots > 1:
         names.add("drafter_prefill")
     verified = [i for i, t in enumerate(trees) if with_drafter or t.startswith("chain-")]
     steps = ["target_ar_step", *(verify_graph_name(i) for i in verified)]
     # the tiny models' caches (17 or 19 slots) have one window below the whole cache: 16 slots
+    suffixes = ("", "_w16") if windows > 1 else ("",)
     return (
         names
-        | {name + suffix for name in steps for suffix in ("", "_w16")}
+        | {name + suffix for name in steps for suffix in suffixes}
         | {draft_graph_name(i) for i in verified if with_drafter}
     )
 

@@ -145,11 +145,11 @@ def test_a_registered_family_opens_loads_and_decodes_like_llamagen(toy_registere
 
 @pytest.fixture(scope="module")
 def toy_bundle(pair, tmp_path_factory) -> Path:
-    """The toy model exported (its family registered for the export only)."""
+    """The toy model exported (its family registered for the export only), one cache window."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(FAMILIES, ToyFamily.name, ToyFamily())
         out = tmp_path_factory.mktemp("toy-bundle") / "bundle"
-        return export_bundle(open_model_dir(pair[0]), out, trees=[load_tree("chain-2")], progress=False)
+        return export_bundle(open_model_dir(pair[0]), out, [load_tree("chain-2")], threads=1, windows=1)
 
 
 @pytest.mark.slow

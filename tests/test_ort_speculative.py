@@ -44,9 +44,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bundle(trained_pair, tmp_path_factory) -> Bundle:
+    """The trained pair's bundle of TREES, one cache window (tests/test_cache_windows.py has more)."""
     target, drafter = trained_pair
     path = tmp_path_factory.mktemp("speculative") / "bundle"
-    return Bundle.open(make_bundle(path, target, tiny_vq(), drafter, TREES, "fp32"))
+    return Bundle.open(make_bundle(path, target, tiny_vq(), drafter, TREES, "fp32", windows=1))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def torch_drafter(bundle: Bundle, md: ModelDir) -> TorchDrafter:
 
 
 def test_drafter_graphs_pass_the_checks(bundle):
-    assert set(bundle.graphs) == graph_names(TREES, with_drafter=True)
+    assert set(bundle.graphs) == graph_names(TREES, with_drafter=True, windows=1)
     assert bundle.has_drafter and bundle.constants.drafter_capacity == 16
     raw = bundle.manifest()["graphs"]
     for name, entry in bundle.graphs.items():
