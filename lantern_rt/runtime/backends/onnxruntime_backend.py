@@ -9,11 +9,14 @@ bound in place (they never move), and outputs live in buffers allocated once per
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
+from onnx import external_data_helper
 from torch import Tensor
 
 from lantern_rt.bundle import Bundle, GraphEntry
@@ -27,6 +30,24 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+
+# A CPU session of a graph whose external weights are this many bytes or more shares them
+# with the factory's other sessions and does not prepack (:class:`SharedInitializers`); a
+# smaller graph keeps its own prepacked weights (BENCHMARKS.md, "Issue 58").
+SHARE_MIN_BYTES = 64 << 20
+# ONNX element types handed to onnxruntime as shared arrays; others it loads itself, per session
+_SHARED_DTYPES = {
+    onnx.TensorProto.FLOAT: np.float32,
+    onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.INT8: np.int8,
+    onnx.TensorProto.UINT8: np.uint8,
+    onnx.TensorProto.INT16: np.int16,
+    onnx.TensorProto.UINT16: np.uint16,
+    onnx.TensorProto.INT32: np.int32,
+    onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.BOOL: np.bool_,
+}
 
 
 def default_providers() -> list[str]:
@@ -88,7 +109,7 @@ def runs_in_place_steps() -> bool:
 
 
 def session_options(
-    threads: int, config: dict[str, str] | None = None, spin: bool = False
+    threads: int, config: dict[str, str] | None = None, spin: bool = False, prepack: bool = True
 ) -> ort.SessionOptions:
     """One intra-op pool of ``threads`` (0: onnxruntime's choice), all graph optimisations, and
     session ``config`` entries (e.g. ``{"session.disable_quant_qdq": "1"}``). The pool's threads
@@ -98,7 +119,9 @@ def session_options(
     ``session.force_spinning_stop``): for a session one decode stream calls alone (BENCHMARKS.md,
     "Pool threads that spin only within a call"). The session logs errors only: its warnings
     are notes for onnxruntime's developers (a ``TensorScatter`` in a chain of them copies the
-    cache it cannot write in place, once per call), not for a user."""
+    cache it cannot write in place, once per call), not for a user. Without ``prepack`` the
+    session reads MatMul weights as they are instead of making its own packed copy of each
+    (``session.disable_prepacking``)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
@@ -106,9 +129,61 @@ def session_options(
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if spin:
         options.add_session_config_entry("session.force_spinning_stop", "1")
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     return options
+
+
+class SharedInitializers:
+    """One in-memory copy of the external weights that a bundle's graphs read (its
+    ``weights.bin``), handed to each of their sessions as user-owned ``OrtValue`` initializers
+    (``SessionOptions.add_initializer``: onnxruntime reads them where they lie, in one read-only
+    memory map per file, and copies nothing). A session that prepacks its MatMul weights makes
+    a private packed copy of each whatever it is given, so the sessions given shared weights
+    run with prepacking off (:func:`session_options`). Holds its arrays: it must outlive the
+    sessions given them."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, np.memmap] = {}
+        # (file, offset, length, element type, shape) -> (the array, its OrtValue)
+        self._values: dict[tuple, tuple[np.ndarray, ort.OrtValue]] = {}
+
+    def add_to(self, options: ort.SessionOptions, folder: Path, tensors: list[onnx.TensorProto]) -> None:
+        """Give ``options`` the shared arrays of ``tensors``, external initializers of a graph
+        in ``folder`` (:func:`shareable_initializers`)."""
+        for tensor in tensors:
+            options.add_initializer(tensor.name, self._value(folder, tensor))
+
+    def _value(self, folder: Path, tensor: onnx.TensorProto) -> ort.OrtValue:
+        info = external_data_helper.ExternalDataInfo(tensor)
+        file = (folder / info.location).resolve()
+        if file not in self._maps:
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        offset = info.offset or 0
+        key = (file, offset, tensor.data_type, tuple(tensor.dims))
+        if key not in self._values:
+            raw = self._maps[file][offset : offset + _nbytes(tensor)]
+            array = raw.view(_SHARED_DTYPES[tensor.data_type]).reshape(tuple(tensor.dims))
+            self._values[key] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+        return self._values[key][1]
+
+
+def shareable_initializers(path: Path) -> list[onnx.TensorProto]:
+    """The initializers of the graph at ``path`` (its main graph) whose data lies in an external
+    file, in an element type numpy holds; their data is not read."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [
+        t
+        for t in graph.initializer
+        if t.data_type in _SHARED_DTYPES and external_data_helper.uses_external_data(t)
+    ]
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    """The bytes of ``tensor``'s data (an element type of :data:`_SHARED_DTYPES`)."""
+    return int(np.prod(tensor.dims, dtype=np.int64)) * np.dtype(_SHARED_DTYPES[tensor.data_type]).itemsize
 
 
 class OrtGraph:
@@ -118,11 +193,15 @@ class OrtGraph:
     Small inputs are copied into buffers bound once; cache inputs (``past_*``), too large to
     copy, are bound where they lie and rebound only when a call passes other memory. A graph's
     ``present_*`` output is bound to its ``past_*`` input's memory: the graph writes the cache in
-    place (onnxruntime's TensorScatter on the CPU).
+    place (onnxruntime's TensorScatter on the CPU). ``weights``: the :class:`SharedInitializers`
+    the session was given, if any, kept alive with it.
     """
 
-    def __init__(self, session: ort.InferenceSession, entry: GraphEntry):
+    def __init__(
+        self, session: ort.InferenceSession, entry: GraphEntry, weights: SharedInitializers | None = None
+    ):
         self.session = session
+        self._weights = weights  # the shared weights the session reads: alive as long as it is
         on_gpu = self.session.get_providers()[0] == CUDA
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         self.inputs, self.outputs = entry.inputs, entry.outputs
@@ -194,15 +273,22 @@ def ort_runner(
     ``config`` and ``spin``: see :func:`session_options`). Drafting graphs get one
     thread whatever ``threads`` says: their ops are too small to split, and waking a second
     thread per op made LANTERN++ 8% slower on two cores. The factory opens each graph file once:
-    runners it makes for the same graph (one per decode stream) share its session and weights."""
+    runners it makes for the same graph (one per decode stream) share its session. On the CPU,
+    the sessions of graphs with :data:`SHARE_MIN_BYTES` of weights or more share one copy of
+    them (:class:`SharedInitializers`), held as long as the factory."""
     chosen = providers or default_providers()
-    sessions: dict[str, ort.InferenceSession] = {}
+    sessions: dict[Path, ort.InferenceSession] = {}
+    shared = SharedInitializers()
 
     def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
-        path = str(bundle.file(entry))
+        path = bundle.file(entry)
         if path not in sessions:
-            options = session_options(1 if entry.drafting else threads, config, spin)
-            sessions[path] = ort.InferenceSession(path, options, providers=chosen)
-        return OrtGraph(sessions[path], entry)
+            tensors = shareable_initializers(path) if chosen[0] == CPU else []
+            share = sum(map(_nbytes, tensors)) >= SHARE_MIN_BYTES
+            options = session_options(1 if entry.drafting else threads, config, spin, prepack=not share)
+            if share:
+                shared.add_to(options, path.parent, tensors)
+            sessions[path] = ort.InferenceSession(str(path), options, providers=chosen)
+        return OrtGraph(sessions[path], entry, shared)
 
     return make
