@@ -9,6 +9,7 @@ bound in place (they never move), and outputs live in buffers allocated once per
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +32,34 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
-# A CPU session of a graph whose external weights are this many bytes or more shares them
-# with the factory's other sessions and does not prepack (:class:`SharedInitializers`); a
-# smaller graph keeps its own prepacked weights (BENCHMARKS.md, "Issue 58").
-SHARE_MIN_BYTES = 64 << 20
-# ONNX element types handed to onnxruntime as shared arrays; others it loads itself, per session
+# The bytes of prepacked weights one runner factory's CPU sessions may hold, each its own copy:
+# past them, a session shares the factory's one copy of the weights, unpacked
+# (:class:`SharedInitializers`). Unpacked MatMul weights ran 1.8x slower at GPT-B's 383 MB and
+# 1.3-1.7x on the demo's 12 MB (BENCHMARKS.md, "Issue 58"), so sessions prepack while memory
+# allows: a quarter of the machine's.
+PREPACK_BUDGET = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+# ONNX element types a graph's external weights are shared in (as numpy arrays)
 _SHARED_DTYPES = {
     onnx.TensorProto.FLOAT: np.float32,
-    onnx.TensorProto.FLOAT16: np.float16,
     onnx.TensorProto.DOUBLE: np.float64,
-    onnx.TensorProto.INT8: np.int8,
-    onnx.TensorProto.UINT8: np.uint8,
     onnx.TensorProto.INT16: np.int16,
     onnx.TensorProto.UINT16: np.uint16,
     onnx.TensorProto.INT32: np.int32,
     onnx.TensorProto.INT64: np.int64,
     onnx.TensorProto.BOOL: np.bool_,
+}
+# Weights that onnxruntime turns into a copy of its own in each session whatever it is given:
+# fp16 ones folded into fp32 through the Casts it inserts on the CPU, int8 and packed int4 ones
+# into its quantized kernels' packed form (without prepacking, a Q/DQ graph runs DequantizeLinear
+# then an fp32 MatMul: other numbers than the calibrated ones). A graph holding one keeps its own
+# weights, prepacked.
+_OWN_COPY_DTYPES = {
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.INT4,
+    onnx.TensorProto.UINT4,
 }
 
 
@@ -172,13 +185,13 @@ class SharedInitializers:
 
 def shareable_initializers(path: Path) -> list[onnx.TensorProto]:
     """The initializers of the graph at ``path`` (its main graph) whose data lies in an external
-    file, in an element type numpy holds; their data is not read."""
+    file, to be shared, in an element type of :data:`_SHARED_DTYPES`; none when one of them is
+    of :data:`_OWN_COPY_DTYPES`. Their data is not read."""
     graph = onnx.load(str(path), load_external_data=False).graph
-    return [
-        t
-        for t in graph.initializer
-        if t.data_type in _SHARED_DTYPES and external_data_helper.uses_external_data(t)
-    ]
+    external = [t for t in graph.initializer if external_data_helper.uses_external_data(t)]
+    if any(t.data_type in _OWN_COPY_DTYPES for t in external):
+        return []
+    return [t for t in external if t.data_type in _SHARED_DTYPES]
 
 
 def _nbytes(tensor: onnx.TensorProto) -> int:
@@ -274,17 +287,22 @@ def ort_runner(
     thread whatever ``threads`` says: their ops are too small to split, and waking a second
     thread per op made LANTERN++ 8% slower on two cores. The factory opens each graph file once:
     runners it makes for the same graph (one per decode stream) share its session. On the CPU,
-    the sessions of graphs with :data:`SHARE_MIN_BYTES` of weights or more share one copy of
-    them (:class:`SharedInitializers`), held as long as the factory."""
+    sessions prepack their weights, each its own copy, while the factory's copies stay within
+    :data:`PREPACK_BUDGET`; the sessions opened past it share one copy of the bundle's weights
+    (:class:`SharedInitializers`), unpacked."""
     chosen = providers or default_providers()
     sessions: dict[Path, ort.InferenceSession] = {}
     shared = SharedInitializers()
+    packed = 0  # bytes of weights the sessions that share none hold, each its own copy
 
     def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
+        nonlocal packed
         path = bundle.file(entry)
         if path not in sessions:
             tensors = shareable_initializers(path) if chosen[0] == CPU else []
-            share = sum(map(_nbytes, tensors)) >= SHARE_MIN_BYTES
+            size = sum(map(_nbytes, tensors))
+            share = bool(tensors) and packed + size > PREPACK_BUDGET
+            packed += 0 if share else size
             options = session_options(1 if entry.drafting else threads, config, spin, prepack=not share)
             if share:
                 shared.add_to(options, path.parent, tensors)
