@@ -123,3 +123,21 @@ def test_shared_weights_compute_what_the_file_does(tmp_path, monkeypatch, kind):
     (weights_map,) = shared._maps.values()
     assert len(arrays) == 2  # each weight once for both graphs
     assert all(np.shares_memory(array, weights_map) for array in arrays)
+
+
+def test_the_prepacking_budget_is_the_process_s(tmp_path, monkeypatch):
+    """Runner factories share one budget (a bench holds a pipeline, so a factory, per method): with
+    room for one graph's weights, a second factory's session shares its weights unpacked; once
+    the first session is gone its bytes return to the budget."""
+    entries = shared_bundle(tmp_path, graphs=2, tensors=2)
+    monkeypatch.setattr(onnxruntime_backend, "PREPACK_BUDGET", 2 * DIM * DIM * 4)
+    bundle = SimpleNamespace(file=lambda entry: tmp_path / entry.file)
+    gc.collect()
+    first = ort_runner(threads=1, providers=[CPU])(bundle, entries[0])
+    assert not first._weights._values  # prepacked: its own copy
+    second = ort_runner(threads=1, providers=[CPU])(bundle, entries[1])
+    assert second._weights._values  # past the budget: the one shared copy
+    del first
+    gc.collect()
+    third = ort_runner(threads=1, providers=[CPU])(bundle, entries[1])
+    assert not third._weights._values

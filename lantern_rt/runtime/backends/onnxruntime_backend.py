@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,14 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
-# The bytes of prepacked weights one runner factory's CPU sessions may hold, each its own copy:
-# past them, a session shares the factory's one copy of the weights, unpacked
+# The bytes of prepacked weights this process's CPU sessions may hold, each its own copy: past
+# them, a session shares its factory's one copy of the weights, unpacked
 # (:class:`SharedInitializers`). Unpacked MatMul weights ran 1.8x slower at GPT-B's 383 MB and
 # 1.3-1.7x on the demo's 12 MB (BENCHMARKS.md, "Issue 58"), so sessions prepack while memory
 # allows: a quarter of the machine's.
 PREPACK_BUDGET = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+_prepacked = [0]  # the bytes the live prepacked sessions hold, against PREPACK_BUDGET
+_budget_lock = threading.Lock()
 # ONNX element types a graph's external weights are shared in (as numpy arrays)
 _SHARED_DTYPES = {
     onnx.TensorProto.FLOAT: np.float32,
@@ -287,26 +291,33 @@ def ort_runner(
     thread whatever ``threads`` says: their ops are too small to split, and waking a second
     thread per op made LANTERN++ 8% slower on two cores. The factory opens each graph file once:
     runners it makes for the same graph (one per decode stream) share its session. On the CPU,
-    sessions prepack their weights, each its own copy, while the factory's copies stay within
+    sessions prepack their weights, each its own copy, while the process's live copies stay within
     :data:`PREPACK_BUDGET`; the sessions opened past it share one copy of the bundle's weights
     (:class:`SharedInitializers`), unpacked."""
     chosen = providers or default_providers()
     sessions: dict[Path, ort.InferenceSession] = {}
     shared = SharedInitializers()
-    packed = 0  # bytes of weights the sessions that share none hold, each its own copy
 
     def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
-        nonlocal packed
         path = bundle.file(entry)
         if path not in sessions:
             tensors = shareable_initializers(path) if chosen[0] == CPU else []
             size = sum(map(_nbytes, tensors))
-            share = bool(tensors) and packed + size > PREPACK_BUDGET
-            packed += 0 if share else size
+            with _budget_lock:  # the budget is the process's: a bench holds several pipelines
+                share = bool(tensors) and _prepacked[0] + size > PREPACK_BUDGET
+                _prepacked[0] += 0 if share else size
             options = session_options(1 if entry.drafting else threads, config, spin, prepack=not share)
             if share:
                 shared.add_to(options, path.parent, tensors)
-            sessions[path] = ort.InferenceSession(str(path), options, providers=chosen)
+            sessions[path] = session = ort.InferenceSession(str(path), options, providers=chosen)
+            if not share and size:
+                weakref.finalize(session, _release_prepacked, size)
         return OrtGraph(sessions[path], entry, shared)
 
     return make
+
+
+def _release_prepacked(size: int) -> None:
+    """A prepacked session is gone: its bytes return to :data:`PREPACK_BUDGET`."""
+    with _budget_lock:
+        _prepacked[0] -= size
