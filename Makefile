@@ -19,9 +19,10 @@ demo: $(STAMP)
 	$(VENV)/bin/lantern generate --num-images 8 -o demo.png --stats-json demo.json
 
 # The suite in TEST_WORKERS processes (pytest-xdist), each taking a whole test module at a time so
-# that a module's fixtures (its exported bundles) are built once; TEST_WORKERS=0 runs it in one.
+# that a module's fixtures (its exported bundles) are built once, in the order tests/conftest.py
+# puts them in (the longest first); TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST)

@@ -104,6 +104,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The longest modules (their exports, or Ray's start), in the order the test workers take them:
+# `make test` hands whole modules to its workers in collection order (pytest-xdist's --dist
+# loadfile --no-loadscope-reorder), so these start early and the workers end at about the same
+# time; the others follow in file order. test_ray.py comes first and test_generate_set.py late:
+# both hold ray_alone, so that a worker does not wait for the other's Ray.
+LONGEST_FIRST = (
+    "test_jacobi.py",
+    "test_chameleon_runtime.py",
+    "test_batching.py",
+    "test_ray.py",
+    "test_cache_in_place.py",
+    "test_faults_output.py",
+    "test_cache_windows.py",
+    "test_guidance.py",
+    "test_openvino.py",
+    "test_text_to_image.py",
+    "test_widen.py",
+    "test_api.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules of LONGEST_FIRST first, the others after them in their order (and every
+    module's tests in theirs)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
+
 # --- shared by the whole run ----------------------------------------------------------------------
 # ONNX exports are most of the suite's time (3-6 s a graph even for the tiny models), so a bundle
 # is exported once per run, whichever module or test worker asks for it first.

@@ -419,7 +419,7 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
         assert json.loads(stats.read_text())["streams"] == 1
     refused = {
         f"generate --model {model} --backend torch --streams 2": "--backend onnxruntime",
-        f"bench --model {model} --backend torch --streams 1,2": "--backend onnxruntime",
+        f"bench --model {model} --backend torch --streams 1,2": "runs on onnxruntime or openvino",
         f"bench --bundle {batched_bundle.path} --streams 0,1": "1..64",
         f"bench --bundle {batched_bundle.path} --streams two": "comma-separated integers",
         f"generate --bundle {batched_bundle.path} --streams 2 --threads 1": "use --streams 1 or fewer",

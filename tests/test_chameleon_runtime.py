@@ -187,8 +187,11 @@ def bundle(md, tmp_path_factory):
     from lantern_rt.export.exporter import export_bundle
     from lantern_rt.runtime.tree import load_tree
 
+    # one cache window, as every bundle of this module: the tokens do not depend on the windows
+    # (tests/test_cache_windows.py)
+    trees = [load_tree("chain-5")]
     out = export_bundle(
-        md, tmp_path_factory.mktemp("b") / "bundle", [load_tree("chain-5")], threads=1, batch_sizes=(1, 2)
+        md, tmp_path_factory.mktemp("b") / "bundle", trees, threads=1, batch_sizes=(1, 2), windows=1
     )
     return Bundle.open(out)
 
@@ -389,7 +392,6 @@ def test_lumina_onnxruntime_equals_torch(lumina, tmp_path):
     from lantern_rt.runtime.tree import load_tree
 
     _, md = lumina
-    # one cache window: the tokens do not depend on the windows (tests/test_cache_windows.py)
     bundle = Bundle.open(export_bundle(md, tmp_path / "b", [load_tree("chain-5")], threads=1, windows=1))
     assert bundle.neighbors()[-1].eq(md.gpt.vocab_size - 1).all()  # the row end is its own neighbour
     for method in ("ar", "lantern++"):

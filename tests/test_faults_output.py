@@ -571,7 +571,8 @@ def test_a_killed_export_leaves_the_old_bundle_and_the_next_run_succeeds(
     out = tmp_path / "b"
     shutil.copytree(shared_bundle(tmp_path_factory, "c2i-fp32"), out)  # an older export, replaced by --force
     old = (out / MANIFEST).read_text()
-    args = ["export", "-q", "--model", str(tiny_model_dir), "--out", str(out), "--force"]
+    args = ["export", "-q", "--model", str(tiny_model_dir), "--cache-windows", "1"]
+    args += ["--out", str(out), "--force"]
     kill_when(start(*args), tmp_path, ".b.*.tmp")
     assert (out / MANIFEST).read_text() == old and Bundle.open(out)  # untouched
     assert len(list(tmp_path.glob(".b.*.tmp"))) == 1  # the killed run's, for the next run to remove

@@ -214,7 +214,6 @@ def test_units_cover_each_class_in_order():
 def test_local_onnxruntime_set_decodes_in_streams_with_generate_s_tokens(tiny_dir, tmp_path, monkeypatch):
     """A local set on onnxruntime chooses its decode streams as ``lantern generate`` does (two
     on two threads for units of three images) and makes the tokens of one stream."""
-    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     common = ["-q", "--backend", "onnxruntime", "--model", str(tiny_dir), "--classes", CLASSES]
     common += ["-n", str(N), "--threads", "2"]
     path = tmp_path / "tokens.npy"
