@@ -92,6 +92,14 @@ def write_model_dir(root: Path, gpt: Transformer, vq: VQModel, gpt_file: str = "
     return root
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Every test starts on torch's one thread: a command run with ``--threads N`` (generate-set,
+    bench, the API) leaves N for the rest of its process, here the test worker's."""
+    yield
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def tiny_model_dir(tmp_path: Path) -> Path:
     return write_model_dir(tmp_path / "tiny", tiny_gpt(), tiny_vq())
