@@ -2,6 +2,9 @@
 ONNX graphs, used by the exporter and by calibration on the graphs they write.
 
 :func:`check_graph` returns human-readable violations; an empty list means the graph is fine.
+:func:`tensorrt_problems` names what TensorRT's ONNX parser rejects in a graph, in the parser's
+own words (tests/test_trt_rtx_builds.py holds them to the real parser's): the exporter holds
+every graph meant for TensorRT to it, and ``lantern build-engines`` every graph it builds.
 """
 
 from __future__ import annotations
@@ -49,6 +52,29 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
             problems.append(f"{label} does not run in float32")
     if spec is not None:
         problems += _io_mismatches(graph, spec)
+    return problems
+
+
+def tensorrt_problems(path: Path) -> list[str]:
+    """What TensorRT's ONNX parser rejects in the graph at ``path``, one line each with the
+    parser's reason: a ``TensorScatter`` other than linear (the in-place caches' circular one),
+    a ``MatMulNBits`` whose activations are not fp16 (onnxruntime's weight-only matrix product)."""
+    model = onnx.load(str(path), load_external_data=False)
+    if any(node.op_type == "MatMulNBits" for g in with_subgraphs(model.graph) for node in g.node):
+        model = onnx.shape_inference.infer_shapes(model)  # the type of its activations
+    graphs = list(with_subgraphs(model.graph))
+    values = [*model.graph.input, *model.graph.output, *(v for g in graphs for v in g.value_info)]
+    elem = {v.name: v.type.tensor_type.elem_type for v in values}
+    problems = []
+    for node in (node for g in graphs for node in g.node):
+        label = f"{node.op_type} node {node.name or node.output[0]}"
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "TensorScatter":
+            mode = attrs.get("mode", b"linear").decode()
+            if mode != "linear":
+                problems.append(f"{label}: Only linear mode is supported for now, got {mode}")
+        if node.op_type == "MatMulNBits" and elem.get(node.input[0]) != TensorProto.FLOAT16:
+            problems.append(f"{label}: input tensor A must be FP16")
     return problems
 
 

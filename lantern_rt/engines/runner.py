@@ -7,7 +7,9 @@ the runtime keeps in place, are bound by pointer, and a new pointer re-captures 
 Outputs are buffers allocated once per graph. When capture fails the runner keeps executing
 plainly and says why in ``cuda_graph_error``.
 
-This module imports no TensorRT: :func:`trt_runner` does, with an install hint when it cannot.
+The same runner serves every flavour (:mod:`lantern_rt.engines.compat`): TensorRT and TensorRT
+for RTX share this part of the API. This module imports no TensorRT: :func:`trt_runner` does,
+with an install hint when it cannot.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 from torch import Tensor
 
 from lantern_rt.bundle import Bundle, GraphEntry
-from lantern_rt.engines.compat import EngineError, make_logger, require_tensorrt
-from lantern_rt.engines.plans import device_info, engine_key, find_engines
+from lantern_rt.engines import compat
+from lantern_rt.engines.compat import EngineError, TensorRTUnavailable, make_logger
+from lantern_rt.engines.plans import device_info, find_engines, machine
 from lantern_rt.errors import first_line
 from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
@@ -147,14 +150,25 @@ class TrtGraph:
             raise RuntimeError(f"TensorRT refused the address of {spec.name}")
 
 
-def trt_runner(bundle: Bundle, key: dict[str, str] | None = None, cuda_graphs: bool = True) -> RunnerFactory:
-    """A :data:`RunnerFactory` over the plans built for ``bundle`` on this GPU and TensorRT
-    (``key``: :func:`~lantern_rt.engines.plans.engine_key`; default: this machine's).
-    :class:`EngineError` when TensorRT, a GPU or matching plans are missing."""
-    trt = require_tensorrt()
-    if key is None:
-        key = engine_key(device_info(), trt.__version__, bundle.dtype)
-    plans = find_engines(bundle, key)
+def trt_runner(bundle: Bundle, cuda_graphs: bool = True) -> RunnerFactory:
+    """A :data:`RunnerFactory` over the plans built for ``bundle`` that run here: the first
+    installed flavour (TensorRT's first) with a plan set of its version for this GPU.
+    :class:`EngineError` when no flavour is installed, there is no GPU or no matching plans (one
+    line, each plan set found with why it cannot run here)."""
+    flavours = compat.installed_flavours()
+    if not flavours:
+        raise TensorRTUnavailable(compat.no_tensorrt_hint())
+    modules = [compat.require(flavour) for flavour in flavours]
+    device = device_info()
+    refusals = []
+    for flavour, trt in zip(flavours, modules, strict=True):
+        try:
+            plans = find_engines(bundle, machine(flavour.name, trt.__version__, device, bundle.dtype))
+            break
+        except EngineError as err:
+            refusals.append(str(err))
+    else:
+        raise EngineError("; ".join(refusals))
     logger = make_logger(trt)
     runtime = trt.Runtime(logger)
 

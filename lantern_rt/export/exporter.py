@@ -48,7 +48,7 @@ from lantern_rt.export.graphs import (
 )
 from lantern_rt.families.loading import load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.families.registry import family_named
-from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph
+from lantern_rt.graph_rules import MAX_OPSET, MIN_OPSET, check_graph, tensorrt_problems
 from lantern_rt.graph_spec import IN_PLACE_OPSET, GraphSpec
 from lantern_rt.models.config import to_dict
 from lantern_rt.models.drafter import Drafter
@@ -365,7 +365,7 @@ def export_graph(
             )
     except Exception as err:  # the exporter raises many types; report one line
         raise ExportError(f"{spec.name}: torch.onnx.export failed: {first_line(err)}") from err
-    problems = check_graph(path, spec)
+    problems = check_graph(path, spec) + ([] if spec.writes_cache else tensorrt_problems(path))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ExportError(f"{spec.name}: {problems[0]}{more}")
