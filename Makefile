@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,ray,t2i,chameleon,serve,openvino]"
+	$(PY) -m pip install -q -e ".[dev,ray,t2i,chameleon,serve,openvino,trt-rtx]"
 	touch $(STAMP)
 
 demo: $(STAMP)
