@@ -1,17 +1,18 @@
-"""TensorRT engines: keys, refusals, engines.json, the build around a fake ``tensorrt`` module,
-``build-engines`` and ``trt_runner`` without TensorRT. Real builds and runs skip without
-TensorRT and a GPU."""
+"""TensorRT engines without a builder: keys, refusals, engines.json, flavours, ``build-engines``'
+refusals and ``trt_runner`` without a GPU. The real builds (TensorRT for RTX, no GPU needed) are
+tests/test_trt_rtx*.py; the one build here goes through a fake ``tensorrt`` module, since NVIDIA's
+TensorRT builds only on a GPU. Running plans skips without TensorRT and a GPU."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
-import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -19,15 +20,16 @@ from click.testing import CliRunner
 from lantern_rt.bundle import DTYPES, MANIFEST, WEIGHT_ONLY_DTYPES, Bundle, BundleError, GraphEntry
 from lantern_rt.calibration.calibrate import WEIGHT_ONLY_DTYPE
 from lantern_rt.cli import main
-from lantern_rt.engines import compat, plans
+from lantern_rt.engines import compat, plans, runner
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable
-from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.engines.plans import (
+    check_buildable,
     check_plans,
     choose_precision,
     engine_key,
     find_engines,
     key_slug,
+    machine,
     mismatches,
     plan_record,
     write_engines_json,
@@ -40,7 +42,19 @@ from tests.test_export import shared_bundle
 
 ORIN = {"name": "Orin (nvgpu)", "compute_capability": "8.7"}
 H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}
+RTX4090 = {"name": "NVIDIA GeForce RTX 4090", "compute_capability": "8.9"}
 HINT = "pip install tensorrt --extra-index-url https://pypi.nvidia.com"
+RTX_HINT = "pip install 'lantern-rt[trt-rtx]'"
+RTX_TARGETS = ["8.0", "8.6", "8.9", "12.0", "12.1"]
+
+
+def trt_key(device: dict, version: str, precision: str) -> dict:
+    """The key of TensorRT's plans built on ``device``."""
+    return engine_key("trt", version, precision, [device["compute_capability"]], device["name"])
+
+
+def rtx_key(version: str, precision: str, capabilities=RTX_TARGETS) -> dict:
+    return engine_key("trt-rtx", version, precision, capabilities)
 
 
 @pytest.fixture
@@ -51,8 +65,9 @@ def bundle(tmp_path_factory, tmp_path) -> Bundle:
 
 @pytest.fixture
 def no_tensorrt(monkeypatch):
-    """``import tensorrt`` fails, whatever is installed."""
-    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    """Neither flavour's module imports, whatever is installed."""
+    for flavour in compat.FLAVOURS.values():
+        monkeypatch.setitem(sys.modules, flavour.module, None)
 
 
 def fake_plans(bundle: Bundle, key: dict, manifest_sha: str | None = None) -> Path:
@@ -78,62 +93,94 @@ def files_of(folder: Path) -> dict[str, str]:
 
 
 def test_engine_key_and_its_folder_name():
-    key = engine_key(ORIN, "10.3.0.30", "fp16")
+    key = trt_key(ORIN, "10.3.0.30", "fp16")
     assert key == {
-        "gpu": "Orin (nvgpu)",
-        "compute_capability": "8.7",
-        "tensorrt": "10.3.0.30",
+        "flavour": "trt",
+        "version": "10.3.0.30",
         "precision": "fp16",
+        "gpu": "Orin (nvgpu)",
+        "compute_capabilities": ["8.7"],
     }
     assert key_slug(key) == "orin-nvgpu-sm87-trt10.3.0.30-fp16"
-    assert key_slug(engine_key(H100, "11.4.0.106", "int8")) == "nvidia-h100-80gb-hbm3-sm90-trt11.4.0.106-int8"
+    assert key_slug(trt_key(H100, "11.4.0.106", "int8")) == "nvidia-h100-80gb-hbm3-sm90-trt11.4.0.106-int8"
+    rtx = rtx_key("1.7.1.116", "fp16")
+    assert rtx["gpu"] is None and key_slug(rtx) == "sm80-sm86-sm89-sm120-sm121-trt-rtx1.7.1.116-fp16"
     variants = [
-        engine_key(H100, "10.3.0.30", "fp16"),
-        engine_key(ORIN, "10.3.0.31", "fp16"),
-        engine_key(ORIN, "10.3.0.30", "fp32"),
+        trt_key(H100, "10.3.0.30", "fp16"),
+        trt_key(ORIN, "10.3.0.31", "fp16"),
+        trt_key(ORIN, "10.3.0.30", "fp32"),
+        rtx,
+        rtx_key("1.7.1.116", "fp16", ["8.6"]),
+        rtx_key("1.7.1.117", "fp16"),
     ]
-    assert len({key_slug(k) for k in [key, *variants]}) == 4
+    assert len({key_slug(k) for k in [key, *variants]}) == 7
     with pytest.raises(EngineError, match="precision must be one of"):
-        engine_key(ORIN, "10.3.0.30", "bf16")
+        trt_key(ORIN, "10.3.0.30", "bf16")
+
+
+ORIN_TRT = machine("trt", "10.3.0.30", ORIN, "fp16")
 
 
 @pytest.mark.parametrize(
-    ("built", "reason"),
+    ("built", "here", "reason"),
     [
-        (engine_key(H100, "10.3.0.30", "fp16"), "built on another GPU: NVIDIA H100"),
-        ({**engine_key(ORIN, "10.3.0.30", "fp16"), "compute_capability": "8.6"}, "another GPU"),
-        (engine_key(ORIN, "10.7.0.23", "fp16"), "built with TensorRT 10.7.0.23, this is TensorRT 10.3.0.30"),
-        (engine_key(ORIN, "10.3.0.30", "fp32"), "fp32 plans, not fp16"),
+        (trt_key(H100, "10.3.0.30", "fp16"), ORIN_TRT, "built on another GPU: NVIDIA H100"),
+        ({**trt_key(ORIN, "10.3.0.30", "fp16"), "compute_capabilities": ["8.6"]}, ORIN_TRT, "another GPU"),
+        (
+            trt_key(ORIN, "10.7.0.23", "fp16"),
+            ORIN_TRT,
+            "built with TensorRT 10.7.0.23, this is TensorRT 10.3.0.30",
+        ),
+        (trt_key(ORIN, "10.3.0.30", "fp32"), ORIN_TRT, "fp32 plans, not fp16"),
+        (
+            rtx_key("1.7.1.116", "fp16", ["8.7"]),
+            machine("trt", "1.7.1.116", ORIN, "fp16"),
+            "built with TensorRT for RTX 1.7.1.116, this is TensorRT 1.7.1.116",
+        ),
+        (
+            rtx_key("1.7.1.116", "fp16"),
+            machine("trt-rtx", "1.7.1.116", H100, "fp16"),
+            "built for compute capability 8.0, 8.6, 8.9, 12.0, 12.1, and this GPU is NVIDIA H100 80GB HBM3 (9.0)",
+        ),
+        (
+            rtx_key("1.7.1.116", "fp16"),
+            machine("trt-rtx", "1.8.0.1", RTX4090, "fp16"),
+            "built with TensorRT for RTX 1.7.1.116, this is TensorRT for RTX 1.8.0.1",
+        ),
     ],
 )
-def test_mismatches_name_the_reason(built, reason):
-    key = engine_key(ORIN, "10.3.0.30", "fp16")
+def test_mismatches_name_the_reason(built, here, reason):
     record = plan_record("target_prefill", "target_prefill.plan", "0" * 64, built, "a" * 64)
-    found = mismatches(record, key, "a" * 64)
+    found = mismatches(record, here, "a" * 64)
     assert len(found) == 1 and reason in found[0]
-    assert mismatches(plan_record("g", "g.plan", "0" * 64, key, "a" * 64), key, "a" * 64) == []
-    assert "another bundle" in mismatches(plan_record("g", "g.plan", "0", key, "b" * 64), key, "a" * 64)[0]
+    key = trt_key(ORIN, "10.3.0.30", "fp16")
+    assert mismatches(plan_record("g", "g.plan", "0" * 64, key, "a" * 64), ORIN_TRT, "a" * 64) == []
+    assert (
+        "another bundle" in mismatches(plan_record("g", "g.plan", "0", key, "b" * 64), ORIN_TRT, "a" * 64)[0]
+    )
+
+
+def test_rtx_plans_run_on_any_gpu_of_their_capabilities():
+    record = plan_record("g", "g.plan", "0" * 64, rtx_key("1.7.1.116", "int8"), "m")
+    for device in (RTX4090, {"name": "NVIDIA RTX A6000", "compute_capability": "8.6"}):
+        assert mismatches(record, machine("trt-rtx", "1.7.1.116", device, "int8"), "m") == []
 
 
 def test_check_plans_wants_every_graph_and_refuses_any_mismatch():
-    key = engine_key(ORIN, "10.3.0.30", "fp16")
+    key = trt_key(ORIN, "10.3.0.30", "fp16")
     records = [plan_record(g, f"{g}.plan", "0" * 64, key, "m") for g in ("a", "b")]
-    assert set(check_plans(records, key, "m", ["a", "b"])) == {"a", "b"}
+    assert set(check_plans(records, ORIN_TRT, "m", ["a", "b"])) == {"a", "b"}
     with pytest.raises(EngineError, match="no plan for graph"):
-        check_plans(records, key, "m", ["a", "b", "c"])
-    records[1] = plan_record("b", "b.plan", "0" * 64, engine_key(ORIN, "10.4.0.1", "fp16"), "m")
+        check_plans(records, ORIN_TRT, "m", ["a", "b", "c"])
+    records[1] = plan_record("b", "b.plan", "0" * 64, trt_key(ORIN, "10.4.0.1", "fp16"), "m")
     with pytest.raises(EngineError, match="plan for b was built with TensorRT 10.4.0.1"):
-        check_plans(records, key, "m", ["a", "b"])
+        check_plans(records, ORIN_TRT, "m", ["a", "b"])
 
 
 def test_precision_comes_from_the_bundle(bundle):
     assert bundle.dtype == "fp32" and plans.choose_precision(bundle.dtype, None) == "fp32"
     # every dtype a bundle opens with (int8: Q/DQ) has engines but onnxruntime's weight-only ones
     assert set(DTYPES) - set(WEIGHT_ONLY_DTYPES) == set(compat.PRECISIONS)
-    assert set(WEIGHT_ONLY_DTYPE.values()) == set(WEIGHT_ONLY_DTYPES)
-    for dtype in WEIGHT_ONLY_DTYPES:
-        with pytest.raises(EngineError, match=f"graphs are {dtype} .*TensorRT cannot build"):
-            choose_precision(dtype, None)
     manifest = json.loads((bundle.path / MANIFEST).read_text())
     (bundle.path / MANIFEST).write_text(json.dumps({**manifest, "dtype": "bf16"}))
     with pytest.raises(BundleError, match="dtype 'bf16' is none of fp32, fp16, int8, int8-weights"):
@@ -145,33 +192,64 @@ def test_precision_comes_from_the_bundle(bundle):
         choose_precision("fp16", "int8")
 
 
-# compat, with fake tensorrt pieces ------------------------------------------------------------
+def test_weight_only_bundles_are_refused_naming_the_fix(bundle, monkeypatch):
+    assert set(WEIGHT_ONLY_DTYPE.values()) == set(WEIGHT_ONLY_DTYPES)
+    check_buildable(bundle)
+    for dtype in WEIGHT_ONLY_DTYPES:
+        monkeypatch.setattr(bundle, "dtype", dtype)
+        with pytest.raises(
+            EngineError, match=f"graphs are {dtype} .*TensorRT cannot build: build engines from"
+        ):
+            check_buildable(bundle)
 
 
-def test_require_tensorrt_hint_and_version(no_tensorrt, monkeypatch):
+# flavours, with stand-in modules ---------------------------------------------------------------
+
+
+def test_require_names_the_flavour_s_hint_and_version(no_tensorrt, monkeypatch):
     with pytest.raises(TensorRTUnavailable, match="pip install tensorrt --extra-index-url") as err:
-        compat.require_tensorrt()
+        compat.require(compat.TRT)
     assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+    with pytest.raises(TensorRTUnavailable, match=re.escape(RTX_HINT)):
+        compat.require(compat.TRT_RTX)
+    with pytest.raises(TensorRTUnavailable, match=f"no TensorRT is installed: .*{re.escape(RTX_HINT)}"):
+        compat.require_tensorrt()
     old = ModuleType("tensorrt")
     old.__version__ = "8.6.1"
     monkeypatch.setitem(sys.modules, "tensorrt", old)
     with pytest.raises(TensorRTUnavailable, match="TensorRT 8.6.1 is too old"):
-        compat.require_tensorrt()
+        compat.require(compat.TRT)
     new = ModuleType("tensorrt")
     new.__version__ = "10.3.0.30"
     monkeypatch.setitem(sys.modules, "tensorrt", new)
-    assert compat.require_tensorrt() is new
-    assert compat.version_tuple("11.4.0.106") == (11, 4, 0, 106) and compat.version_tuple("10.3.0b1") == (
-        10,
-        3,
-    )
+    assert compat.require(compat.TRT) is new and compat.require_tensorrt() is new
+    assert compat.version_tuple("11.4.0.106") == (11, 4, 0, 106)
+    assert compat.version_tuple("10.3.0b1") == (10, 3)
 
 
-def test_network_flags_per_version():
+def test_the_flavour_is_the_one_installed_or_the_one_asked(no_tensorrt, monkeypatch):
+    with pytest.raises(TensorRTUnavailable, match="no TensorRT is installed"):
+        compat.choose_flavour(None)
+    assert compat.choose_flavour("trt-rtx") is compat.TRT_RTX  # installed or not: require says
+    with pytest.raises(EngineError, match="unknown TensorRT flavour 'rtx': choose trt or trt-rtx"):
+        compat.choose_flavour("rtx")
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx_bindings", ModuleType("tensorrt_rtx_bindings"))
+    assert compat.choose_flavour(None) is compat.TRT_RTX
+    monkeypatch.setitem(sys.modules, "tensorrt", ModuleType("tensorrt"))
+    with pytest.raises(
+        EngineError,
+        match="both TensorRT and TensorRT for RTX are installed: choose one "
+        "with --flavour trt or --flavour trt-rtx",
+    ):
+        compat.choose_flavour(None)
+
+
+def test_network_flags_per_flavour_and_version():
     trt10 = SimpleNamespace(NetworkDefinitionCreationFlag=SimpleNamespace(EXPLICIT_BATCH=0, STRONGLY_TYPED=5))
     trt11 = SimpleNamespace(NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=5))
-    assert compat.network_flags(trt10) == (1 << 5) | 1
-    assert compat.network_flags(trt11) == 1 << 5
+    assert compat.network_flags(trt10, compat.TRT) == (1 << 5) | 1
+    assert compat.network_flags(trt11, compat.TRT) == 1 << 5
+    assert compat.network_flags(trt10, compat.TRT_RTX) == 1 << 5
 
 
 def test_parser_errors_read_as_lines():
@@ -200,10 +278,10 @@ def test_parser_errors_read_as_lines():
 
 def test_engines_round_trip_and_manifest_ignores_them(bundle):
     before = bundle.manifest()
-    key = engine_key(ORIN, "10.3.0.30", "fp32")
+    key = trt_key(ORIN, "10.3.0.30", "fp32")
     folder = fake_plans(bundle, key)
     assert folder == bundle.path / "engines" / "orin-nvgpu-sm87-trt10.3.0.30-fp32"
-    found = find_engines(bundle, key)
+    found = find_engines(bundle, machine("trt", "10.3.0.30", ORIN, "fp32"))
     assert set(found) == set(bundle.graphs) and all(p.parent == folder for p in found.values())
     assert found["target_prefill"].read_bytes() == b"plan of target_prefill"
     reopened = Bundle.open(bundle.path)  # the engines/ subfolder is not part of the bundle
@@ -213,58 +291,71 @@ def test_engines_round_trip_and_manifest_ignores_them(bundle):
         Bundle.open(bundle.path)  # and top-level files are still checked
 
 
+def test_the_plan_set_that_runs_here_is_found_among_others(bundle):
+    """Plan sets of both flavours side by side: each machine finds the one it can run."""
+    rtx = fake_plans(bundle, rtx_key("1.7.1.116", "fp32"))
+    trt = fake_plans(bundle, trt_key(RTX4090, "10.8.0.43", "fp32"))
+    here = {
+        "trt-rtx": machine("trt-rtx", "1.7.1.116", RTX4090, "fp32"),
+        "trt": machine("trt", "10.8.0.43", RTX4090, "fp32"),
+    }
+    assert {p.parent for p in find_engines(bundle, here["trt-rtx"]).values()} == {rtx}
+    assert {p.parent for p in find_engines(bundle, here["trt"]).values()} == {trt}
+
+
 def test_a_modified_plan_is_refused(bundle):
-    key = engine_key(ORIN, "10.3.0.30", "fp32")
+    key = trt_key(ORIN, "10.3.0.30", "fp32")
+    here = machine("trt", "10.3.0.30", ORIN, "fp32")
     folder = fake_plans(bundle, key)
     (folder / "target_ar_step.plan").write_bytes(b"another plan")
     with pytest.raises(EngineError, match="target_ar_step.plan is missing or does not match its sha256"):
-        find_engines(bundle, key)
+        find_engines(bundle, here)
     (folder / "target_ar_step.plan").unlink()
     with pytest.raises(EngineError, match="missing"):
-        find_engines(bundle, key)
+        find_engines(bundle, here)
     (folder / "engines.json").write_text("{}")
-    with pytest.raises(EngineError, match="not a lantern-rt-engines v1 file"):
-        find_engines(bundle, key)
+    with pytest.raises(EngineError, match="not a lantern-rt-engines v2 file"):
+        find_engines(bundle, here)
 
 
 @pytest.mark.parametrize(
     ("built", "reason"),
     [
-        (engine_key(H100, "10.3.0.30", "fp32"), "built on another GPU"),
-        (engine_key(ORIN, "10.7.0.23", "fp32"), "built with TensorRT 10.7.0.23"),
-        (engine_key(ORIN, "10.3.0.30", "fp16"), "fp16 plans, not fp32"),
+        (trt_key(H100, "10.3.0.30", "fp32"), "built on another GPU"),
+        (trt_key(ORIN, "10.7.0.23", "fp32"), "built with TensorRT 10.7.0.23"),
+        (trt_key(ORIN, "10.3.0.30", "fp16"), "fp16 plans, not fp32"),
+        (
+            rtx_key("1.7.1.116", "fp32", ["8.7"]),
+            "built with TensorRT for RTX 1.7.1.116, this is TensorRT 10.3.0.30",
+        ),
     ],
 )
-def test_plans_of_another_machine_are_refused(bundle, built, reason):
-    key = engine_key(ORIN, "10.3.0.30", "fp32")
+def test_plans_of_another_machine_or_flavour_are_refused(bundle, built, reason):
+    here = machine("trt", "10.3.0.30", ORIN, "fp32")
     other = fake_plans(bundle, built)
     with pytest.raises(EngineError) as err:
-        find_engines(bundle, key)
+        find_engines(bundle, here)
     message = str(err.value)
-    assert "no TensorRT engines for Orin (nvgpu)" in message and reason in message
-    assert f"lantern build-engines {bundle.path}" in message
-    other.rename(plans.engines_folder(bundle, key))  # copied under this machine's name
-    with pytest.raises(EngineError, match=reason):
-        find_engines(bundle, key)
+    assert "has no engines for TensorRT 10.3.0.30 on Orin (nvgpu)" in message and reason in message
+    assert f"it only has {other.name} (" in message and f"lantern build-engines {bundle.path}" in message
+    assert "\n" not in message
 
 
 def test_plans_of_another_bundle_are_refused(bundle):
-    key = engine_key(ORIN, "10.3.0.30", "fp32")
-    fake_plans(bundle, key, manifest_sha="f" * 64)
+    fake_plans(bundle, trt_key(ORIN, "10.3.0.30", "fp32"), manifest_sha="f" * 64)
     with pytest.raises(EngineError, match="built for another bundle.*lantern build-engines"):
-        find_engines(bundle, key)
+        find_engines(bundle, machine("trt", "10.3.0.30", ORIN, "fp32"))
 
 
-# the build, around a fake tensorrt module ---------------------------------------------------
+# TensorRT's build, around a fake tensorrt module (it builds only on a GPU) -------------------
 
 
 class FakeTensorRT(ModuleType):
-    """The slice of the TensorRT 10 Python API that build_engines uses; records what it is told."""
+    """The slice of the TensorRT 10 Python API that a build uses; records what it is told."""
 
-    def __init__(self, reject: dict[str, list[str]] | None = None):
+    def __init__(self):
         super().__init__("tensorrt")
         self.__version__ = "10.3.0.30"
-        self.reject = reject or {}  # ONNX file name -> parser errors
         self.calls: list[tuple] = []
         fake = self
 
@@ -278,32 +369,20 @@ class FakeTensorRT(ModuleType):
             def set_memory_pool_limit(self, pool, size):
                 fake.calls.append(("workspace", pool, size))
 
-            def set_flag(self, flag):
-                fake.calls.append(("flag", flag))
-
             def create_timing_cache(self, data):
                 return SimpleNamespace(serialize=lambda: b"timing:" + bytes(data))
 
             def set_timing_cache(self, cache, ignore_mismatch):
+                fake.calls.append(("timing cache",))
                 return True
 
         class Parser:
             def __init__(self, network, logger):
-                self.network, self.errors = network, []
+                self.network = network
 
             def parse_from_file(self, path):
                 self.network["file"] = Path(path).name
-                graph = onnx.load(path, load_external_data=False).graph
-                fake.calls.append(("parsed", Path(path).name, has_conditionals(graph)))
-                self.errors = fake.reject.get(Path(path).name, [])
-                return not self.errors
-
-            @property
-            def num_errors(self):
-                return len(self.errors)
-
-            def get_error(self, i):
-                return SimpleNamespace(node=lambda: i, desc=lambda: self.errors[i])
+                return True
 
         class Builder:
             def __init__(self, logger):
@@ -324,71 +403,25 @@ class FakeTensorRT(ModuleType):
         self.MemoryPoolType = SimpleNamespace(WORKSPACE="workspace")
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    monkeypatch.setattr(plans, "device_info", lambda index=None: dict(ORIN))
-
-
-def test_build_writes_a_checked_plan_set(bundle, fake_gpu, monkeypatch, tmp_path):
+def test_tensorrt_builds_for_this_gpu_with_its_timing_cache(bundle, monkeypatch, tmp_path):
     trt = FakeTensorRT()
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(plans, "device_info", lambda index=None: dict(ORIN))
     cache = tmp_path / "timing.cache"
-    folder = plans.build_engines(bundle, workspace_mb=512, timing_cache=cache)
-    key = engine_key(ORIN, "10.3.0.30", "fp32")
-    assert folder == plans.engines_folder(bundle, key)
-    found = find_engines(bundle, key)
+    folder = plans.build_engines(bundle, flavour="trt", workspace_mb=512, timing_cache=cache)
+    assert folder == plans.engines_folder(bundle, trt_key(ORIN, "10.3.0.30", "fp32"))
+    found = find_engines(bundle, machine("trt", "10.3.0.30", ORIN, "fp32"))
     assert {g: p.read_bytes() for g, p in found.items()} == {
         g: f"plan of {e.file}".encode() for g, e in bundle.graphs.items()
     }
     assert ("network", (1 << 5) | 1) in trt.calls  # strongly typed
-    assert not [c for c in trt.calls if c[0] == "flag"]  # no precision flags
-    assert ("workspace", "workspace", 512 << 20) in trt.calls
+    assert ("workspace", "workspace", 512 << 20) in trt.calls and ("timing cache",) in trt.calls
     assert cache.read_bytes() == b"timing:"
-    assert [p.name for p in (bundle.path / "engines").iterdir()] == [folder.name]  # no temporary left
-    entries = json.loads((folder / "engines.json").read_text())["plans"]
-    assert {e["graph"] for e in entries} == set(bundle.graphs)
-    assert all(e["bundle_manifest_sha256"] == sha256(bundle.path / MANIFEST) for e in entries)
-    plans.build_engines(bundle)  # a rebuild replaces the set
-    assert [p.name for p in (bundle.path / "engines").iterdir()] == [folder.name]
+    with pytest.raises(EngineError, match="TensorRT builds for the GPU it runs on and takes no --compute"):
+        plans.build_engines(bundle, flavour="trt", capabilities=["8.7"])
 
 
-@pytest.mark.slow
-def test_tensorrt_parses_drafting_graphs_without_their_ifs(tmp_path_factory, tmp_path, fake_gpu, monkeypatch):
-    """An If keeps TensorRT from capturing a CUDA graph: the parser gets each drafting graph with
-    its Ifs replaced by their then-branches (an equal graph: see test_ort_speculative)."""
-    bundle = Bundle.open(
-        shutil.copytree(shared_bundle(tmp_path_factory, "t2i-gqa-fp16"), tmp_path / "bundle")
-    )
-    drafting = bundle.file(bundle.graph("draft_tree_0"))
-    assert has_conditionals(onnx.load(str(drafting), load_external_data=False).graph)
-    trt = FakeTensorRT()
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    plans.build_engines(bundle)
-    parsed = {call[1]: call[2] for call in trt.calls if call[0] == "parsed"}
-    assert parsed == {entry.file: False for entry in bundle.graphs.values()}
-
-
-def test_a_failed_build_leaves_nothing_and_lists_every_parser_error(bundle, fake_gpu, monkeypatch):
-    reject = {"target_ar_step.onnx": ["ScatterND: reduction unsupported", "Gather: int64 index"]}
-    monkeypatch.setitem(sys.modules, "tensorrt", FakeTensorRT(reject))
-    before = files_of(bundle.path)
-    with pytest.raises(EngineError) as err:
-        plans.build_engines(bundle)
-    message = str(err.value)
-    assert "rejected target_ar_step.onnx (2 errors)" in message
-    assert "(1) node 0: ScatterND: reduction unsupported; (2) node 1: Gather: int64 index" in message
-    assert files_of(bundle.path) == before and not bundle.engines_dir.exists()
-
-
-def test_build_refuses_another_precision_before_tensorrt(bundle, no_tensorrt):
-    with pytest.raises(EngineError, match="graphs are fp32"):
-        plans.build_engines(bundle, precision="int8")
-    with pytest.raises(TensorRTUnavailable):
-        plans.build_engines(bundle)
-    assert not bundle.engines_dir.exists()
-
-
-# the command line and the runner without TensorRT ------------------------------------------
+# the command line and the runner without a GPU -----------------------------------------------
 
 
 def build_cmd(*args: str):
@@ -403,29 +436,47 @@ def one_error_line(r) -> str:
     return lines[0]
 
 
-def test_build_engines_without_tensorrt_exits_2_with_the_hint(bundle, no_tensorrt):
+def test_build_engines_without_tensorrt_exits_2_with_the_hints(bundle, no_tensorrt):
     before = files_of(bundle.path)
-    assert HINT in one_error_line(build_cmd(str(bundle.path), "--workspace-mb", "256"))
+    line = one_error_line(build_cmd(str(bundle.path), "--workspace-mb", "256"))
+    assert HINT in line and RTX_HINT in line
+    assert RTX_HINT in one_error_line(build_cmd(str(bundle.path), "--flavour", "trt-rtx"))
     assert files_of(bundle.path) == before and not bundle.engines_dir.exists()
 
 
 def test_build_engines_checks_its_input_first(bundle, tmp_path, no_tensorrt):
     assert "not a lantern-rt bundle" in one_error_line(build_cmd(str(tmp_path / "nope")))
     assert "graphs are fp32" in one_error_line(build_cmd(str(bundle.path), "--precision", "fp16"))
+    assert "'rtx' is not one of" in one_error_line(build_cmd(str(bundle.path), "--flavour", "rtx"))
     r = build_cmd(str(bundle.path), "--workspace-mb", "0")
     assert r.exit_code == 2 and "--workspace-mb" in r.stderr  # click's own usage error
     assert not bundle.engines_dir.exists()
 
 
 def test_trt_runner_without_tensorrt_fails_cleanly(bundle, no_tensorrt):
-    with pytest.raises(TensorRTUnavailable, match="pip install tensorrt"):
+    with pytest.raises(TensorRTUnavailable, match=f"{re.escape(HINT)}.*{re.escape(RTX_HINT)}"):
         trt_runner(bundle)
+
+
+def test_trt_runner_refuses_plans_of_another_flavour(bundle, monkeypatch):
+    """TensorRT for RTX installed (the suite's), a GPU: a plan set TensorRT built is refused in
+    one line that says what it is and how to build one that runs here."""
+    rtx = compat.require(compat.TRT_RTX)
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setattr(runner, "device_info", lambda index=None: dict(RTX4090))
+    fake_plans(bundle, trt_key(RTX4090, "10.8.0.43", "fp32"))
+    with pytest.raises(EngineError) as err:
+        trt_runner(bundle)
+    message = str(err.value)
+    assert f"has no engines for TensorRT for RTX {rtx.__version__} on NVIDIA GeForce RTX 4090" in message
+    assert "built with TensorRT 10.8.0.43, this is TensorRT for RTX" in message and "\n" not in message
+    assert f"lantern build-engines {bundle.path}" in message
 
 
 def test_importing_the_backend_imports_no_tensorrt():
     code = (
         "import sys, lantern_rt.engines.runner, lantern_rt.engines.cli, lantern_rt.cli; "
-        "assert 'tensorrt' not in sys.modules, 'tensorrt was imported'"
+        "assert not {'tensorrt', 'tensorrt_rtx_bindings'} & set(sys.modules), 'tensorrt was imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -464,7 +515,7 @@ def test_trt_graphs_match_onnxruntime(bundle):
     from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
     from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 
-    plans.build_engines(bundle, workspace_mb=256)
+    plans.build_engines(bundle, flavour="trt", workspace_mb=256)
     entry = bundle.graph("target_ar_step")
     trt_graph = trt_runner(bundle)(bundle, entry)
     ort_graph = ort_runner(threads=1, providers=["CPUExecutionProvider"])(bundle, entry)
