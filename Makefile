@@ -25,7 +25,7 @@ TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
-	$(PY) -m pytest $(XDIST)
+	$(PY) -m pytest $(XDIST) --durations=25
 
 # the quick loop: leaves out the tests marked slow (ONNX exports, end-to-end CLI runs); CI runs `make test`
 test-fast: $(STAMP)
