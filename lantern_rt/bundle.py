@@ -502,7 +502,9 @@ _GRAPH = {"file": _STR, "inputs": _LIST, "outputs": _LIST}
 _IO = {"name": _STR, "shape": _LIST, "dtype": _STR}
 _TREE = {"name": _STR, "paths": _LIST}
 WEIGHT_ONLY_DTYPES = ("int8-weights", "int4-weights")  # onnxruntime's MatMulNBits: no TensorRT engines
-DTYPES = ("fp32", "fp16", "int8", *WEIGHT_ONLY_DTYPES)
+# TensorRT's weight-only form: int8/int4 weights behind block-wise DequantizeLinear, fp16 activations
+TENSORRT_WEIGHT_ONLY_DTYPES = ("w8a16", "w4a16")
+DTYPES = ("fp32", "fp16", "int8", *WEIGHT_ONLY_DTYPES, *TENSORRT_WEIGHT_ONLY_DTYPES)
 _KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
 

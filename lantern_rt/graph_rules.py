@@ -18,6 +18,8 @@ from onnx import TensorProto
 from lantern_rt.graph_spec import IN_PLACE_OPSET, GraphSpec, TensorSpec, writes_cache
 
 MIN_OPSET, MAX_OPSET = 17, 20  # TensorRT 10.3 parses opsets up to 20
+# a graph with block-wise DequantizeLinear (int4/int8 weight-only: lantern_rt.calibration.weight_only)
+WEIGHT_ONLY_OPSET = 21  # int4 tensors and DequantizeLinear's block_size
 SCATTER_OPS = {"Scatter", "ScatterElements", "ScatterND"}
 COMPLEX = {TensorProto.COMPLEX64, TensorProto.COMPLEX128}
 
@@ -93,14 +95,24 @@ def with_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 
 def _opset(model: onnx.ModelProto, in_place: bool) -> list[str]:
-    """The graph's opset within TensorRT's range, or exactly :data:`IN_PLACE_OPSET` for a graph
-    that writes its cache in place (onnxruntime only)."""
+    """The graph's opset within TensorRT's range, exactly :data:`IN_PLACE_OPSET` for a graph
+    that writes its cache in place (onnxruntime only), or exactly :data:`WEIGHT_ONLY_OPSET` for
+    one with block-wise weights."""
     versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     if in_place:
         if versions != [IN_PLACE_OPSET]:
             return [
                 f"opset {versions} is not {IN_PLACE_OPSET}, which a graph writing its cache in place needs"
             ]
+        return []
+    if any(
+        a.name == "block_size"
+        for n in model.graph.node
+        if n.op_type == "DequantizeLinear"
+        for a in n.attribute
+    ):
+        if versions != [WEIGHT_ONLY_OPSET]:
+            return [f"opset {versions} is not {WEIGHT_ONLY_OPSET}, which block-wise DequantizeLinear needs"]
         return []
     if len(versions) != 1 or not MIN_OPSET <= versions[0] <= MAX_OPSET:
         return [f"opset {versions} is outside {MIN_OPSET}..{MAX_OPSET}"]

@@ -15,6 +15,11 @@ A weight-only bundle (docs/method.md §14) replaces each of those MatMuls by onn
 and the drafter's graphs: no activation is quantized ahead of time, so the recorded inputs serve
 only the comparison with fp32. TensorRT cannot build it; it is an onnxruntime bundle.
 
+TensorRT's weight-only form (``weight_only``, :mod:`.weight_only`: W4A16 or W8A16) is made from
+an fp16 bundle instead: the same MatMuls' weights as int4 or int8 blocks behind a block-wise
+``DequantizeLinear`` (standard ONNX, opset 21), activations fp16; TensorRT builds it and
+onnxruntime runs it, so it is compared with the fp16 bundle here.
+
 A bundle whose graphs write their caches in place (``export --cache-in-place``, onnxruntime on
 the CPU) is quantized the same way and stays in place: its copy is an onnxruntime bundle too.
 """
@@ -50,11 +55,13 @@ from lantern_rt.bundle import (
     staged_bundle,
     write_manifest,
 )
+from lantern_rt.calibration.errors import CalibrationError
+from lantern_rt.calibration.graph_edits import drop_unread_initializers, reads
+from lantern_rt.calibration.weight_only import WeightOnly, block_problems, dequantizable, dequantized_model
 from lantern_rt.engines.conditionals import has_conditionals
-from lantern_rt.errors import LanternError
 from lantern_rt.families.loading import bundle_info, open_bundle
 from lantern_rt.generate import generate
-from lantern_rt.graph_rules import check_graph, node_subgraphs, with_subgraphs
+from lantern_rt.graph_rules import check_graph, with_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     GraphRunner,
@@ -92,10 +99,7 @@ MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step:
 # step graph of a bundle for B = 16, 32 and 64 would need about 100 GB.
 MAX_RECORDED_BYTES_PER_GRAPH = 256 * 2**20
 QDQ = ("QuantizeLinear", "DequantizeLinear")
-
-
-class CalibrationError(LanternError, ValueError):
-    """The bundle cannot be calibrated, or a quantized graph breaks a rule."""
+_PRECISION = {"float32": "fp32", "float16": "fp16"}  # a graph kept as it was: its compute dtype
 
 
 class Recorder:
@@ -262,19 +266,27 @@ def record_inputs(
 
 
 def quantize_graph(
-    src: Path, dst: Path, samples: list[dict[str, np.ndarray]], vocab: int, weight_bits: int | None = None
-) -> None:
+    src: Path,
+    dst: Path,
+    samples: list[dict[str, np.ndarray]],
+    vocab: int,
+    weight_bits: int | None = None,
+    weight_only: WeightOnly | None = None,
+) -> int:
     """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes but the output
     head (``vocab`` outputs), calibrated on ``samples`` (min/max, symmetric), or with
-    ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`); raises
-    :class:`CalibrationError` if it breaks a rule."""
+    ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`), or with
+    ``weight_only`` in TensorRT's weight-only form (:func:`write_weight_only`); -> the number of
+    products quantized. Raises :class:`CalibrationError` if it breaks a rule."""
     model = onnx.load(str(src))
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     folded = fold_weight_transposes(model)
     nodes = weight_nodes(model, vocab)
+    if weight_only is not None:
+        return write_weight_only(src, model, nodes, weight_only, dst)
     if weight_bits is not None:
         quantize_weights(model, nodes, weight_bits, dst)
-        return
+        return len(nodes)
     # its advice to run quant_pre_process goes to the root logger; that step adds nothing here
     # (static shapes, same ops) but opset imports of onnxruntime's own domains
     logging.disable(logging.WARNING)
@@ -291,11 +303,30 @@ def quantize_graph(
     problems = check_graph(dst) + qdq_problems(dst)
     if problems:
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
+    return len(nodes)
 
 
-def quantized_dtype(weight_bits: int | None) -> str:
-    """The dtype of a quantized bundle: ``int8`` (Q/DQ) without ``weight_bits``, else the
-    weight-only one; :class:`CalibrationError` for a width other than 4 or 8."""
+def write_weight_only(
+    src: Path, model: onnx.ModelProto, nodes: list[str], spec: WeightOnly, dst: Path
+) -> int:
+    """Write ``model`` (the graph at ``src``, its weight transposes folded) to ``dst`` with
+    ``nodes``' weights in ``spec``'s form, those that no other node reads
+    (:func:`~.weight_only.dequantizable`), or ``src``'s graph as it is when there are none;
+    -> how many. Raises :class:`CalibrationError` if the graph breaks a rule."""
+    nodes = dequantizable(model, nodes)
+    onnx.save(dequantized_model(model, nodes, spec) if nodes else onnx.load(str(src)), str(dst))
+    problems = check_graph(dst)
+    if problems:
+        raise CalibrationError(f"{dst.stem}: {problems[0]}")
+    return len(nodes)
+
+
+def quantized_dtype(weight_bits: int | None, weight_only: WeightOnly | None = None) -> str:
+    """The dtype of a quantized bundle: ``weight_only``'s, else ``int8`` (Q/DQ) without
+    ``weight_bits``, else the MatMulNBits one; :class:`CalibrationError` for a width other than
+    4 or 8."""
+    if weight_only is not None:
+        return weight_only.dtype
     if weight_bits is None:
         return "int8"
     if weight_bits not in WEIGHT_ONLY_DTYPE:
@@ -321,11 +352,7 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
     folded = len(graph.node) - len(kept)
     del graph.node[:]
     graph.node.extend(kept)
-    read = {name for g in with_subgraphs(graph) for n in g.node for name in _reads(n)}
-    read |= {o.name for o in graph.output}
-    unread = [t for t in graph.initializer if t.name not in read]
-    for t in unread:
-        graph.initializer.remove(t)
+    drop_unread_initializers(graph)
     return folded
 
 
@@ -424,7 +451,7 @@ def _restore_order(path: Path, external: bool) -> None:
     model = onnx.load(str(path))
     nodes = list(model.graph.node)
     producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
-    needs = [{producer[name] for name in _reads(node) if name in producer} for node in nodes]
+    needs = [{producer[name] for name in reads(node) if name in producer} for node in nodes]
     users: list[list[int]] = [[] for _ in nodes]
     for i, deps in enumerate(needs):
         for dep in deps:
@@ -448,16 +475,6 @@ def _restore_order(path: Path, external: bool) -> None:
     onnx.save(
         model, str(path), save_as_external_data=external, all_tensors_to_one_file=True, location=location
     )
-
-
-def _reads(node: onnx.NodeProto) -> set[str]:
-    """The values ``node`` reads: its inputs and what its subgraphs read from outside them."""
-    names = set(node.input)
-    for graph in node_subgraphs(node):
-        inside = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-        inside |= {name for inner in graph.node for name in inner.output}
-        names |= {name for inner in graph.node for name in _reads(inner)} - inside
-    return names - {""}
 
 
 def qdq_problems(path: Path) -> list[str]:
@@ -492,18 +509,22 @@ def calibrate_bundle(
     progress: bool = False,
     prompts: Sequence[str] = (),
     weight_bits: int | None = None,
+    weight_only: WeightOnly | None = None,
 ) -> dict[str, Any]:
     """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
-    bundle has a drafter), or with ``weight_bits`` (4 or 8) a weight-only copy; compare it with
+    bundle has a drafter), or with ``weight_bits`` (4 or 8) a weight-only copy (MatMulNBits), or
+    of an fp16 ``bundle`` with ``weight_only`` TensorRT's weight-only copy; compare it with
     ``bundle`` on ``validate`` images (default: one per class, or per prompt of a
     prompt-conditioned bundle, which takes ``prompts``) before the rename, so that a failed
     comparison leaves nothing at ``out``, and return the report (see :func:`validation` and
-    :func:`markdown_table`; the copy is named by its dtype, ``report["dtype"]``)."""
+    :func:`markdown_table`; the copy is named by its dtype, ``report["dtype"]``, the source by
+    its own, ``report["source"]``)."""
     out = Path(out)
-    dtype = quantized_dtype(weight_bits)
-    if bundle.dtype != "fp32":
-        raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
+    if weight_bits is not None and weight_only is not None:
+        raise CalibrationError("choose MatMulNBits (--weights-only) or TensorRT's form (--weights), not both")
+    dtype = quantized_dtype(weight_bits, weight_only)
+    _check_source(bundle, weight_only)
     if samples < 1:
         raise CalibrationError(f"samples must be at least 1, got {samples}")
     if out.resolve() == bundle.path:
@@ -512,14 +533,19 @@ def calibrate_bundle(
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
     method = method or calibration_method(bundle)
-    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, weight_bits)
+    bits = weight_only.bits if weight_only is not None else weight_bits
+    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, bits)
     with staged_bundle(out) as tmp:
-        graphs = _write_graphs(bundle, recorder, tmp, weight_bits)
-        write_manifest(tmp, _quantized_manifest(bundle, graphs, recorder, method, samples, seed, weight_bits))
+        graphs = _write_graphs(bundle, recorder, tmp, weight_bits, weight_only)
+        manifest = _quantized_manifest(
+            bundle, graphs, recorder, method, samples, seed, weight_bits, weight_only
+        )
+        write_manifest(tmp, manifest)
         quantized = open_bundle(tmp)
         report = {
             "dtype": dtype,
-            "fp32": str(bundle.path),
+            "source": bundle.dtype,
+            bundle.dtype: str(bundle.path),
             dtype: str(out.resolve()),
             "samples": samples,
             "graphs": graph_agreement(bundle, quantized, recorder, threads),
@@ -528,27 +554,56 @@ def calibrate_bundle(
     return report
 
 
+def _check_source(bundle: Bundle, weight_only: WeightOnly | None) -> None:
+    """:class:`CalibrationError` unless ``bundle`` is what the quantization is made from: an fp32
+    bundle, or for TensorRT's weight-only form an fp16 one that TensorRT can build whose weights
+    take ``weight_only``'s blocks (checked before any image is generated)."""
+    if weight_only is None:
+        if bundle.dtype != "fp32":
+            raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
+        return
+    if bundle.dtype != "fp16":
+        raise CalibrationError(
+            f"{bundle.path} is a {bundle.dtype} bundle; TensorRT's weight-only form keeps the activations "
+            "fp16: calibrate an fp16 bundle (lantern export --dtype fp16)"
+        )
+    if bundle.constants.cache_scratch:
+        raise CalibrationError(
+            f"{bundle.path} writes its caches in place (onnxruntime only), which TensorRT cannot build: "
+            "export it again without --cache-in-place"
+        )
+    for name, entry in bundle.graphs.items():
+        if kept_fp32(entry, weight_only.bits):
+            continue
+        model = onnx.load(str(bundle.file(entry)))
+        fold_weight_transposes(model)
+        nodes = dequantizable(model, weight_nodes(model, bundle.constants.vocab_size))
+        problems = block_problems(model, nodes, weight_only)
+        if problems:
+            raise CalibrationError(f"{name}: {problems[0]}")
+
+
 def graph_agreement(
-    fp32: Bundle, quantized: Bundle, recorder: Recorder, threads: int = 0
+    source: Bundle, quantized: Bundle, recorder: Recorder, threads: int = 0
 ) -> dict[str, dict[str, Any]]:
     """Per quantized graph, on its recorded (calibration) inputs and ``AS_WRITTEN`` sessions:
     calls seen, inputs kept, the fraction of logits rows whose argmax the quantized graph keeps, and
-    its largest logits error relative to the largest fp32 logit. A drafting graph is scored on
+    its largest logits error relative to the source's largest logit. A drafting graph is scored on
     its root's distribution ``q[0]``, which depends on its inputs alone (deeper rows follow the
     tokens each graph drew); the drafter's prefill graph (K/V out, no distribution) on the
     relative error of its keys alone, its agreement None."""
     options = session_options(threads, AS_WRITTEN)
     result = {}
     for name, samples in recorder.samples.items():
-        fp32_graph, quantized_graph = (
+        source_graph, quantized_graph = (
             ort.InferenceSession(str(b.file(b.graph(name))), options, providers=["CPUExecutionProvider"])
-            for b in (fp32, quantized)
+            for b in (source, quantized)
         )
         agree, error = [], 0.0
-        names = [o.name for o in fp32_graph.get_outputs()]
+        names = [o.name for o in source_graph.get_outputs()]
         scored = next((n for n in ("logits", "q") if n in names), names[0])
         for sample in samples:
-            want, got = (graph.run([scored], sample)[0] for graph in (fp32_graph, quantized_graph))
+            want, got = (graph.run([scored], sample)[0] for graph in (source_graph, quantized_graph))
             if scored == "q":
                 want, got = want[:1], got[:1]
             if scored in ("logits", "q"):
@@ -563,26 +618,35 @@ def graph_agreement(
     return result
 
 
-def _write_graphs(bundle: Bundle, recorder: Recorder, tmp: Path, weight_bits: int | None) -> dict[str, Any]:
-    """Quantized graphs (Q/DQ, or ``weight_bits`` weights), the graphs kept in fp32, copies of
-    the other files in ``tmp``, all the graphs' weights in one shared file again; the new
-    manifest's graph entries."""
+def _write_graphs(
+    bundle: Bundle, recorder: Recorder, tmp: Path, weight_bits: int | None, weight_only: WeightOnly | None
+) -> dict[str, Any]:
+    """Quantized graphs (Q/DQ, ``weight_bits`` weights or ``weight_only``'s form), the graphs
+    kept as they were (a graph of TensorRT's form with no weight to quantize among them),
+    copies of the other files in ``tmp``, all the graphs' weights in one shared file again; the
+    new manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
+    vocab = bundle.constants.vocab_size
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
-        if kept_fp32(entry, weight_bits):
+        bits = weight_only.bits if weight_only is not None else weight_bits
+        made = (
+            0
+            if kept_fp32(entry, bits)
+            else quantize_graph(src, dst, recorder.samples[name], vocab, weight_bits, weight_only)
+        )
+        if not made:
             onnx.save(onnx.load(str(src)), str(dst))  # its weights inline, until shared below
-            graphs[name] = {**raw[name], "precision": "fp32"}
+            graphs[name] = {**raw[name], "precision": _PRECISION[raw[name]["compute_dtype"]]}
             continue
-        quantize_graph(src, dst, recorder.samples[name], bundle.constants.vocab_size, weight_bits)
         inputs, outputs = io_specs(dst)
         if (inputs, outputs) != ([s.to_json() for s in entry.inputs], [s.to_json() for s in entry.outputs]):
             raise CalibrationError(f"{name}: quantization changed the graph's inputs or outputs")
         kept = {k: v for k, v in raw[name].items() if k != "max_abs_err"}  # that was fp32 vs torch
         graphs[name] = {
             **kept,
-            "precision": quantized_dtype(weight_bits),
+            "precision": quantized_dtype(weight_bits, weight_only),
             "calibration_samples": len(recorder.samples[name]),
         }
     share_weights([tmp / entry.file for entry in bundle.graphs.values()], tmp / WEIGHTS)
@@ -600,21 +664,25 @@ def _quantized_manifest(
     samples: int,
     seed: int,
     weight_bits: int | None,
+    weight_only: WeightOnly | None,
 ) -> dict[str, Any]:
     """The source's manifest with the quantized graphs and what the calibration did (its
     ``files`` are :func:`~lantern_rt.bundle.write_manifest`'s)."""
-    if weight_bits is None:
+    tool = f"onnxruntime.quantization {ort.__version__}"
+    if weight_only is not None:
+        scheme, tool = weight_only.scheme(), f"lantern_rt.calibration.weight_only, onnx {onnx.__version__}"
+    elif weight_bits is None:
         scheme = "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations"
     else:
         scheme = (
             f"MatMulNBits: {weight_bits}-bit symmetric weights in blocks of {WEIGHT_BLOCK}, "
             f"accuracy level {WEIGHT_ONLY_ACCURACY_LEVEL}; activations not quantized ahead of time"
         )
-    new = {**source.manifest(), "dtype": quantized_dtype(weight_bits), "graphs": graphs}
+    new = {**source.manifest(), "dtype": quantized_dtype(weight_bits, weight_only), "graphs": graphs}
     new["versions"] = {**source.versions, "onnxruntime": ort.__version__}
     new["calibration"] = {
         "source_manifest_sha256": source.manifest_sha256,
-        "tool": f"onnxruntime.quantization {ort.__version__}",
+        "tool": tool,
         "scheme": scheme,
         "ops": [f"{op} with constant weights" for op in QUANTIZED_OPS],
         "method": method.method,
@@ -633,7 +701,7 @@ AS_WRITTEN = {"session.disable_quant_qdq": "1"}
 
 
 def validation(
-    fp32: Bundle,
+    source: Bundle,
     quantized: Bundle,
     labels: list[int | str],
     method: MethodConfig,
@@ -649,23 +717,23 @@ def validation(
     difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
     onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
     """
-    sampled = bundle_sampling(fp32)
+    sampled = bundle_sampling(source)
     modes = {"greedy": dataclasses.replace(sampled, temperature=0.0), "sampling": sampled}
-    bundles = {"fp32": fp32, quantized.dtype: quantized}
-    batch = min(fp32.constants.batch_sizes)
+    bundles = {source.dtype: source, quantized.dtype: quantized}
+    batch = min(source.constants.batch_sizes)
     reference = {
         d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN), batch) for d, b in bundles.items()
     }
     runtime = {d: pipelines(b, method, ort_runner(threads, [CPU]), batch) for d, b in bundles.items()}
     accuracy, speed = [], []
-    for name in reference["fp32"]:
+    for name in reference[source.dtype]:
         label = "ar" if name == "ar" else f"{method.method} {name}"
         for mode, sampling in modes.items():
             runs = {
                 d: generate(p[name], labels, sampling, seed=seed, progress=progress)
                 for d, p in reference.items()
             }
-            same = runs["fp32"].tokens == runs[quantized.dtype].tokens
+            same = runs[source.dtype].tokens == runs[quantized.dtype].tokens
             accuracy.append(
                 {
                     "run": f"{label} {mode}",
@@ -691,23 +759,23 @@ def _speed(stats: GenerationStats) -> dict[str, float]:
 
 def markdown_table(report: dict[str, Any]) -> str:
     """A :func:`calibrate_bundle` report as markdown: the runs, then the graphs."""
-    q = report["dtype"]
+    q, s = report["dtype"], report["source"]
     lines = [
-        f"| run (reference numerics) | token agreement | equal prefix | tau fp32 | tau {q} |",
+        f"| run (reference numerics) | token agreement | equal prefix | tau {s} | tau {q} |",
         "|---|---|---|---|---|",
     ]
     for row in report["validation"]["accuracy"]:
         lines.append(
             f"| {row['run']} | {row['token_agreement']:.3f} | {row['common_prefix']:.1f} "
-            f"| {row['fp32']['mean_accepted_length']:.2f} | {row[q]['mean_accepted_length']:.2f} |"
+            f"| {row[s]['mean_accepted_length']:.2f} | {row[q]['mean_accepted_length']:.2f} |"
         )
     lines += [
         "",
-        f"| run (onnxruntime runtime) | tau fp32 | tau {q} | s/img fp32 | s/img {q} |",
+        f"| run (onnxruntime runtime) | tau {s} | tau {q} | s/img {s} | s/img {q} |",
         "|---|---|---|---|---|",
     ]
     for row in report["validation"]["speed"]:
-        f, i = row["fp32"], row[q]
+        f, i = row[s], row[q]
         lines.append(
             f"| {row['run']} | {f['mean_accepted_length']:.2f} | {i['mean_accepted_length']:.2f} "
             f"| {f['seconds_per_image']:.3f} | {i['seconds_per_image']:.3f} |"

@@ -1,4 +1,5 @@
-"""``lantern calibrate``: an int8 Q/DQ (or weight-only) bundle from an fp32 bundle (see :mod:`.calibrate`)."""
+"""``lantern calibrate``: an int8 Q/DQ (or weight-only) bundle from an fp32 bundle, or TensorRT's
+weight-only form of an fp16 bundle (see :mod:`.calibrate` and :mod:`.weight_only`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from lantern_rt.calibration.weight_only import DEFAULT_BLOCK, WEIGHT_FORMATS
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.prompt_files import read_prompts
 from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
@@ -20,9 +22,9 @@ from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
     type=int,
     default=32,
     show_default=True,
-    help="Images generated with the fp32 bundle per decoding pipeline (AR, and the method on each "
-    "of the bundle's trees) to record the graphs' inputs: Q/DQ's calibration data, and what "
-    "every quantized graph is compared with fp32 on.",
+    help="Images generated with BUNDLE per decoding pipeline (AR, and the method on each of the "
+    "bundle's trees) to record the graphs' inputs: Q/DQ's calibration data, and what every "
+    "quantized graph is compared with BUNDLE's on.",
 )
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="Folder for the quantized bundle."
@@ -34,6 +36,23 @@ from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
     default=None,
     help="Quantize only the weights, to 4 or 8 bits (onnxruntime's MatMulNBits, int8 products on "
     "VNNI CPUs) instead of Q/DQ int8: faster AR on a CPU, acceptance close to fp32, no TensorRT.",
+)
+@click.option(
+    "--weights",
+    "weight_format",
+    type=click.Choice(list(WEIGHT_FORMATS)),
+    default=None,
+    help="TensorRT's weight-only form of an fp16 bundle (W4A16 or W8A16, for Jetson Orin and RTX): "
+    "each weight MatMul's weight as int4 or int8 blocks behind a block-wise DequantizeLinear "
+    "(opset 21), activations fp16; TensorRT builds it, onnxruntime runs it (compared with the "
+    "fp16 bundle here).",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"Weights per scale along each product's input, with --weights (default {DEFAULT_BLOCK}); "
+    "it must divide every quantized weight's input width.",
 )
 @click.option(
     "--method",
@@ -53,7 +72,7 @@ from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
     "--validate",
     type=click.IntRange(min=1),
     default=None,
-    help="Images per validation run (fp32 vs the quantized bundle). Default: one per class (per prompt).",
+    help="Images per validation run (BUNDLE vs the quantized bundle). Default: one per class (per prompt).",
 )
 @click.option(
     "--prompts",
@@ -82,6 +101,8 @@ def calibrate_cmd(
     samples,
     out,
     weight_bits,
+    weight_format,
+    block_size,
     method,
     seed,
     validate,
@@ -92,15 +113,21 @@ def calibrate_cmd(
     quiet,
 ):
     """Quantize BUNDLE's target and drafter graphs to int8 (Q/DQ), calibrated on the inputs they
-    see while generating, or (--weights-only) their weights alone, and compare the result with
-    BUNDLE on onnxruntime."""
+    see while generating, or (--weights-only, --weights) their weights alone, and compare the
+    result with BUNDLE on onnxruntime."""
     from lantern_rt.calibration.calibrate import calibrate_bundle, markdown_table
+    from lantern_rt.calibration.weight_only import WeightOnly
     from lantern_rt.families.loading import open_bundle
     from lantern_rt.settings import MethodConfig
 
     t0 = time.perf_counter()
     if report_json is not None and not report_json.resolve().parent.is_dir():
         raise UserError(f"cannot write {report_json}: its folder does not exist")
+    if block_size is not None and weight_format is None:
+        raise UserError("--block-size sets the blocks of --weights: add --weights int4 or int8, or drop it")
+    weight_only = (
+        None if weight_format is None else WeightOnly.named(weight_format, block_size or DEFAULT_BLOCK)
+    )
     config = None if method is None else MethodConfig(method)
     prompts = read_prompts((), prompts_file) if prompts_file is not None else []
     opened = open_bundle(bundle)
@@ -116,6 +143,7 @@ def calibrate_cmd(
         progress=not quiet,
         prompts=prompts,
         weight_bits=None if weight_bits is None else int(weight_bits),
+        weight_only=weight_only,
     )
     click.echo(markdown_table(report))
     if report_json is not None:

@@ -23,7 +23,8 @@ from typing import Any
 
 from lantern_rt.errors import LanternError, first_line
 
-PRECISIONS = ("fp32", "fp16", "int8")  # from the graphs: fp32/fp16 tensors, int8 Q/DQ nodes
+# from the graphs: fp32/fp16 tensors, int8 Q/DQ nodes, int8/int4 weight-only (block-wise DequantizeLinear)
+PRECISIONS = ("fp32", "fp16", "int8", "w8a16", "w4a16")
 DEFAULT_WORKSPACE_MB = 1024
 
 
