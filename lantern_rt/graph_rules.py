@@ -60,7 +60,8 @@ def check_graph(path: Path, spec: GraphSpec | None = None) -> list[str]:
 def tensorrt_problems(path: Path) -> list[str]:
     """What TensorRT's ONNX parser rejects in the graph at ``path``, one line each with the
     parser's reason: a ``TensorScatter`` other than linear (the in-place caches' circular one),
-    a ``MatMulNBits`` whose activations are not fp16 (onnxruntime's weight-only matrix product)."""
+    a ``MatMulNBits`` (onnxruntime's weight-only matrix product: activations not in fp16, or no
+    plugin for it)."""
     model = onnx.load(str(path), load_external_data=False)
     if any(node.op_type == "MatMulNBits" for g in with_subgraphs(model.graph) for node in g.node):
         model = onnx.shape_inference.infer_shapes(model)  # the type of its activations
@@ -75,8 +76,11 @@ def tensorrt_problems(path: Path) -> list[str]:
             mode = attrs.get("mode", b"linear").decode()
             if mode != "linear":
                 problems.append(f"{label}: Only linear mode is supported for now, got {mode}")
-        if node.op_type == "MatMulNBits" and elem.get(node.input[0]) != TensorProto.FLOAT16:
-            problems.append(f"{label}: input tensor A must be FP16")
+        if node.op_type == "MatMulNBits":  # TensorRT for RTX would need a plugin for it
+            fp16 = elem.get(node.input[0]) == TensorProto.FLOAT16
+            problems.append(
+                f"{label}: {'failed to load MatMulNBits plugin' if fp16 else 'input tensor A must be FP16'}"
+            )
     return problems
 
 

@@ -34,8 +34,8 @@ def _capabilities(ctx: click.Context, param: click.Parameter, values: tuple[str,
     callback=_capabilities,
     metavar="X.Y",
     help=f"{TRT_RTX.name}: a compute capability to build for (repeatable or comma-separated, e.g. "
-    "8.6,8.9). Default: every one it supports but Turing's 7.5 (built only when asked, and not "
-    "for fp32 graphs).",
+    "8.6,8.9). Default: every one it builds these graphs for (1.7: 8.0, 8.6, 8.9, 12.0, 12.1; not "
+    "Turing's 7.5, which lacks the fp32 products every bundle keeps).",
 )
 @click.option(
     "--precision",

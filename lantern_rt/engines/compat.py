@@ -42,7 +42,8 @@ class Flavour:
     (for messages), the Python ``module`` and its ``min_version``, the ``install`` hint, the
     ``network_flags`` it is asked for where its version has them, whether it builds
     ``ahead_of_time`` (for target compute capabilities, no GPU needed; otherwise for the GPU it
-    runs on) and whether it takes a ``timing_cache``."""
+    runs on), the compute capabilities it knows but cannot build lantern-rt's graphs for
+    (``unbuildable``: capability and why) and whether it takes a ``timing_cache``."""
 
     name: str
     label: str
@@ -52,6 +53,7 @@ class Flavour:
     network_flags: tuple[str, ...]
     ahead_of_time: bool
     timing_cache: bool
+    unbuildable: tuple[tuple[str, str], ...] = ()
 
 
 TRT = Flavour(
@@ -77,11 +79,15 @@ TRT_RTX = Flavour(
     network_flags=("STRONGLY_TYPED",),
     ahead_of_time=True,
     timing_cache=False,  # NVIDIA: a timing cache makes its build query for a GPU, and changes nothing
+    unbuildable=(
+        (
+            "7.5",
+            "it has no fp32 matrix products for Turing, and every bundle keeps some in fp32 (the output "
+            "head, the VQ decoder)",
+        ),
+    ),
 )
 FLAVOURS = {flavour.name: flavour for flavour in (TRT, TRT_RTX)}
-# Turing has no fp32 matrix products in TensorRT for RTX, and NVIDIA builds it only when asked
-# (a portable plan that includes it runs slower on the others): left out of the default targets
-TURING = "7.5"
 
 
 def flavour_named(name: str) -> Flavour:
@@ -171,19 +177,22 @@ def network_flags(trt: ModuleType, flavour: Flavour = TRT) -> int:
     return flags
 
 
-def supported_capabilities(trt: ModuleType) -> list[str]:
-    """The compute capabilities an ahead-of-time flavour can build for, from its enum
-    (``SM86`` -> ``"8.6"``, ``SM120`` -> ``"12.0"``), in ascending order."""
+def supported_capabilities(trt: ModuleType, flavour: Flavour) -> list[str]:
+    """The compute capabilities an ahead-of-time flavour builds lantern-rt's graphs for: those of
+    its enum (``SM86`` -> ``"8.6"``, ``SM120`` -> ``"12.0"``) but its ``unbuildable`` ones, in
+    ascending order."""
     found = [
         name[2:] for name in trt.ComputeCapability.__members__ if name[:2] == "SM" and name[2:].isdigit()
     ]
-    return [f"{digits[:-1]}.{digits[-1]}" for digits in sorted(found, key=int)]
+    unbuildable = dict(flavour.unbuildable)
+    ccs = [f"{digits[:-1]}.{digits[-1]}" for digits in sorted(found, key=int)]
+    return [cc for cc in ccs if cc not in unbuildable]
 
 
 def target_capabilities(trt: ModuleType, flavour: Flavour, requested: Sequence[str] | None) -> list[str]:
     """The compute capabilities to build for: ``requested`` (checked; repeats dropped, ascending)
-    or, by default, every one the flavour supports but Turing's (:data:`TURING`). [] for a
-    flavour that builds for the GPU it runs on, which takes none."""
+    or, by default, every one the flavour builds lantern-rt's graphs for. [] for a flavour that
+    builds for the GPU it runs on, which takes none."""
     if not flavour.ahead_of_time:
         if requested:
             raise EngineError(
@@ -191,10 +200,16 @@ def target_capabilities(trt: ModuleType, flavour: Flavour, requested: Sequence[s
                 f"drop it, or build ahead of time with --flavour {TRT_RTX.name}"
             )
         return []
-    supported = supported_capabilities(trt)
+    supported = supported_capabilities(trt, flavour)
     if not requested:
-        return [cc for cc in supported if cc != TURING]
+        return supported
     for cc in requested:
+        why = dict(flavour.unbuildable).get(cc)
+        if why is not None:
+            raise EngineError(
+                f"{flavour.label} {trt.__version__} cannot build lantern-rt's graphs for compute "
+                f"capability {cc}: {why}; leave it out"
+            )
         if cc not in supported:
             raise EngineError(
                 f"{flavour.label} {trt.__version__} cannot build for compute capability {cc!r}: "
@@ -253,18 +268,20 @@ def parser_error_text(error: Any) -> str:
 
 
 def make_logger(trt: ModuleType) -> Any:
-    """A TensorRT logger that prints warnings to stderr and keeps errors in ``.errors`` (a
-    failed build returns None; the reason is only in the log)."""
+    """A TensorRT logger that prints each warning once to stderr and keeps errors in ``.errors``
+    (a failed build returns None; the reason is only in the log)."""
 
     class CollectingLogger(trt.ILogger):
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.errors: list[str] = []
+            self.warned: set[str] = set()  # each warning is printed once (the parser's repeat per graph)
 
         def log(self, severity: Any, msg: str) -> None:
             if severity in (trt.ILogger.INTERNAL_ERROR, trt.ILogger.ERROR):
                 self.errors.append(msg)
-            elif severity == trt.ILogger.WARNING:
+            elif severity == trt.ILogger.WARNING and msg not in self.warned:
+                self.warned.add(msg)
                 print(f"tensorrt: {msg}", file=sys.stderr)
 
     return CollectingLogger()

@@ -366,7 +366,7 @@ def build_plan(
 ) -> bytes:
     """The serialized plan of one ONNX graph, built by ``flavour``'s real builder (TensorRT for
     RTX by default: ahead of time, no GPU needed, for ``capabilities``, default every one it
-    targets but Turing's); :class:`EngineError` with the parser's or builder's reasons when it
+    builds lantern-rt's graphs for); :class:`EngineError` with the parser's or builder's reasons when it
     fails. See :class:`PlanBuilder` for the options."""
     builder = PlanBuilder(compat.flavour_named(flavour), capabilities, workspace_mb, optimization_level)
     return bytes(builder.build(Path(onnx_path)))

@@ -1,0 +1,100 @@
+"""What the suite builds with TensorRT for RTX's real builder (ahead of time, no GPU): the demo's
+bundles and the results of building every graph of a bundle, each made once per run in the run's
+shared folder (tests/conftest.py), whichever test or worker asks first.
+
+The demo's bundles hold the trees a user builds engines for: chain-5 (the CPU default),
+naive_extend_57 (the GPU default) and a pac tree (a Jacobi window of ``--method sjd``), at one cache
+window (the windows' step graphs are the same graphs over other cache spans; the tiny bundles of
+tests/test_trt_rtx.py build two windows each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lantern_rt.bundle import Bundle
+from lantern_rt.engines.compat import TRT_RTX, EngineError
+from lantern_rt.engines.plans import PlanBuilder
+from lantern_rt.fileio import held
+
+DEMO_TREES = ("chain-5", "naive_extend_57", "pac-2-2-7")
+DEMO_PRECISIONS = ("fp32", "fp16", "int8")  # int8: lantern calibrate's Q/DQ copy of the fp32 bundle
+
+
+def shared_dir(name: str) -> Path:
+    """``name`` in the run's shared folder, made when missing."""
+    folder = Path(os.environ["LANTERN_TEST_SHARED"]) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def once_per_run(name: str, make: Callable[[Path], Any], out: Path) -> Path:
+    """The folder ``name`` of the run's shared bundles, written by ``make(folder)`` under a lock
+    by whichever test asks first, copied to ``out``."""
+    folder = shared_dir("bundles")
+    made = folder / name
+    with held(folder / f".{name}.lock", create=True):
+        if not made.is_dir():
+            make(made)
+    shutil.copytree(made, out)
+    return out
+
+
+def demo_bundle(out: Path, precision: str) -> Path:
+    """The demo's bundle of :data:`DEMO_TREES` at ``precision`` (:data:`DEMO_PRECISIONS`), copied
+    to ``out``: ``lantern export --dtype`` for fp32 and fp16, ``lantern calibrate`` of the fp32
+    one for int8 (one image to calibrate, one to compare)."""
+    from lantern_rt.families.loading import open_model_dir
+    from lantern_rt.models.model_dir import DEMO_DIR
+    from lantern_rt.runtime.tree import load_tree
+    from tests.conftest import exported
+
+    if precision != "int8":
+        trees = [load_tree(name) for name in DEMO_TREES]
+        return exported(open_model_dir(DEMO_DIR), out, trees, dtype=precision, windows=1)
+
+    def calibrate(dest: Path) -> None:
+        from lantern_rt.calibration.calibrate import calibrate_bundle
+
+        source = demo_bundle(dest.with_name(f"{dest.name}.fp32"), "fp32")
+        calibrate_bundle(Bundle.open(source), dest, samples=1, validate=1, threads=1)
+        shutil.rmtree(source)
+
+    return once_per_run("demo-int8", calibrate, out)
+
+
+def build_every_graph(bundle: Bundle) -> list[dict[str, Any]]:
+    """Every graph of ``bundle`` built by TensorRT for RTX for its default compute capabilities,
+    once per run (the results kept by the bundle's manifest): per graph ``{"graph", "seconds",
+    "bytes"}`` (the build's wall time, the plan's size), or ``{"graph", "error"}`` with the
+    parser's or builder's message."""
+    folder = shared_dir("plans")
+    results = folder / f"{bundle.manifest_sha256[:16]}.json"
+    with held(folder / f".{results.name}.lock", create=True):
+        if not results.is_file():
+            builder, built = PlanBuilder(TRT_RTX), []
+            for name, entry in bundle.graphs.items():
+                t0 = time.perf_counter()
+                try:
+                    size = len(builder.build(bundle.file(entry)))
+                except EngineError as err:
+                    built.append({"graph": name, "error": str(err)})
+                    continue
+                built.append({"graph": name, "seconds": round(time.perf_counter() - t0, 2), "bytes": size})
+            results.write_text(json.dumps(built, indent=1))
+    return json.loads(results.read_text())
+
+
+def assert_every_graph_builds(bundle: Bundle) -> list[dict[str, Any]]:
+    """:func:`build_every_graph`, failing with each rejected graph's message."""
+    built = build_every_graph(bundle)
+    rejected = [f"{row['graph']}: {row['error']}" for row in built if "error" in row]
+    assert not rejected, f"{len(rejected)} of {len(built)} graphs were rejected: " + " | ".join(rejected)
+    assert [row["graph"] for row in built] == list(bundle.graphs)
+    return built
