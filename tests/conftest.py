@@ -118,6 +118,7 @@ def free_port() -> int:
 # time; the others follow in file order. test_ray.py comes first and test_generate_set.py late:
 # both hold ray_alone, so that a worker does not wait for the other's Ray.
 LONGEST_FIRST = (
+    "test_trt_rtx_demo.py",
     "test_jacobi.py",
     "test_chameleon_runtime.py",
     "test_batching.py",
@@ -128,6 +129,7 @@ LONGEST_FIRST = (
     "test_guidance.py",
     "test_openvino.py",
     "test_text_to_image.py",
+    "test_trt_rtx_families.py",
     "test_widen.py",
     "test_api.py",
 )
