@@ -20,7 +20,7 @@ from lantern_rt.fileio import WriteError, held
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
-from lantern_rt.runtime.tree import load_tree, tree_to_json
+from lantern_rt.runtime.tree import StaticTree, load_tree, tree_to_json
 from lantern_rt.version import package_version
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ def cached_bundle(
     batch_sizes: Sequence[int] = (),
     dtype: str = "fp32",
     in_place: bool = False,
+    trees: Sequence[StaticTree] | None = None,
 ) -> Path:
     """The bundle of ``md`` for ``method``'s tree and a run ``shape``: its rows per image (two
     CFG rows or one: ``export_bundle``'s ``guided``), its cache windows and its batch size, or
@@ -59,10 +60,12 @@ def cached_bundle(
     into the cache (``export_bundle``'s ``in_place``, onnxruntime on the CPU). The model is loaded and checked first: a model its
     loaders refuse writes nothing (no lock, no folder). The export holds a lock
     (``.NAME-KEY.lock``): concurrent first runs export once, the others wait and reuse it;
-    :class:`WriteError` when the cache cannot be written."""
+    :class:`WriteError` when the cache cannot be written. ``trees``: the trees to export instead of
+    ``method``'s (``lantern tune``'s candidates)."""
     from lantern_rt.export.exporter import export_bundle, load_export_models
 
-    trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files or method.jacobi else []
+    if trees is None:
+        trees = [load_tree(method.tree, MAX_DRAFT_WIDTH)] if "drafter" in md.files or method.jacobi else []
     sizes = check_batch_sizes(list(batch_sizes or [shape.batch_size]))
     guided, windows = shape.guided, shape.cache_windows
     key = hashlib.sha256(

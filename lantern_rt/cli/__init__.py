@@ -12,6 +12,7 @@ from lantern_rt.cli.bundles import export_cmd, inspect_cmd
 from lantern_rt.cli.generate import generate, generate_set_cmd
 from lantern_rt.cli.serve import serve_cmd
 from lantern_rt.cli.train import train_drafter_cmd
+from lantern_rt.cli.tune import tune_cmd
 from lantern_rt.cli.widen import widen_cmd
 from lantern_rt.engines.cli import build_engines_cmd
 from lantern_rt.errors import OneLineErrors
@@ -33,6 +34,7 @@ for command in (
     build_engines_cmd,
     calibrate_cmd,
     serve_cmd,
+    tune_cmd,
     widen_cmd,
 ):
     main.add_command(command)

@@ -26,7 +26,8 @@ from lantern_rt.settings import (
     "--tree",
     "trees",
     multiple=True,
-    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N, pac-K-D-N (a Jacobi window of --method sjd) or JSON file. "
+    help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N, pac-K-D-N (a Jacobi window of --method sjd), "
+    "tuned (the tree 'lantern tune' chose for the model) or JSON file. "
     f"Default: the tree 'lantern generate' chooses on --device: {CPU_DEFAULT_TREE} on a CPU, "
     f"{GPU_DEFAULT_TREE} on a GPU.",
 )
@@ -96,15 +97,14 @@ def export_cmd(
     from lantern_rt.export.exporter import export_bundle
     from lantern_rt.families.loading import open_model_dir
     from lantern_rt.graph_spec import IN_PLACE_OPSET
-    from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
-    from lantern_rt.runtime.tree import load_tree
     from lantern_rt.settings import export_tree
+    from lantern_rt.tune.lookup import named_tree
 
     t0 = time.perf_counter()
     default_tree = export_tree(device)  # checks --device, given or not a --tree
     trees = trees or (default_tree,)
     md = open_model_dir(model_path)
-    parsed = [load_tree(t, max_width=MAX_DRAFT_WIDTH) for t in trees]
+    parsed = [named_tree(t, md) for t in trees]
     sizes = parse_batch_sizes(batch_sizes)
     export_bundle(
         md,

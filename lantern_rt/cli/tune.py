@@ -1,0 +1,203 @@
+"""``lantern tune``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from lantern_rt.cli.options import BackendName, parse_batch_sizes, threads_option
+from lantern_rt.errors import UserError, reports_errors
+from lantern_rt.settings import COUPLINGS, METHODS
+
+SPECULATIVE = tuple(m for m in METHODS if m != "ar")
+
+
+@click.command("tune")
+@click.argument("source", metavar="[MODEL_OR_BUNDLE]", required=False, type=click.Path(path_type=Path))
+@click.option(
+    "--method",
+    "methods",
+    type=click.Choice(SPECULATIVE),
+    multiple=True,
+    help="Speculative method(s) to tune (repeatable); AR is always a candidate. Default: lantern++ "
+    "when the model has a drafter, else sjd.",
+)
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    default="1",
+    show_default=True,
+    help="Images per step to tune for, comma-separated (e.g. 1,2,8): costs, tree and choice per size.",
+)
+@click.option(
+    "--tree",
+    "trees",
+    multiple=True,
+    help="Named tree(s) to measure beside the tuned one (repeatable). Default: chain-3, chain-5, "
+    "chain-8, mc_sim_7b_63 and naive_extend_57 for a drafter, chain-5, chain-16 and pac-2-1-33 for "
+    "sjd; a bundle's own trees for a bundle.",
+)
+@click.option(
+    "--images",
+    type=click.IntRange(min=1, max=10_000),
+    default=8,
+    show_default=True,
+    help="Images measured per candidate and batch size (at least four batches above B = 1).",
+)
+@click.option(
+    "--calibration-images",
+    type=click.IntRange(min=1, max=10_000),
+    default=8,
+    show_default=True,
+    help="Images decoded per method to count how often each tree position is accepted.",
+)
+@click.option("--lantern-k", "k", type=click.IntRange(min=0), default=10, show_default=True)
+@click.option("--lantern-delta", "delta", type=float, default=0.1, show_default=True)
+@click.option("--lantern-lambda", "lam", type=float, default=5.0, show_default=True)
+@click.option("--coupling", type=click.Choice(COUPLINGS), default=None, help="A Jacobi method's coupling.")
+@click.option("--backend", type=BackendName(), default=None, help="Backend to tune. Default: the run's.")
+@click.option("--device", default="cpu", show_default=True, help="Where the backend computes.")
+@threads_option("CPU threads (0: the engine's choice), as the runs to come will use.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@reports_errors
+def tune_cmd(
+    source,
+    methods,
+    batch_sizes,
+    trees,
+    images,
+    calibration_images,
+    k,
+    delta,
+    lam,
+    coupling,
+    backend,
+    device,
+    threads,
+    quiet,
+):
+    """Measure this machine's step costs and the model's acceptance per tree position, find the
+    fastest static tree (Sequoia's dynamic program), measure it beside every named tree and AR,
+    and keep the fastest per batch size in a tuning record (beside a bundle, or in the export
+    cache for a model directory; the built-in demo by default)."""
+    from lantern_rt.bundle import MANIFEST
+    from lantern_rt.families.loading import open_bundle, open_model_dir
+    from lantern_rt.settings import MethodConfig, check_device
+    from lantern_rt.tune.tuner import TuneOptions, tune
+
+    check_device(device)
+    is_bundle = source is not None and (source / MANIFEST).is_file()
+    opened = open_bundle(source) if is_bundle else open_model_dir(source)
+    has_drafter = opened.has_drafter if is_bundle else "drafter" in opened.files
+    methods = methods or (("lantern++",) if has_drafter else ("sjd",))
+    if coupling is not None and not any(m in ("sjd", "sjd++") for m in methods):
+        raise UserError("--coupling sets how --method sjd or sjd++ draft: drop it or add --method sjd")
+    configs = tuple(
+        MethodConfig(m, k=k, delta=delta, lam=lam, coupling=coupling if m in ("sjd", "sjd++") else None)
+        for m in dict.fromkeys(methods)
+    )
+    for config in configs:
+        config.relaxation()  # k, delta and lambda checked before any work
+    options = TuneOptions(
+        configs,
+        tuple(parse_batch_sizes(batch_sizes)),
+        tuple(trees),
+        images,
+        calibration_images,
+        threads or 0,
+        backend,
+        device,
+    )
+    with _Bar(quiet) as bar:
+        result = tune(opened, options, bar)
+    for line in report(result):
+        click.echo(line)
+
+
+class _Bar:
+    """A tune's progress bar on stderr (tqdm), one step per measurement."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.bar = quiet, None
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def start(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="tune", unit="step", disable=self.quiet)
+
+    def tick(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update()
+
+
+def report(result) -> list[str]:
+    """The candidate table per batch size, the choices, the tuned tree and where the record is."""
+    from lantern_rt.eval.report import markdown_table
+    from lantern_rt.tune.record import tree_file
+
+    record = result.record
+    machine = record["machine"]
+    settings = record["settings"]
+    threads = settings["threads"] or "default"
+    lines = [
+        f"lantern tune: {record['model']['name']} on {machine['backend']}, {machine['cpu']} "
+        f"({machine['cores']} cores{', ' + machine['gpu'] if machine['gpu'] else ''}), threads {threads}, one stream"
+    ]
+    for b, choice in result.choices.items():
+        rows = [r for r in result.rows if r.batch_size == b]
+        ar = next(r for r in rows if r.tree is None and r.method == "ar")
+        cells = []
+        for r in rows:
+            if r.skipped:
+                cells.append([r.label, "", "", "", "", "", "", f"skipped: {r.skipped}"])
+                continue
+            shape = "" if r.tree is None else f"{r.tree.num_nodes}/{r.tree.max_depth}"
+            error = (r.seconds_per_image / r.measured_seconds_per_image - 1) * 100
+            speed = ar.measured_seconds_per_image / r.measured_seconds_per_image
+            mark = " (chosen)" if r is choice else ""
+            cells.append(
+                [
+                    r.label + mark,
+                    shape,
+                    f"{r.tokens_per_step:.2f}",
+                    f"{r.measured_tokens_per_step:.2f}",
+                    f"{r.seconds_per_image:.4f}",
+                    f"{r.measured_seconds_per_image:.4f}",
+                    f"{error:+.0f}%",
+                    f"{speed:.2f}x",
+                ]
+            )
+        headers = [
+            f"B = {b}",
+            "nodes/depth",
+            "tau pred",
+            "tau meas",
+            "s/img pred",
+            "s/img meas",
+            "pred err",
+            "vs AR",
+        ]
+        lines += ["", markdown_table(headers, cells)]
+    lines.append("")
+    for b, choice in result.choices.items():
+        lines.append(
+            f"B = {b}: {choice.label}, {choice.measured_seconds_per_image:.4f} s/image measured "
+            f"({choice.seconds_per_image:.4f} predicted)"
+        )
+    if record["tuned_tree"] is not None:
+        lines.append(
+            f"tuned tree: {record['tuned_tree']['paths']} (lantern export --tree tuned, or --tree "
+            f"{tree_file(result.path)})"
+        )
+    lines += result.notes
+    lines.append(f"record: {result.path} ({result.seconds:.0f} s)")
+    return lines

@@ -1,0 +1,181 @@
+"""What a decode step costs on this machine, per batch size: an AR step, a drafting call, a
+verify call of n tokens and the host's share of a step (noise, commit, the loop), measured by
+timing the calls of real decodes in rounds until their means settle (:func:`measure`), and
+the cost model the tree search reads (:class:`CostModel`).
+
+The verify curve over n = 1..N tokens runs through the verify calls measured (AR's one token and
+each measured tree's N + 1), linear between them; drafting and the host's share are fitted
+linearly in a tree's depth and nodes over the trees measured. A step's prediction for a tree
+of n nodes and depth d is verify(n + 1) + draft(d, n) + host(d, n).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from lantern_rt.runtime.tree import StaticTree, chain_tree
+from lantern_rt.tune.session import Candidate, DecodeRun
+
+# Rounds of one batch per candidate, the candidates in turn (a load that comes and goes on a shared
+# machine weighs on each alike): at least MIN_ROUNDS, then until a candidate's mean step moves by
+# less than SETTLED between its rounds, at most MAX_ROUNDS
+MIN_ROUNDS, MAX_ROUNDS, SETTLED = 2, 5, 0.03
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One candidate's measured costs at one batch size (seconds, means over its calls)."""
+
+    label: str
+    nodes: int  # drafted nodes (0: AR)
+    depth: int
+    jacobi: bool  # drafts from a Jacobi window (its drafting is host work)
+    verify: float  # a verify call (AR: the AR step)
+    draft: float  # a drafting call (0: AR or a Jacobi window)
+    host: float  # the rest of a step
+    prefill: float  # prefill seconds per image
+    tokens_per_step: float  # measured tau (bonus included)
+    spread: float  # the images' steps: standard deviation over mean
+    rounds: int
+
+    @property
+    def step(self) -> float:
+        return self.verify + self.draft + self.host
+
+
+def step_cost(candidate: Candidate, runs: Sequence[DecodeRun]) -> StepCost:
+    """The costs ``runs`` of ``candidate`` measured: its calls' means, and the host's share of a
+    step, the wall time no call took."""
+    calls = {name: [t for run in runs for t in run.calls[name]] for name in ("verify", "draft", "prefill")}
+    steps = sum(run.steps for run in runs)
+    host = (sum(run.seconds for run in runs) - sum(sum(times) for times in calls.values())) / steps
+    per_image = [n for run in runs for n in run.image_steps]
+    tree = candidate.tree
+    return StepCost(
+        candidate.label,
+        tree.num_nodes if tree else 0,
+        tree.max_depth if tree else 0,
+        candidate.method.jacobi,
+        statistics.fmean(calls["verify"]),
+        statistics.fmean(calls["draft"]) if calls["draft"] else 0.0,
+        max(host, 0.0),
+        sum(calls["prefill"]) / sum(run.images for run in runs),
+        sum(sum(run.committed) for run in runs) / sum(len(run.committed) for run in runs),
+        statistics.pstdev(per_image) / statistics.fmean(per_image),
+        len(runs),
+    )
+
+
+def measure(
+    candidates: Sequence[Candidate],
+    decode: Callable[[Candidate, int], DecodeRun],
+    after_round: Callable[[], None],
+) -> list[StepCost]:
+    """Each candidate's costs from rounds of ``decode(candidate, round)`` (one batch each), the
+    candidates in turn, each until its mean step settles (:data:`SETTLED`), between
+    :data:`MIN_ROUNDS` and :data:`MAX_ROUNDS` rounds; ``after_round()`` after each round."""
+    runs: list[list[DecodeRun]] = [[] for _ in candidates]
+    steps: list[list[float]] = [[] for _ in candidates]
+    for round_ in range(MAX_ROUNDS):
+        for candidate, done, seen in zip(candidates, runs, steps, strict=True):
+            if len(seen) >= MIN_ROUNDS and abs(seen[-1] - seen[-2]) <= SETTLED * seen[-2]:
+                continue
+            done.append(decode(candidate, round_))
+            seen.append(step_cost(candidate, done).step)
+        after_round()
+    return [step_cost(c, done) for c, done in zip(candidates, runs, strict=True)]
+
+
+def batch_drain(batch: int) -> float:
+    """The expected largest of ``batch`` standard normal values (Blom's approximation; 0 for
+    one): how many standard deviations of an image's steps a batch started together runs
+    beyond the mean, its slots idling as images finish."""
+    if batch == 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((batch - 0.375) / (batch + 0.25))
+
+
+def _linear_fit(points: Sequence[tuple[int, int, float]]) -> np.ndarray:
+    """Least squares (a, b, c) of seconds = a + b * depth + c * nodes over (depth, nodes, seconds)."""
+    design = np.array([[1.0, d, n] for d, n, _ in points])
+    values = np.array([s for _, _, s in points])
+    return np.linalg.lstsq(design, values, rcond=None)[0]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The costs of one batch size's steps, from the candidates measured there."""
+
+    batch_size: int
+    measured: tuple[StepCost, ...]
+
+    @property
+    def ar(self) -> StepCost:
+        return next(c for c in self.measured if c.nodes == 0)
+
+    @property
+    def max_nodes(self) -> int:
+        """The most drafted nodes a measured verify call scored: the curve's end."""
+        return max(c.nodes for c in self.measured)
+
+    def verify(self, tokens: int) -> float:
+        """A verify call of ``tokens`` tokens (the root included): linear between the measured ones."""
+        points = sorted({c.nodes + 1: c.verify for c in self.measured}.items())
+        return float(np.interp(tokens, [n for n, _ in points], [s for _, s in points]))
+
+    def _fitted(self, field_name: str, tree: StaticTree, jacobi: bool) -> float:
+        points = [
+            (c.depth, c.nodes, getattr(c, field_name))
+            for c in self.measured
+            if c.nodes and c.jacobi == jacobi
+        ]
+        if not points:
+            return 0.0
+        if len({(d, n) for d, n, _ in points}) < 3:  # too few shapes for a plane: their mean
+            return float(np.mean([s for _, _, s in points]))
+        a, b, c = _linear_fit(points)
+        return max(float(a + b * tree.max_depth + c * tree.num_nodes), 0.0)
+
+    def step(self, tree: StaticTree | None, jacobi: bool = False) -> float:
+        """A step's predicted seconds: AR's measured step (``tree`` None), else verify, drafting
+        (none for a Jacobi window) and the host's share over ``tree``."""
+        if tree is None:
+            return self.ar.step
+        draft = 0.0 if jacobi else self._fitted("draft", tree, jacobi)
+        return self.verify(tree.num_nodes + 1) + draft + self._fitted("host", tree, jacobi)
+
+    def prefill(self) -> float:
+        """Prefill seconds per image (the mean over the candidates measured)."""
+        return float(np.mean([c.prefill for c in self.measured]))
+
+    def spread(self, tree: StaticTree | None) -> float:
+        """The spread of an image's steps (standard deviation over mean): 0 for AR, else the mean
+        of the speculative candidates measured."""
+        spreads = [c.spread for c in self.measured if c.nodes]
+        return 0.0 if tree is None or not spreads else float(np.mean(spreads))
+
+    def seconds_per_image(
+        self, tree: StaticTree | None, tokens_per_step: float, tokens: int, jacobi: bool = False
+    ) -> float:
+        """An image's predicted seconds in a batch of this size started together: its ``tokens``
+        after the prefill's first in steps of ``tokens_per_step``, the batch running until its
+        longest image ends (:func:`batch_drain`), each step shared by the batch's images."""
+        steps = (tokens - 1) / tokens_per_step * (1 + self.spread(tree) * batch_drain(self.batch_size))
+        return steps * self.step(tree, jacobi) / self.batch_size + self.prefill()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "measured": [asdict(c) for c in self.measured]}
+
+    def curves(self) -> dict[str, Any]:
+        """The verify curve at n = 1..N tokens and the drafting call per depth (of a chain), as
+        the tree search reads them, for the record."""
+        chains = [chain_tree(d) for d in range(1, 1 + max(c.depth for c in self.measured))]
+        return {
+            "verify_seconds": [self.verify(n) for n in range(1, self.max_nodes + 2)],
+            "draft_seconds_per_depth": [self._fitted("draft", t, False) for t in chains],
+        }

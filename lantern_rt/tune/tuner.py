@@ -1,0 +1,458 @@
+"""``lantern tune``'s run: export the candidates' graphs once (a model directory) or take a
+bundle's, count each method's acceptance per tree position in calibration decodes, measure the
+step costs per batch size, search the fastest tree (Sequoia's program for a drafter, the best
+window for a Jacobi method), export it, then measure every candidate (the tuned trees, every
+named tree, AR) and keep the fastest in the tuning record.
+
+Every measurement runs one decode stream with the graphs reading the whole KV cache (one cache
+window), so that a call's cost does not depend on where in an image it runs.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lantern_rt.bundle import Bundle
+from lantern_rt.export_cache import cached_bundle
+from lantern_rt.families.loading import bundle_info, open_bundle
+from lantern_rt.models.config import ConfigError
+from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.runtime.backends.bundle_graphs import bundle_trees, bundle_windows
+from lantern_rt.runtime.backends.registry import BUNDLE, backend_named, default_backend
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.jacobi import is_window
+from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
+from lantern_rt.runtime.tree import MAX_PAC_WIDTH, StaticTree, TreeError, chain_tree, load_tree, pac_tree
+from lantern_rt.settings import MethodConfig, default_sampling
+from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree
+from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, measure
+from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree
+from lantern_rt.tune.lookup import record_path
+from lantern_rt.tune.record import TUNED_TREE, this_machine, write_record
+from lantern_rt.tune.session import Candidate, DecodeRun, TuneSession
+
+# The named trees measured beside the tuned one: a drafter's, and a Jacobi window's
+DRAFTER_TREES = ("chain-3", "chain-5", "chain-8", "mc_sim_7b_63", "naive_extend_57")
+WINDOW_TREES = ("chain-5", "chain-16", "pac-2-1-33")
+# The calibration tree's children per spine node and depth (a Jacobi window's: pac-W-1-...)
+CALIBRATION_WIDTH, CALIBRATION_DEPTH = 4, 8
+CALIBRATION_IMAGES = 8
+SEED = 0
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """What ``lantern tune`` measures: the speculative ``methods`` (their k, lambda and coupling;
+    their tree is chosen here), the batch sizes, the named trees (empty: :data:`DRAFTER_TREES`
+    and :data:`WINDOW_TREES`), images per candidate and batch size (at least four batches),
+    calibration images, CPU threads, the backend (None: the run's default) and the device."""
+
+    methods: tuple[MethodConfig, ...]
+    batch_sizes: tuple[int, ...] = (1,)
+    trees: tuple[str, ...] = ()
+    images: int = 8
+    calibration_images: int = CALIBRATION_IMAGES
+    threads: int = 0
+    backend: str | None = None
+    device: str = "cpu"
+
+
+@dataclass
+class Row:
+    """One candidate at one batch size: predicted and measured tokens per step and s/image, or
+    why it was skipped."""
+
+    batch_size: int
+    label: str
+    method: str
+    tree: StaticTree | None
+    tokens_per_step: float = 1.0
+    seconds_per_image: float = 0.0
+    measured_tokens_per_step: float | None = None
+    measured_seconds_per_image: float | None = None
+    skipped: str | None = None
+    tuned: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        tree = (
+            None
+            if self.tree is None
+            else {"name": self.tree.name, "paths": [list(p) for p in self.tree.paths]}
+        )
+        return {
+            "label": self.label,
+            "method": self.method,
+            "tree": tree,
+            "tuned": self.tuned,
+            "predicted_tokens_per_step": self.tokens_per_step,
+            "predicted_s_per_image": self.seconds_per_image,
+            "measured_tokens_per_step": self.measured_tokens_per_step,
+            "measured_s_per_image": self.measured_seconds_per_image,
+            "skipped": self.skipped,
+        }
+
+
+@dataclass
+class TuneResult:
+    """A tune's rows per batch size, the chosen row of each, the record and where it was written."""
+
+    rows: list[Row]
+    choices: dict[int, Row]
+    record: dict[str, Any]
+    path: Path
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def rule_label(method: MethodConfig) -> str:
+    """A method's acceptance rule in words, e.g. ``lantern++ k=10 lambda=5.0``."""
+    params = {k: v for k, v in method.params().items() if k not in ("tree", "window")}
+    return " ".join([method.method, *(f"{k}={v}" for k, v in params.items())])
+
+
+def _named(
+    specs: Sequence[str], fits: Callable[[StaticTree], str | None]
+) -> tuple[list[StaticTree], list[tuple[str, str]]]:
+    """The trees ``specs`` name that ``fits`` takes (it returns why not, or None), and (name,
+    reason) for the others."""
+    trees, skipped = [], []
+    for spec in specs:
+        try:
+            tree = load_tree(spec, MAX_DRAFT_WIDTH)
+        except TreeError as err:
+            raise ConfigError(f"--tree {spec}: {err}") from None
+        reason = fits(tree)
+        if reason is None:
+            trees.append(tree)
+        else:
+            skipped.append((spec, reason))
+    return trees, skipped
+
+
+def _window_candidates(max_nodes: int, max_depth: int, width: int) -> list[StaticTree]:
+    """The Jacobi windows the search weighs: chains and pac-K-1-N trees within the bounds."""
+    found = [chain_tree(n) for n in range(1, min(max_nodes, max_depth) + 1)]
+    for k in range(2, min(width, MAX_PAC_WIDTH) + 1):
+        found += [pac_tree(k, 1, n) for n in range(k, max_nodes + 1) if n - k + 1 <= max_depth]
+    return found
+
+
+class Progress:
+    """Where a tune reports how far it is: ``start(total)`` once, then ``tick(what)`` before each
+    of about ``total`` measurements (a progress bar; this one says nothing)."""
+
+    def start(self, total: int) -> None:
+        """The measurements to come."""
+
+    def tick(self, what: str) -> None:
+        """``what`` is measured next."""
+
+
+class Tuner:
+    """One ``lantern tune`` run over a model directory or a bundle (see the module's docstring)."""
+
+    def __init__(
+        self, source: ModelDir | Bundle, options: TuneOptions, progress: Progress | None = None
+    ) -> None:
+        self.source, self.options = source, options
+        self.progress = progress or Progress()
+        self.is_bundle = isinstance(source, Bundle)
+        self.info = bundle_info(source) if isinstance(source, Bundle) else source
+        if self.info.gpt.takes_prompts:
+            raise ConfigError(
+                f"{self.info.name} is a text-to-image model: lantern tune runs class-conditional ones"
+            )
+        self.sampling = default_sampling(self.info)
+        self.backend = options.backend or default_backend(options.device, self.is_bundle, False)
+        record = backend_named(self.backend)
+        record.check_available()
+        if BUNDLE not in record.runs:
+            raise ConfigError(
+                f"lantern tune measures a backend that runs bundles, not {self.backend}: use --backend onnxruntime"
+            )
+        self.package = record.package
+        self.in_place = record.exports_in_place(options.device)
+        self.batch_sizes = check_batch_sizes(list(options.batch_sizes))
+        self.tokens = self.info.gpt.block_size
+        has_drafter = source.has_drafter if isinstance(source, Bundle) else "drafter" in source.files
+        for method in options.methods:
+            if method.method == "ar":
+                raise ConfigError("lantern tune weighs AR always: give it the speculative methods to tune")
+            if not method.jacobi and not has_drafter:
+                raise ConfigError(
+                    f"--method {method.method} drafts with a drafter, which {self.info.name} lacks"
+                )
+
+    def calibration(self, jacobi: bool) -> StaticTree:
+        """The tree a method's acceptance is counted over: the spine, or a pac window, within the
+        image's tokens (a bundle's: its largest tree the method can run)."""
+        if self.is_bundle:
+            usable = self._bundle_trees(jacobi)
+            if not usable:
+                kind = "chain or pac verify graph" if jacobi else "drafting graph"
+                raise ConfigError(f"bundle {self.source.path} has no {kind} to calibrate on")  # type: ignore[union-attr]
+            return max(usable, key=lambda t: t.num_nodes)
+        depth = min(CALIBRATION_DEPTH, self.tokens - 2)
+        if jacobi:
+            width = min(CALIBRATION_WIDTH, self.tokens - 2)
+            return pac_tree(width, 1, width + depth - 1) if width >= 2 else chain_tree(depth)
+        return calibration_tree(CALIBRATION_WIDTH, depth)
+
+    def _bundle_trees(self, jacobi: bool) -> list[StaticTree]:
+        bundle = self.source
+        assert isinstance(bundle, Bundle)
+        if jacobi:
+            return list(bundle_windows(bundle).values())
+        return [t for name, t in bundle_trees(bundle).items() if bundle.trees[name].graph]
+
+    def fits(self, jacobi: bool) -> Callable[[StaticTree], str | None]:
+        """Why a tree cannot be a candidate of a drafter (``jacobi`` False) or a window, or None."""
+
+        def reason(tree: StaticTree) -> str | None:
+            if tree.num_nodes >= self.tokens:
+                return f"{tree.num_nodes} nodes; the image has {self.tokens} tokens"
+            if jacobi and not is_window(tree):
+                return "a Jacobi window is a chain or a pac tree"
+            if self.is_bundle and tree.paths not in {t.paths for t in self._bundle_trees(jacobi)}:
+                return "the bundle has no graphs for it"
+            return None
+
+        return reason
+
+    def run(self) -> TuneResult:
+        start = time.perf_counter()
+        opts = self.options
+        kinds = sorted({m.jacobi for m in opts.methods})
+        calibration = {jacobi: self.calibration(jacobi) for jacobi in kinds}
+        named: dict[bool, list[StaticTree]] = {}
+        skipped: dict[bool, list[tuple[str, str]]] = {}
+        for jacobi in kinds:
+            default = WINDOW_TREES if jacobi else DRAFTER_TREES
+            specs = opts.trees or default
+            if self.is_bundle and not opts.trees:
+                specs = [t.name for t in self._bundle_trees(jacobi)]
+            named[jacobi], skipped[jacobi] = _named(specs, self.fits(jacobi))
+        slices = {b: -(-max(opts.images, 4 * b if b > 1 else 1) // b) for b in self.batch_sizes}
+        self.progress.start(len(opts.methods) + len(self.batch_sizes) * MAX_ROUNDS + sum(slices.values()) + 1)
+        session = self._session([*calibration.values(), *(t for ts in named.values() for t in ts)])
+        tables = {rule_label(m): self._acceptance(session, m, calibration[m.jacobi]) for m in opts.methods}
+        costs = {b: self._costs(session, b, named) for b in self.batch_sizes}
+        tuned = {
+            (m, b): self._search(costs[b], tables[rule_label(m)], calibration[m.jacobi], m.jacobi)
+            for m in opts.methods
+            for b in self.batch_sizes
+        }
+        tuned_trees = self._name_tuned(tuned)
+        tuned_session, notes = self._tuned_session(session, tuned_trees)
+        rows: list[Row] = []
+        for b in self.batch_sizes:
+            candidates: list[tuple[Candidate, TuneSession | None, AcceptanceTable | None, bool]] = [
+                (Candidate(MethodConfig("ar")), session, None, False)
+            ]
+            for m in opts.methods:
+                table = tables[rule_label(m)]
+                choice = tuned[m, b]
+                if choice is not None:
+                    candidates.append(
+                        (Candidate(m, tuned_trees[choice.tree.paths]), tuned_session, table, True)
+                    )
+                candidates += [(Candidate(m, tree), session, table, False) for tree in named[m.jacobi]]
+            rows += self._measure(candidates, b, costs[b], slices[b])
+            for m in opts.methods:
+                rows += [
+                    Row(b, f"{m.method} {name}", m.method, None, skipped=why)
+                    for name, why in skipped[m.jacobi]
+                ]
+        choices = {
+            b: min(
+                (r for r in rows if r.batch_size == b and r.measured_seconds_per_image is not None),
+                key=lambda r: r.measured_seconds_per_image,
+            )
+            for b in self.batch_sizes
+        }
+        seconds = time.perf_counter() - start
+        record = self._record(session, tables, costs, rows, choices, tuned_trees, seconds)
+        path = record_path(self.source)
+        write_record(path, record)
+        return TuneResult(rows, choices, record, path, seconds, notes)
+
+    def _session(self, trees: Sequence[StaticTree]) -> TuneSession:
+        """The session over the source bundle, or over the cached export of ``trees``."""
+        if self.is_bundle:
+            bundle = self.source
+        else:
+            bundle = open_bundle(self._export(trees))
+        return TuneSession(bundle, self.backend, self.options.device, self.options.threads, self.sampling)  # type: ignore[arg-type]
+
+    def _export(self, trees: Sequence[StaticTree]) -> Path:
+        """The cached export of ``trees`` (names made unique, repeats dropped) for every batch size."""
+        unique: dict[tuple, StaticTree] = {}
+        for tree in trees:
+            unique.setdefault(tree.paths, tree)
+        shape = RunShape(self.batch_sizes[0], self.sampling.guided, cache_windows=1)
+        return cached_bundle(
+            self.source,  # type: ignore[arg-type]
+            MethodConfig("ar"),
+            shape,
+            batch_sizes=self.batch_sizes,
+            in_place=self.in_place,
+            trees=list(unique.values()),
+        )
+
+    def _acceptance(self, session: TuneSession, method: MethodConfig, tree: StaticTree) -> AcceptanceTable:
+        """``method``'s acceptance per position, counted over ``tree`` in calibration decodes (B = 1)."""
+        counts = AcceptanceCounts(tree.max_depth, tree.width)
+        candidate = Candidate(method, tree)
+
+        def watch(verified_tree: StaticTree, out: Any) -> None:
+            counts.count_step(verified_tree, out.kept[0].tolist(), int(out.length[0]))
+
+        self.progress.tick(f"acceptance of {rule_label(method)}")
+        session.decode(candidate, 1, self.options.calibration_images, SEED + 1000, watch)
+        return counts.table(rule_label(method))
+
+    def _costs(self, session: TuneSession, batch: int, named: dict[bool, list[StaticTree]]) -> CostModel:
+        """The cost model of ``batch``: AR and every named tree measured (each tree once per
+        drafting kind, with the first method of that kind), in rounds of one batch each."""
+        candidates = [Candidate(MethodConfig("ar"))]
+        for jacobi, trees in named.items():
+            method = next(m for m in self.options.methods if m.jacobi == jacobi)
+            candidates += [Candidate(method, t) for t in trees]
+        costs = measure(
+            candidates,
+            lambda candidate, round_: session.decode(candidate, batch, batch, SEED + 2000 + round_),
+            lambda: self.progress.tick(f"step costs at B={batch}"),
+        )
+        return CostModel(batch, tuple(costs))
+
+    def _search(
+        self, model: CostModel, table: AcceptanceTable, calibration: StaticTree, jacobi: bool
+    ) -> Choice | None:
+        """The tree of the most predicted tokens per second for a method at one batch size."""
+        p = table.probabilities()
+        depth = min(calibration.max_depth, self.tokens - 2)
+        nodes = min(model.max_nodes, self.tokens - 2)
+        if jacobi:
+            windows = _window_candidates(nodes, depth, calibration.width)
+            found = [Choice(t, expected_tokens(t, p), model.step(t, True)) for t in windows]
+            return max(found, key=lambda c: c.rate, default=None)
+        return fastest_tree(p, model.step, nodes, depth, min(calibration.width, MAX_DRAFT_WIDTH))
+
+    def _name_tuned(self, tuned: dict[tuple[MethodConfig, int], Choice | None]) -> dict[tuple, StaticTree]:
+        """Each distinct tuned tree by its paths, named ``tuned`` (the first), ``tuned-2``, ..."""
+        names: dict[tuple, StaticTree] = {}
+        for choice in tuned.values():
+            if choice is not None and choice.tree.paths not in names:
+                name = TUNED_TREE if not names else f"{TUNED_TREE}-{len(names) + 1}"
+                names[choice.tree.paths] = replace(choice.tree, name=name)
+        return names
+
+    def _tuned_session(
+        self, session: TuneSession, tuned: dict[tuple, StaticTree]
+    ) -> tuple[TuneSession | None, list[str]]:
+        """A session that holds the tuned trees' graphs: the cached export of them (a model
+        directory), the bundle when it has them all, else None with a note."""
+        held = {t.paths for t in session.bundle.trees.values()}
+        if all(paths in held for paths in tuned):
+            self.progress.tick("the tuned trees are among the exported ones")
+            return session, []
+        if self.is_bundle:
+            return None, [
+                "the tuned tree needs graphs this bundle lacks: export it from the model with --tree tuned"
+            ]
+        self.progress.tick("exporting the tuned tree")
+        return self._session(list(tuned.values())), []
+
+    def _measure(
+        self,
+        candidates: Sequence[tuple[Candidate, TuneSession | None, AcceptanceTable | None, bool]],
+        batch: int,
+        model: CostModel,
+        slices: int,
+    ) -> list[Row]:
+        """Each candidate's row at ``batch`` (with its session, acceptance table and whether it
+        is tuned): predicted from the model and the table, then measured over ``slices``
+        batches, one batch of each candidate in turn."""
+        rows = []
+        for candidate, _, table, tuned in candidates:
+            tree, jacobi = candidate.tree, candidate.method.jacobi
+            tau = 1.0 if tree is None or table is None else expected_tokens(tree, table.probabilities())
+            predicted = model.seconds_per_image(tree, tau, self.tokens, jacobi)
+            rows.append(
+                Row(batch, candidate.label, candidate.method.method, tree, tau, predicted, tuned=tuned)
+            )
+        runs: list[list[DecodeRun]] = [[] for _ in candidates]
+        for slice_ in range(slices):
+            for (candidate, session, _, _), done in zip(candidates, runs, strict=True):
+                if session is not None:
+                    done.append(session.decode(candidate, batch, batch, SEED + 3000 + slice_))
+            self.progress.tick(f"candidates at B={batch}")
+        for row, done in zip(rows, runs, strict=True):
+            if not done:
+                row.skipped = "no graphs for it in the bundle"
+                continue
+            images = sum(run.images for run in done)
+            row.measured_seconds_per_image = sum(run.seconds for run in done) / images
+            row.measured_tokens_per_step = sum(sum(r.committed) for r in done) / sum(
+                len(r.committed) for r in done
+            )
+        return rows
+
+    def _record(
+        self,
+        session: TuneSession,
+        tables: dict[str, AcceptanceTable],
+        costs: dict[int, CostModel],
+        rows: list[Row],
+        choices: dict[int, Row],
+        tuned: dict[tuple, StaticTree],
+        seconds: float,
+    ) -> dict[str, Any]:
+        """The record's JSON (:mod:`lantern_rt.tune.record` adds its format and version)."""
+        tree = next(iter(tuned.values()), None)  # the first method's at the first batch size
+        source = self.source
+        return {
+            "machine": this_machine(self.backend, self.package),
+            "platform": platform.platform(),
+            "model": {
+                "name": self.info.name,
+                "bundle": str(source.path) if isinstance(source, Bundle) else None,
+                "tuning_bundle": str(session.bundle.path),
+            },
+            "settings": {
+                "threads": self.options.threads,
+                "streams": 1,
+                "cache_windows": 1,
+                "device": self.options.device,
+                "sampling": {
+                    "cfg_scale": self.sampling.cfg_scale,
+                    "temperature": self.sampling.temperature,
+                    "top_k": self.sampling.top_k,
+                    "top_p": self.sampling.top_p,
+                },
+                "methods": [{"method": m.method, **m.params()} for m in self.options.methods],
+            },
+            "acceptance": {label: table.to_json() for label, table in tables.items()},
+            "batch_sizes": {
+                str(b): {
+                    "costs": costs[b].to_json() | costs[b].curves(),
+                    "candidates": [r.to_json() for r in rows if r.batch_size == b],
+                    "choice": choices[b].to_json(),
+                }
+                for b in self.batch_sizes
+            },
+            "tuned_tree": None
+            if tree is None
+            else {"name": TUNED_TREE, "paths": [list(p) for p in tree.paths]},
+            "seconds": seconds,
+        }
+
+
+def tune(source: ModelDir | Bundle, options: TuneOptions, progress: Progress | None = None) -> TuneResult:
+    """Tune ``source`` (see :class:`Tuner`), reporting to ``progress``."""
+    return Tuner(source, options, progress).run()

@@ -1,0 +1,143 @@
+"""lantern tune's record and command: the record round-trips, a corrupt one or one from another
+machine is refused in one line, Ctrl-C while it is written leaves none half-written, the tuned
+tree is found by name, and the command on a bundle prints its table and writes its record."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lantern_rt.cli import main
+from lantern_rt.families.loading import open_bundle, open_model_dir
+from lantern_rt.runtime.tree import load_tree
+from lantern_rt.tune import record as records
+from lantern_rt.tune.lookup import named_tree, record_path
+from lantern_rt.tune.record import RecordError, read_record, this_machine, write_record
+from tests.conftest import tiny_vq
+from tests.test_export import make_bundle
+
+HERE = this_machine("onnxruntime", "onnxruntime")
+RECORD = {
+    "machine": HERE,
+    "batch_sizes": {"1": {"choice": {"label": "lantern++ tuned"}}},
+    "tuned_tree": {"name": "tuned", "paths": [[0], [1], [0, 0]]},
+}
+
+
+def test_a_record_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "tuning.json"
+    write_record(path, RECORD)
+    data = read_record(path, HERE)
+    assert {k: data[k] for k in RECORD} == json.loads(json.dumps(RECORD))
+    assert records.record_tree(data).paths == ((0,), (1,), (0, 0))
+    assert load_tree(str(records.tree_file(path))).paths == ((0,), (1,), (0, 0))  # --tree FILE
+    write_record(path, {**RECORD, "tuned_tree": None})  # AR everywhere: no tree file left
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tuning.json"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"\x00\xffnot json", "is corrupt (not JSON)"),
+        (b'{"format": "lantern-rt-tuning", "version": 1}', "is corrupt (no machine"),
+        (b'{"format": "something else"}', "is not a tuning record"),
+        (b'{"format": "lantern-rt-tuning", "version": 99}', "of version 99"),
+    ],
+)
+def test_a_corrupt_record_is_refused_in_one_line(tmp_path: Path, body: bytes, says: str) -> None:
+    path = tmp_path / "tuning.json"
+    path.write_bytes(body)
+    with pytest.raises(RecordError, match=re.escape(says)) as err:
+        read_record(path, HERE)
+    assert "\n" not in str(err.value)
+
+
+def test_a_record_of_another_machine_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "tuning.json"
+    other = {**HERE, "cpu": "Another CPU", "versions": {**HERE["versions"], "onnxruntime": "0.0.1"}}
+    write_record(path, {**RECORD, "machine": other})
+    with pytest.raises(
+        RecordError, match="another machine or version: cpu 'Another CPU'.*onnxruntime 0.0.1"
+    ) as err:
+        read_record(path, HERE)
+    assert "\n" not in str(err.value)
+    assert read_record(path)["machine"]["cpu"] == "Another CPU"  # read as it is when no machine is asked
+
+
+def test_ctrl_c_while_writing_leaves_no_half_written_record(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "tuning.json"
+    write_record(path, RECORD)
+    before = path.read_bytes()
+    real = Path.write_bytes
+
+    def interrupted(self: Path, data: bytes) -> int:
+        real(self, data[: len(data) // 2])  # half of it on disk, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_bytes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_record(path, {**RECORD, "tuned_tree": None})
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # the old record, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "tuning.json",
+        "tuning.tree.json",
+    ]  # no temporary file
+    fresh = tmp_path / "new.json"
+    monkeypatch.setattr(Path, "write_bytes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_record(fresh, RECORD)
+    assert not fresh.exists()
+
+
+def test_the_tuned_tree_is_found_by_name(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))  # the record stays this test's
+    md = open_model_dir(tiny_model_dir)
+    with pytest.raises(RecordError, match="no tuning record for .*run 'lantern tune"):
+        named_tree("tuned", md)
+    assert named_tree("chain-3", md).paths == load_tree("chain-3").paths
+    write_record(record_path(md), RECORD)
+    assert named_tree("tuned", md).paths == ((0,), (1,), (0, 0))
+    assert named_tree("tuned", md).name == "tuned"
+
+
+@pytest.fixture(scope="module")
+def bundle(trained_pair, tmp_path_factory) -> Path:
+    """test_calibrate's bundle (the trained pair, chain-3; exported once per run)."""
+    target, drafter = trained_pair
+    return make_bundle(
+        tmp_path_factory.mktemp("tune") / "fp32", target, tiny_vq(), drafter, ["chain-3"], "fp32"
+    )
+
+
+def test_tune_on_a_bundle_prints_its_table_and_writes_its_record(bundle: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["tune", str(bundle), "--images", "2", "--calibration-images", "2", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "| B = 1 |" in out and "lantern++ chain-3" in out and "| ar" in out
+    data = read_record(bundle / "tuning.json", this_machine("onnxruntime", "onnxruntime"))
+    rows = data["batch_sizes"]["1"]["candidates"]
+    measured = [r for r in rows if r["measured_s_per_image"] is not None]
+    assert {r["label"] for r in measured} >= {"ar", "lantern++ chain-3"}
+    assert all(r["predicted_s_per_image"] > 0 for r in measured)
+    tables = data["acceptance"]["lantern++ k=10 lambda=5.0"]
+    assert tables["tests"][0][0] > 0 and len(tables["tests"]) == 3  # chain-3: three depths counted
+    assert data["batch_sizes"]["1"]["choice"]["label"] in {r["label"] for r in measured}
+    open_bundle(bundle)  # the record beside it leaves the bundle as it was
+
+
+def test_export_of_the_tuned_tree_without_a_record_is_one_line_exit_2(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bundle"
+    args = ["export", "--model", str(tiny_model_dir), "--tree", "tuned", "--out", str(out), "-q"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.output.startswith("error: no tuning record for") and result.output.count("\n") == 1
+    assert not out.exists()
