@@ -14,9 +14,12 @@ from click.testing import CliRunner
 from lantern_rt.cli import main
 from lantern_rt.families.loading import open_bundle, open_model_dir
 from lantern_rt.runtime.tree import load_tree
+from lantern_rt.settings import MethodConfig
 from lantern_rt.tune import record as records
+from lantern_rt.tune.costs import MAX_ROUNDS, MIN_ROUNDS, CostModel, StepCost, batch_drain, measure
 from lantern_rt.tune.lookup import named_tree, record_path
 from lantern_rt.tune.record import RecordError, read_record, this_machine, write_record
+from lantern_rt.tune.session import Candidate, DecodeRun
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle
 
@@ -141,3 +144,55 @@ def test_export_of_the_tuned_tree_without_a_record_is_one_line_exit_2(
     assert result.exit_code == 2
     assert result.output.startswith("error: no tuning record for") and result.output.count("\n") == 1
     assert not out.exists()
+
+
+def _cost(
+    label: str, tree: str | None, verify: float, draft: float, host: float, spread: float = 0.0
+) -> StepCost:
+    shape = load_tree(tree) if tree else None
+    nodes, depth = (shape.num_nodes, shape.max_depth) if shape else (0, 0)
+    return StepCost(label, nodes, depth, False, verify, draft, host, 0.01, 1.0, spread, 2)
+
+
+def test_the_cost_model_runs_through_its_measurements() -> None:
+    def draft(depth: int, nodes: int) -> float:  # a planted plane the fit must find
+        return 0.002 + 0.001 * depth + 0.0001 * nodes
+
+    trees = ["chain-3", "chain-5", "mc_sim_7b_63", "naive_extend_57"]
+    measured = [_cost("ar", None, 0.004, 0.0, 0.001)]
+    for name in trees:
+        t = load_tree(name)
+        measured.append(
+            _cost(name, name, 0.004 + 0.0005 * t.num_nodes, draft(t.max_depth, t.num_nodes), 0.002, 0.1)
+        )
+    model = CostModel(8, tuple(measured))
+    assert model.max_nodes == 57
+    assert model.verify(1) == pytest.approx(0.004) and model.verify(6) == pytest.approx(0.0065)
+    assert model.verify(16) == pytest.approx(0.004 + 0.0005 * 15)  # between chain-5 and mc_sim: linear
+    probe = load_tree("chain-8")
+    assert model.step(probe) == pytest.approx(0.004 + 0.0005 * 8 + draft(8, 8) + 0.002)
+    ar = model.seconds_per_image(None, 1.0, 256)
+    assert ar == pytest.approx(255 * 0.005 / 8 + 0.01)  # AR's images end together: no drain
+    drained = model.seconds_per_image(probe, 4.0, 256)
+    assert drained == pytest.approx(255 / 4 * (1 + 0.1 * batch_drain(8)) * model.step(probe) / 8 + 0.01)
+    assert batch_drain(1) == 0 and 1.3 < batch_drain(8) < 1.5 and batch_drain(64) > batch_drain(8)
+
+
+def test_cost_rounds_stop_once_settled() -> None:
+    seconds = {"steady": [1.0] * 9, "jumpy": [1.0, 2.0] * 5}
+
+    def decode(candidate: Candidate, round_: int) -> DecodeRun:
+        run = DecodeRun(1, seconds["steady" if candidate.tree is None else "jumpy"][round_] * 10)
+        run.calls["verify"].extend([0.5] * 10)
+        run.committed.extend([1] * 10)
+        run.image_steps.append(10)
+        return run
+
+    rounds = []
+    costs = measure(
+        [Candidate(MethodConfig("ar")), Candidate(MethodConfig("exact"), load_tree("chain-2"))],
+        decode,
+        lambda: rounds.append(1),
+    )
+    assert [c.rounds for c in costs] == [MIN_ROUNDS, MAX_ROUNDS]
+    assert len(rounds) == MAX_ROUNDS and costs[0].step == pytest.approx(1.0)

@@ -163,7 +163,17 @@ def report(result) -> list[str]:
             shape = "" if r.tree is None else f"{r.tree.num_nodes}/{r.tree.max_depth}"
             error = (r.seconds_per_image / r.measured_seconds_per_image - 1) * 100
             speed = ar.measured_seconds_per_image / r.measured_seconds_per_image
-            mark = " (chosen)" if r is choice else ""
+            same = next(
+                (
+                    o.label
+                    for o in rows
+                    if o.tuned != r.tuned and o.tree and r.tree and o.tree.paths == r.tree.paths
+                ),
+                None,
+            )
+            mark = (f" (= {same.split()[-1]})" if r.tuned and same else "") + (
+                " (chosen)" if r is choice else ""
+            )
             cells.append(
                 [
                     r.label + mark,

@@ -238,7 +238,9 @@ class Tuner:
                 specs = [t.name for t in self._bundle_trees(jacobi)]
             named[jacobi], skipped[jacobi] = _named(specs, self.fits(jacobi))
         slices = {b: -(-max(opts.images, 4 * b if b > 1 else 1) // b) for b in self.batch_sizes}
-        self.progress.start(len(opts.methods) + len(self.batch_sizes) * MAX_ROUNDS + sum(slices.values()) + 1)
+        self.progress.start(
+            len(opts.methods) + len(self.batch_sizes) * (MAX_ROUNDS + 1) + sum(slices.values())
+        )
         session = self._session([*calibration.values(), *(t for ts in named.values() for t in ts)])
         tables = {rule_label(m): self._acceptance(session, m, calibration[m.jacobi]) for m in opts.methods}
         costs = {b: self._costs(session, b, named) for b in self.batch_sizes}
@@ -248,9 +250,12 @@ class Tuner:
             for b in self.batch_sizes
         }
         tuned_trees = self._name_tuned(tuned)
-        tuned_session, notes = self._tuned_session(session, tuned_trees)
         rows: list[Row] = []
+        notes: list[str] = []
         for b in self.batch_sizes:
+            chosen = [tuned_trees[c.tree.paths] for m in opts.methods if (c := tuned[m, b]) is not None]
+            tuned_session, note = self._tuned_session(session, chosen, b)
+            notes += note
             candidates: list[tuple[Candidate, TuneSession | None, AcceptanceTable | None, bool]] = [
                 (Candidate(MethodConfig("ar")), session, None, False)
             ]
@@ -281,28 +286,26 @@ class Tuner:
         write_record(path, record)
         return TuneResult(rows, choices, record, path, seconds, notes)
 
-    def _session(self, trees: Sequence[StaticTree]) -> TuneSession:
-        """The session over the source bundle, or over the cached export of ``trees``."""
-        if self.is_bundle:
-            bundle = self.source
-        else:
-            bundle = open_bundle(self._export(trees))
-        return TuneSession(bundle, self.backend, self.options.device, self.options.threads, self.sampling)  # type: ignore[arg-type]
-
-    def _export(self, trees: Sequence[StaticTree]) -> Path:
-        """The cached export of ``trees`` (names made unique, repeats dropped) for every batch size."""
-        unique: dict[tuple, StaticTree] = {}
-        for tree in trees:
-            unique.setdefault(tree.paths, tree)
-        shape = RunShape(self.batch_sizes[0], self.sampling.guided, cache_windows=1)
-        return cached_bundle(
-            self.source,  # type: ignore[arg-type]
-            MethodConfig("ar"),
-            shape,
-            batch_sizes=self.batch_sizes,
-            in_place=self.in_place,
-            trees=list(unique.values()),
-        )
+    def _session(self, trees: Sequence[StaticTree], batch_sizes: Sequence[int] | None = None) -> TuneSession:
+        """The session over the source bundle, or over the cached export of ``trees`` (repeats
+        dropped) for ``batch_sizes`` (None: every batch size tuned)."""
+        bundle = self.source
+        if not isinstance(bundle, Bundle):
+            unique: dict[tuple, StaticTree] = {}
+            for tree in trees:
+                unique.setdefault(tree.paths, tree)
+            sizes = list(batch_sizes or self.batch_sizes)
+            shape = RunShape(sizes[0], self.sampling.guided, cache_windows=1)
+            path = cached_bundle(
+                bundle,
+                MethodConfig("ar"),
+                shape,
+                batch_sizes=sizes,
+                in_place=self.in_place,
+                trees=list(unique.values()),
+            )
+            bundle = open_bundle(path)
+        return TuneSession(bundle, self.backend, self.options.device, self.options.threads, self.sampling)
 
     def _acceptance(self, session: TuneSession, method: MethodConfig, tree: StaticTree) -> AcceptanceTable:
         """``method``'s acceptance per position, counted over ``tree`` in calibration decodes (B = 1)."""
@@ -353,20 +356,21 @@ class Tuner:
         return names
 
     def _tuned_session(
-        self, session: TuneSession, tuned: dict[tuple, StaticTree]
+        self, session: TuneSession, trees: Sequence[StaticTree], batch: int
     ) -> tuple[TuneSession | None, list[str]]:
-        """A session that holds the tuned trees' graphs: the cached export of them (a model
-        directory), the bundle when it has them all, else None with a note."""
+        """A session that holds the graphs of the tuned ``trees`` at ``batch``: the bundle when it
+        has them all, else the cached export of them at that batch size (a model directory), else
+        None with a note."""
         held = {t.paths for t in session.bundle.trees.values()}
-        if all(paths in held for paths in tuned):
-            self.progress.tick("the tuned trees are among the exported ones")
+        if all(tree.paths in held for tree in trees):
+            self.progress.tick(f"the tuned trees at B={batch} are among the exported ones")
             return session, []
         if self.is_bundle:
             return None, [
-                "the tuned tree needs graphs this bundle lacks: export it from the model with --tree tuned"
+                f"B = {batch}: the tuned tree needs graphs this bundle lacks: export it from the model"
             ]
-        self.progress.tick("exporting the tuned tree")
-        return self._session(list(tuned.values())), []
+        self.progress.tick(f"exporting the tuned trees at B={batch}")
+        return self._session(trees, [batch]), []
 
     def _measure(
         self,
