@@ -281,8 +281,7 @@ class PlanBuilder:
     networks, each graph's Ifs replaced by their then-branches (see
     :mod:`lantern_rt.engines.conditionals`), for ``capabilities`` (an ahead-of-time flavour:
     :func:`~lantern_rt.engines.compat.target_capabilities`'s list), with ``workspace_mb`` MiB of
-    builder scratch, TensorRT's builder ``optimization_level`` (None: the builder's default; 0
-    builds fastest) and, for a flavour that takes one, a timing cache read from and written to
+    builder scratch and, for a flavour that takes one, a timing cache read from and written to
     ``timing_cache``."""
 
     def __init__(
@@ -290,7 +289,6 @@ class PlanBuilder:
         flavour: Flavour,
         capabilities: Sequence[str] = (),
         workspace_mb: int = DEFAULT_WORKSPACE_MB,
-        optimization_level: int | None = None,
         timing_cache: Path | None = None,
     ):
         if workspace_mb < 1:
@@ -301,7 +299,7 @@ class PlanBuilder:
             )
         self.flavour, self.trt = flavour, compat.require(flavour)
         self.capabilities = compat.target_capabilities(self.trt, flavour, capabilities)
-        self.workspace_mb, self.optimization_level = workspace_mb, optimization_level
+        self.workspace_mb = workspace_mb
         self.logger = compat.make_logger(self.trt)
         self.builder = self.trt.Builder(self.logger)
         self.timing_cache = timing_cache
@@ -331,8 +329,6 @@ class PlanBuilder:
         compat.set_workspace(trt, config, self.workspace_mb)
         if self.capabilities:
             compat.set_capabilities(trt, config, self.capabilities)
-        if self.optimization_level is not None:
-            config.builder_optimization_level = self.optimization_level
         if self._cache is not None:
             config.set_timing_cache(self._cache, False)
         self.logger.errors.clear()
@@ -362,13 +358,12 @@ def build_plan(
     flavour: str = compat.TRT_RTX.name,
     capabilities: Sequence[str] = (),
     workspace_mb: int = DEFAULT_WORKSPACE_MB,
-    optimization_level: int | None = None,
 ) -> bytes:
     """The serialized plan of one ONNX graph, built by ``flavour``'s real builder (TensorRT for
     RTX by default: ahead of time, no GPU needed, for ``capabilities``, default every one it
-    builds lantern-rt's graphs for); :class:`EngineError` with the parser's or builder's reasons when it
-    fails. See :class:`PlanBuilder` for the options."""
-    builder = PlanBuilder(compat.flavour_named(flavour), capabilities, workspace_mb, optimization_level)
+    builds lantern-rt's graphs for); :class:`EngineError` with the parser's or builder's
+    reasons when it fails. See :class:`PlanBuilder` for the options."""
+    builder = PlanBuilder(compat.flavour_named(flavour), capabilities, workspace_mb)
     return bytes(builder.build(Path(onnx_path)))
 
 
@@ -379,7 +374,6 @@ def build_engines(
     precision: str | None = None,
     workspace_mb: int = DEFAULT_WORKSPACE_MB,
     timing_cache: Path | None = None,
-    optimization_level: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Build one plan per graph of ``bundle`` into ``engines/<key>/`` and return that folder:
@@ -391,7 +385,7 @@ def build_engines(
     check_buildable(bundle)
     precision = choose_precision(bundle.dtype, precision)
     chosen = compat.choose_flavour(flavour)
-    builder = PlanBuilder(chosen, capabilities, workspace_mb, optimization_level, timing_cache)
+    builder = PlanBuilder(chosen, capabilities, workspace_mb, timing_cache)
     if chosen.ahead_of_time:
         key = engine_key(chosen.name, builder.version, precision, builder.capabilities)
     else:
