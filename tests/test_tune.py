@@ -117,6 +117,7 @@ def bundle(trained_pair, tmp_path_factory) -> Path:
     )
 
 
+@pytest.mark.slow  # the bundle is an export (test_calibrate's: shared within a run)
 def test_tune_on_a_bundle_prints_its_table_and_writes_its_record(bundle: Path) -> None:
     result = CliRunner().invoke(
         main, ["tune", str(bundle), "--images", "2", "--calibration-images", "2", "-q"]
@@ -196,3 +197,25 @@ def test_cost_rounds_stop_once_settled() -> None:
     )
     assert [c.rounds for c in costs] == [MIN_ROUNDS, MAX_ROUNDS]
     assert len(rounds) == MAX_ROUNDS and costs[0].step == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["{missing}"], "model directory not found"),
+        (["{model}", "--batch-size", "0"], "batch sizes must be"),
+        (["{model}", "--method", "exact"], "--method exact drafts with a drafter"),
+        (["{model}", "--method", "sjd++", "--lantern-lambda", "0.5"], "lambda must be"),
+        (["{model}", "--method", "lantern++", "--coupling", "gumbel"], "--coupling sets how"),
+        (["{model}", "--backend", "torch"], "measures a backend that runs bundles"),
+    ],
+)
+def test_bad_input_to_tune_is_one_line_exit_2(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, args, says
+) -> None:
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    given = [a.format(missing=tmp_path / "none", model=tiny_model_dir) for a in args]
+    result = CliRunner().invoke(main, ["tune", *given, "-q"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and says in result.output and result.output.count("\n") == 1
+    assert not (tmp_path / "cache").exists()  # refused before any export
