@@ -10,6 +10,7 @@ from lantern_rt.calibration.cli import calibrate_cmd
 from lantern_rt.cli.bench import bench_cmd
 from lantern_rt.cli.bundles import export_cmd, inspect_cmd
 from lantern_rt.cli.generate import generate, generate_set_cmd
+from lantern_rt.cli.info import info_cmd
 from lantern_rt.cli.serve import serve_cmd
 from lantern_rt.cli.train import train_drafter_cmd
 from lantern_rt.cli.tune import tune_cmd
@@ -32,6 +33,7 @@ for command in (
     inspect_cmd,
     bench_cmd,
     build_engines_cmd,
+    info_cmd,
     calibrate_cmd,
     serve_cmd,
     tune_cmd,
