@@ -1,7 +1,7 @@
 """A pipeline and its assembly: what turns conditions into images on one backend (:class:`Pipeline`),
 the one assembly of a :class:`~lantern_rt.runtime.decode.Speculation`, and each kind of backend's
 pipeline: torch's over a model directory's models, a bundle's over an engine's graph runners.
-The backend registry (:mod:`lantern_rt.runtime.backends.registry`) builds through these;
+The backend registry (:mod:`lantern_rt.backends`), above this module, builds through these;
 :func:`lantern_rt.pipeline.build_pipeline` is the entry point."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,12 +33,10 @@ from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.jacobi import JacobiDrafter
+from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.streams import Stream, cpu_streams, stream_threads
 from lantern_rt.runtime.tree import StaticTree, load_tree
-
-if TYPE_CHECKING:  # the settings read the backend registry, which builds through this module
-    from lantern_rt.settings import MethodConfig
 
 
 def speculation(

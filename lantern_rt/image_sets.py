@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lantern_rt.backends import MODEL, backend_named, runs_on_gpu
 from lantern_rt.errors import UserError
 from lantern_rt.fileio import atomic_write
-from lantern_rt.runtime.backends.registry import MODEL, backend_named, runs_on_gpu
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig, RunRequest

@@ -1,6 +1,6 @@
 """Building a pipeline: what a run is built from (a model directory or a bundle) and the one
 entry point that turns it into a :class:`~lantern_rt.assembly.Pipeline` on a backend of the
-registry (:mod:`lantern_rt.runtime.backends.registry`), exporting a model directory into the
+registry (:mod:`lantern_rt.backends`), exporting a model directory into the
 cache first for a backend that runs bundles."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lantern_rt.assembly import Pipeline
+from lantern_rt.backends import MODEL, EngineOptions, backend_named
 from lantern_rt.bundle import Bundle
 from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import bundle_info, open_bundle, open_model_dir
@@ -15,7 +16,6 @@ from lantern_rt.families.registry import family_named
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.backends.compiled import CompileError
-from lantern_rt.runtime.backends.registry import MODEL, EngineOptions, backend_named
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.settings import MethodConfig
 

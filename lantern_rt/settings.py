@@ -1,7 +1,6 @@
 """What a run is asked to do, and the application defaults, in one place.
 
-The method list, :class:`MethodConfig`, and :func:`run_defaults`: the backend (from the backend
-registry, :mod:`lantern_rt.runtime.backends.registry`), method,
+:func:`run_defaults`: the backend (from the backend registry, :mod:`lantern_rt.backends`), method,
 tree and sampling (CFG scale, temperature, top-k, top-p) a run gets for what it left unset; the
 tree ``lantern export`` writes when given none (:func:`export_tree`); the CPU threads a run may
 take (:func:`capped_threads`). ``lantern generate``, ``generate-set``, ``bench``, ``export`` and
@@ -12,36 +11,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lantern_rt.backends import backend_named, default_backend, runs_on_gpu
 from lantern_rt.errors import warn
 from lantern_rt.models.config import ConfigError
-from lantern_rt.runtime.backends.registry import backend_named, default_backend, runs_on_gpu
+from lantern_rt.runtime.method import (  # the commands' choices and the tests read the methods here too
+    COUPLINGS as COUPLINGS,
+)
+from lantern_rt.runtime.method import (
+    CPU_DEFAULT_TREE,
+    GPU_DEFAULT_TREE,
+    JACOBI_METHODS,
+    MethodConfig,
+)
+from lantern_rt.runtime.method import (
+    DEFAULT_COUPLING as DEFAULT_COUPLING,
+)
+from lantern_rt.runtime.method import (
+    METHODS as METHODS,
+)
 from lantern_rt.runtime.run_shape import available_cores
 
 if TYPE_CHECKING:  # torch-free at import: the command line reads the lists below for its --help
     from lantern_rt.bundle import Bundle
     from lantern_rt.models.model_dir import ModelDir
-    from lantern_rt.runtime.acceptance import Relaxation
     from lantern_rt.runtime.sampling import SamplingConfig
 
-METHODS = ("ar", "exact", "lantern", "lantern++", "sjd", "sjd++")
-# Drafter-free methods: a Jacobi window of --window positions (docs/method.md §11), exact or
-# with LANTERN++'s neighbour credit. Their tree is the chain of the window, or a pac tree.
-JACOBI_METHODS = ("sjd", "sjd++")
-DEFAULT_WINDOW = 5
-# How a Jacobi window's carried drafts are coupled across calls (runtime/jacobi.py); the default
-# measured the higher tau on the demo (BENCHMARKS.md, issue 50)
-COUPLINGS = ("maximal", "gumbel", "none")
-DEFAULT_COUPLING = "maximal"
-# Measured on the demo (BENCHMARKS.md, onnxruntime, one thread): since the drafter was fine-tuned
-# on the target's samples, chain-5 is the fastest tree on a CPU or within 1% of it; a tree's
-# verify and drafting cost grow with its size there. On a GPU the wide tree: in one H200 run
-# (BENCHMARKS.md, "GPU") LANTERN++ on it made 1.35x AR on the demo (torch CUDA graphs, tau 5.24)
-# and its verify cost 1.4-1.6 AR steps at LlamaGen-B and XL sizes at B = 1; no other tree has
-# been measured on a GPU.
-CPU_DEFAULT_TREE = "chain-5"
-GPU_DEFAULT_TREE = "naive_extend_57"
+DEFAULT_WINDOW = 5  # a Jacobi window's draft positions, when neither window nor tree is given
 DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no negative entropy)
 MAX_IMAGES_PER_CLASS = 1_000_000
@@ -64,66 +61,6 @@ def check_device(device: str, here: bool = True) -> None:
         )
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
-@dataclass(frozen=True)
-class MethodConfig:
-    """A decoding method and its parameters (ignored by ``ar``)."""
-
-    method: str = "ar"
-    tree: str = CPU_DEFAULT_TREE
-    k: int = 10
-    delta: float = 0.1
-    lam: float = 5.0
-    drafter: str | None = None  # an EAGLE-layout folder overriding the model's drafter
-    coupling: str | None = None  # a Jacobi method's (COUPLINGS; None: DEFAULT_COUPLING)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.jacobi and self.drafter is not None:
-            raise ConfigError(f"--method {self.method} drafts without a drafter: drop --drafter")
-        if self.coupling is not None and not self.jacobi:
-            raise ConfigError(
-                f"--coupling sets how --method {' or '.join(JACOBI_METHODS)} draft, not {self.method}: drop it"
-            )
-        if self.coupling is not None and self.coupling not in COUPLINGS:
-            raise ConfigError(f"unknown coupling {self.coupling!r}; choose from {', '.join(COUPLINGS)}")
-
-    @property
-    def drafts_coupling(self) -> str:
-        """The coupling a Jacobi method's window runs (``coupling``, else :data:`DEFAULT_COUPLING`)."""
-        return self.coupling or DEFAULT_COUPLING
-
-    @property
-    def jacobi(self) -> bool:
-        """Whether the method drafts from a Jacobi window instead of a drafter."""
-        return self.method in JACOBI_METHODS
-
-    def relaxation(self) -> Relaxation:
-        """The acceptance rule of this method (validates k, delta and lambda)."""
-        from lantern_rt.runtime.acceptance import Relaxation
-
-        if self.method == "lantern":
-            return Relaxation("lantern", k=self.k, delta=self.delta)
-        if self.method in ("lantern++", "sjd++"):
-            return Relaxation("lantern++", k=self.k, lam=self.lam)
-        return Relaxation("exact")
-
-    def params(self) -> dict[str, Any]:
-        """The parameters that matter for this method, for reports."""
-        if self.method == "ar":
-            return {}
-        if self.jacobi:
-            chain = self.tree.startswith("chain-")
-            window = {"window": int(self.tree.removeprefix("chain-"))} if chain else {"tree": self.tree}
-            window["coupling"] = self.drafts_coupling
-            return window | ({"k": self.k, "lambda": self.lam} if self.method == "sjd++" else {})
-        extra = {
-            "lantern": {"k": self.k, "delta": self.delta},
-            "lantern++": {"k": self.k, "lambda": self.lam},
-        }
-        return {"tree": self.tree, **extra.get(self.method, {})}
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt import backends as registry
 from lantern_rt.assembly import Pipeline, bundle_pipeline
-from lantern_rt.bundle import Bundle, GraphEntry
-from lantern_rt.cli import main
-from lantern_rt.models.config import ConfigError
-from lantern_rt.runtime.backends import registry
-from lantern_rt.runtime.backends.registry import (
+from lantern_rt.backends import (
     BACKENDS,
     BUNDLE,
     Backend,
@@ -26,8 +23,11 @@ from lantern_rt.runtime.backends.registry import (
     default_backend,
     runs_on_gpu,
 )
+from lantern_rt.bundle import Bundle, GraphEntry
+from lantern_rt.cli import main
+from lantern_rt.models.config import ConfigError
+from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.run_shape import RunShape
-from lantern_rt.settings import MethodConfig
 
 
 class ToyGraph:
@@ -181,12 +181,12 @@ def test_a_toy_backend_is_one_registry_line_from_the_command_line(
 
 def test_the_registry_module_imports_no_engine():
     """The command line lists the backends in --help: the registry is torch-free at import."""
-    assert registry.__name__ == "lantern_rt.runtime.backends.registry"
+    assert registry.__name__ == "lantern_rt.backends"
     import subprocess
     import sys
 
     code = (
-        "import sys, lantern_rt.runtime.backends.registry, lantern_rt.settings; "
+        "import sys, lantern_rt.backends, lantern_rt.settings; "
         "print(sorted(m for m in ('torch', 'onnxruntime', 'tensorrt') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.backends import backend_named
 from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
 from lantern_rt.calibration.calibrate import calibrate_bundle
 from lantern_rt.cli import main
@@ -24,7 +25,6 @@ from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.backends.bundle_graphs import BundleTarget
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner, runs_in_place_steps
-from lantern_rt.runtime.backends.registry import backend_named
 from lantern_rt.runtime.drafting import drafter_capacity, scratch_rows
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig

@@ -4,10 +4,11 @@ Which parts may import which is one table of layers, read from docs/architecture
 module imports only from its own layer or below, but for the upward imports the doc allows by name.
 
 The checks read the source with :mod:`ast` (nothing is imported), so they see every import, including
-the ones inside functions and methods: a lazy import still ties the layers together and can still
-close a cycle at run time. Only imports under ``if TYPE_CHECKING:`` are left out (their ``else:``
-branch counts). The last test imports the TensorRT backend in a fresh interpreter and looks at
-``sys.modules``, which catches what the source alone cannot (a package ``__init__`` that pulls more in).
+the ones inside functions and methods (a lazy import still ties the layers together and can still
+close a cycle at run time) and the ones under ``if TYPE_CHECKING:`` (they tie the modules for a
+reader and a type checker, and close cycles there). The last test imports the TensorRT backend in a
+fresh interpreter and looks at ``sys.modules``, which catches what the source alone cannot (a
+package ``__init__`` that pulls more in).
 
 The first tests check the analyser itself on small synthetic sources, so that it can fail too.
 """
@@ -45,6 +46,7 @@ class Import:
     line: int
     target: str  # absolute dotted module name
     lazy: bool  # inside a function or method body (runs when called, not at module import)
+    typing: bool = False  # under ``if TYPE_CHECKING:`` (read by type checkers, never run)
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,13 @@ class Edge:
     target: str  # imported module
     lazy: bool
     via: str = ""  # for an implicit edge to a package __init__: the submodule actually named
+    typing: bool = False
 
     def __str__(self) -> str:
-        notes = (["function-level"] if self.lazy else []) + (
-            [f"package __init__ of {self.via}"] if self.via else []
+        notes = (
+            (["function-level"] if self.lazy else [])
+            + (["type-checking"] if self.typing else [])
+            + ([f"package __init__ of {self.via}"] if self.via else [])
         )
         return f"{self.where} -> {self.target}" + (f"  ({', '.join(notes)})" if notes else "")
 
@@ -83,7 +88,8 @@ def find_imports(
     is_package: bool = False,
     is_module: Callable[[str], bool] = lambda name: False,
 ) -> list[Import]:
-    """Every module that ``source`` (the text of ``module``) imports, TYPE_CHECKING blocks excepted.
+    """Every module that ``source`` (the text of ``module``) imports, those under ``if
+    TYPE_CHECKING:`` too (marked ``typing``).
 
     ``from a import b`` names ``a.b`` when ``is_module("a.b")`` (a submodule), else ``a``. Imports
     of other packages are kept too (the TensorRT rule needs them); ``import a.b`` names ``a.b``.
@@ -101,28 +107,29 @@ def find_imports(
         base = ".".join(parts[: len(parts) - (node.level - 1)])
         return f"{base}.{node.module}" if node.module else base
 
-    def visit(node: ast.AST, lazy: bool) -> None:
+    def visit(node: ast.AST, lazy: bool, typing: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            visit_stmt(child, lazy)
+            visit_stmt(child, lazy, typing)
 
-    def visit_stmt(child: ast.AST, lazy: bool) -> None:
+    def visit_stmt(child: ast.AST, lazy: bool, typing: bool) -> None:
         if isinstance(child, ast.Import):
-            found.extend(Import(child.lineno, alias.name, lazy) for alias in child.names)
+            found.extend(Import(child.lineno, alias.name, lazy, typing) for alias in child.names)
         elif isinstance(child, ast.ImportFrom):
             base = resolve_from(child)
             for alias in child.names:
                 sub = f"{base}.{alias.name}"
-                found.append(
-                    Import(child.lineno, sub if alias.name != "*" and is_module(sub) else base, lazy)
-                )
+                named = sub if alias.name != "*" and is_module(sub) else base
+                found.append(Import(child.lineno, named, lazy, typing))
         elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                visit_stmt(stmt, lazy, True)
             for stmt in child.orelse:
-                visit_stmt(stmt, lazy)
+                visit_stmt(stmt, lazy, typing)
         else:
             inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            visit(child, inner)
+            visit(child, inner, typing)
 
-    visit(tree, False)
+    visit(tree, False, False)
     # One entry per (line, target): ``from a import b, c`` that both resolve to ``a`` is one import.
     return list(dict.fromkeys(found))
 
@@ -141,7 +148,7 @@ class Scan:
     def edges(self, module: str, prefix: str) -> list[Edge]:
         """The imports of ``module`` whose targets lie under ``prefix`` (``prefix`` itself included)."""
         return [
-            Edge(module, self.where(module, imp.line), imp.target, imp.lazy)
+            Edge(module, self.where(module, imp.line), imp.target, imp.lazy, typing=imp.typing)
             for imp in self.imports[module]
             if _under(imp.target, prefix)
         ]
@@ -197,7 +204,7 @@ def import_graph(scan: Scan, prefix: str) -> dict[str, dict[str, list[Edge]]]:
             parts = edge.target.split(".")
             ancestors = [".".join(parts[:i]) for i in range(1, len(parts))]
             implicit = [
-                Edge(source, edge.where, pkg, edge.lazy, via=edge.target)
+                Edge(source, edge.where, pkg, edge.lazy, via=edge.target, typing=edge.typing)
                 for pkg in ancestors
                 if not _under(source, pkg)
             ]
@@ -415,7 +422,7 @@ def _targets(source: str, module: str = "pkg.sub.mod", **kwargs) -> list[tuple[s
     return [(imp.target, imp.lazy) for imp in find_imports(textwrap.dedent(source), module, **kwargs)]
 
 
-def test_type_checking_imports_are_ignored_but_their_else_branch_counts():
+def test_type_checking_imports_are_counted_and_marked():
     source = """
         import typing
         from typing import TYPE_CHECKING
@@ -429,7 +436,15 @@ def test_type_checking_imports_are_ignored_but_their_else_branch_counts():
             if TYPE_CHECKING:
                 import pkg.d
     """
-    assert _targets(source) == [("typing", False), ("typing", False), ("pkg.c", False)]
+    found = find_imports(textwrap.dedent(source), "pkg.sub.mod")
+    assert [(imp.target, imp.lazy, imp.typing) for imp in found] == [
+        ("typing", False, False),
+        ("typing", False, False),
+        ("pkg.a", False, True),
+        ("pkg.b", False, True),
+        ("pkg.c", False, False),  # the else branch runs
+        ("pkg.d", True, True),
+    ]
 
 
 def test_function_and_method_imports_are_counted_and_marked_lazy():
@@ -514,7 +529,7 @@ def test_cycle_through_a_function_level_import_is_found(tmp_path):
                 def f():
                     from pkg import a
             """,
-            "pkg/c.py": "import pkg.b\n",  # pkg.b -> pkg.c only under TYPE_CHECKING: no cycle
+            "pkg/c.py": "import pkg.b\n",  # pkg.b -> pkg.c only under TYPE_CHECKING: a cycle too
             "pkg/ns/leaf.py": "from pkg.ns import other\n",  # namespace package, no __init__.py
             "pkg/ns/other.py": "from . import leaf\n",
         },
@@ -522,10 +537,15 @@ def test_cycle_through_a_function_level_import_is_found(tmp_path):
     scan = scan_package(package)
     assert sorted(scan.files) == ["pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.ns.leaf", "pkg.ns.other"]
     graph = import_graph(scan, "pkg")
-    assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.ns.leaf", "pkg.ns.other", "pkg.ns.leaf"]]
+    assert find_cycles(graph) == [
+        ["pkg.a", "pkg.b", "pkg.a"],
+        ["pkg.b", "pkg.c", "pkg.b"],
+        ["pkg.ns.leaf", "pkg.ns.other", "pkg.ns.leaf"],
+    ]
     report = describe_cycles(graph, find_cycles(graph))
     assert "pkg/a.py:1 -> pkg.b\n" in report
     assert "pkg/b.py:6 -> pkg.a  (function-level)" in report
+    assert "pkg/b.py:4 -> pkg.c  (type-checking)" in report
 
 
 def test_cycle_through_a_package_init_is_found_and_intra_package_inits_are_not(tmp_path):

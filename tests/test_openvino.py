@@ -20,12 +20,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.backends import EngineOptions, backend_named
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
 from lantern_rt.generate import generate
 from lantern_rt.models.config import ConfigError
 from lantern_rt.pipeline import build_pipeline
-from lantern_rt.runtime.backends.registry import EngineOptions, backend_named
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import MethodConfig
@@ -76,7 +76,7 @@ def compiled(monkeypatch) -> list[tuple[str, object]]:
 
 def test_the_package_does_not_import_openvino():
     code = (
-        "import sys, lantern_rt.cli, lantern_rt.pipeline, lantern_rt.runtime.backends.registry; "
+        "import sys, lantern_rt.cli, lantern_rt.pipeline, lantern_rt.backends; "
         "assert 'openvino' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from lantern_rt.backends import BACKENDS, backend_named
 from lantern_rt.errors import UserError
-from lantern_rt.runtime.backends.registry import BACKENDS, backend_named
 from lantern_rt.runtime.run_shape import MAX_BATCH_SIZE, MAX_STREAMS, check_batch_sizes, check_stream_counts
 from lantern_rt.settings import (
     COUPLINGS,

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from lantern_rt.backends import runs_on_gpu
 from lantern_rt.cli.options import (
     StreamCount,
     load_options,
@@ -16,7 +17,6 @@ from lantern_rt.cli.options import (
     served_run_options,
 )
 from lantern_rt.errors import EXIT_BAD_INPUT, UserError, reports_errors
-from lantern_rt.runtime.backends.registry import runs_on_gpu
 from lantern_rt.runtime.run_shape import MAX_STREAMS
 from lantern_rt.serve.limits import MAX_CONNECTIONS, READ_TIMEOUT
 

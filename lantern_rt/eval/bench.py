@@ -34,6 +34,7 @@ from torch import nn
 from tqdm import tqdm
 
 from lantern_rt.assembly import Pipeline
+from lantern_rt.backends import BACKENDS, MODEL, backend_named, cpu_backends
 from lantern_rt.bundle import Bundle
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
 from lantern_rt.eval.features import load_features, load_reference, user_features
@@ -61,7 +62,6 @@ from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.pipeline import build_pipeline, open_source
 from lantern_rt.runtime.acceptance import AcceptanceError
 from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
-from lantern_rt.runtime.backends.registry import BACKENDS, MODEL, backend_named, cpu_backends
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes, check_stream_counts
 from lantern_rt.runtime.sampling import SamplingConfig

@@ -27,7 +27,7 @@ from lantern_rt.runtime.kv_cache import cache_mask, gather_rows
 from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, cfg_rows, filter_logits
 from lantern_rt.runtime.tree import StaticTree
 
-RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of settings.METHODS
+RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of runtime.method.METHODS
 
 
 class AcceptanceError(LanternError, ValueError):

@@ -31,10 +31,9 @@ from torch import Tensor
 
 from lantern_rt.runtime.acceptance import Verified
 from lantern_rt.runtime.backends.base import Draft
+from lantern_rt.runtime.method import COUPLINGS
 from lantern_rt.runtime.sampling import gumbel_offsets
 from lantern_rt.runtime.tree import StaticTree, pac_shape
-
-COUPLINGS = ("maximal", "gumbel", "none")  # settings.COUPLINGS, where the command line reads them
 
 
 def window_shape(tree: StaticTree) -> tuple[int, int] | None:

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lantern_rt.backends import BUNDLE, backend_named, default_backend
 from lantern_rt.bundle import Bundle
 from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import bundle_info, open_bundle
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.backends.bundle_graphs import bundle_trees, bundle_windows
-from lantern_rt.runtime.backends.registry import BUNDLE, backend_named, default_backend
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes

@@ -1,8 +1,9 @@
 """The registry of backends: one record per engine that runs a pipeline's graphs. What the rest of
 the package knows of a backend it asks its record (docs/architecture.md, "Adding a backend"):
 whether it is installed here, whether it computes on a GPU, what it runs (a model directory, a
-bundle or both) and how it builds a pipeline. Engines are imported when a pipeline is built,
-never here (this module is torch-free at import: the command line lists the backends in --help).
+bundle or both) and how it builds a pipeline, from the assembly below it (:mod:`lantern_rt.assembly`)
+and its engine. Engines are imported when a pipeline is built, never here (this module is
+torch-free at import: the command line lists the backends in --help).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     from lantern_rt.assembly import Pipeline
     from lantern_rt.bundle import Bundle
     from lantern_rt.models.model_dir import ModelDir
+    from lantern_rt.runtime.method import MethodConfig
     from lantern_rt.runtime.run_shape import RunShape
-    from lantern_rt.settings import MethodConfig
 
 MODEL, BUNDLE = "model directory", "bundle"  # what a backend runs
 
