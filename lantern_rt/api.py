@@ -1,33 +1,38 @@
 """The Python API: ``lantern_rt.load(...)`` opens a model or a bundle once and returns a
 :class:`Generator`, called with classes or prompts (README, "Python API").
 
-The generator runs the pipelines of :mod:`lantern_rt.pipeline` through :mod:`lantern_rt.generate`, so a call gives the images
-``lantern generate`` gives with the same conditions, ``-n``, seed and settings; ``lantern
-serve`` feeds the same pipeline from a :class:`~lantern_rt.runtime.decode.JobSource`.
+A generator holds a run's plan (:func:`lantern_rt.settings.resolve`) and its pipeline
+(:func:`lantern_rt.pipeline.build_pipeline`), run through :mod:`lantern_rt.generate`, so a call
+gives the images ``lantern generate`` gives with the same conditions, ``-n``, seed and options
+(the command runs a generator itself); ``lantern serve`` feeds the same pipeline from a
+:class:`~lantern_rt.runtime.decode.JobSource`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from lantern_rt.assembly import Pipeline
 from lantern_rt.bundle import MANIFEST, Bundle
-from lantern_rt.families.loading import bundle_info
 from lantern_rt.generate import generate, image_job
 from lantern_rt.images import pil_image, to_uint8
+from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.pipeline import build_pipeline, open_source
+from lantern_rt.run_options import RunOptions, option_types
 from lantern_rt.runtime.decode import ImageResult, Job, JobSource
-from lantern_rt.runtime.run_shape import RunShape
+from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import decode_streams
-from lantern_rt.settings import MethodConfig, requested_conditions, run_request
+from lantern_rt.settings import RunPlan, requested_conditions, resolve
 from lantern_rt.stats import GenerationStats
 
 
@@ -66,14 +71,23 @@ class Output:
 
 
 class Generator:
-    """A loaded pipeline with its sampling settings: call it to make images
-    (:meth:`__call__`); :meth:`job`, :meth:`decode` and :meth:`to_uint8` are what a server
-    feeding the decode loop itself needs."""
+    """A run's plan and its pipeline (built here: a model directory on a backend of bundles is
+    exported into the cache first): call it to make images (:meth:`__call__`); :meth:`job`,
+    :meth:`decode` and :meth:`to_uint8` are what a server feeding the decode loop itself needs."""
 
-    def __init__(self, info: ModelDir, pipeline: Pipeline, sampling: SamplingConfig) -> None:
-        self.info = info
-        self.pipeline = pipeline
-        self.sampling = sampling
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        if plan.threads:
+            torch.set_num_threads(plan.threads)
+        self.pipeline = build_pipeline(plan)
+
+    @property
+    def info(self) -> ModelDir:
+        return self.plan.info
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.plan.sampling
 
     @property
     def method(self) -> MethodConfig:
@@ -154,73 +168,42 @@ class Generator:
 def load(
     model_or_bundle: str | Path | ModelDir | Bundle | None = None,
     *,
-    backend: str | None = None,
-    device: str = "cpu",
-    method: str | None = None,
-    tree: str | None = None,
-    window: int | None = None,
-    batch_size: int = 1,
-    streams: int | None = 1,
-    threads: int = 0,
-    cuda_graphs: bool = True,
-    compile: bool = False,
-    cfg_scale: float | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    greedy: bool = False,
-    lantern_k: int = 10,
-    lantern_delta: float = 0.1,
-    lantern_lambda: float = 5.0,
-    drafter: str | Path | None = None,
-    coupling: str | None = None,
     images: int | None = None,
+    **options: Any,
 ) -> Generator:
     """A :class:`Generator` for a model directory or a bundle (a folder with a manifest.json;
-    None: the built-in demo), with the options of ``lantern generate`` (what is None gets its
-    default: ``settings.run_defaults``). A model directory on onnxruntime or tensorrt is
-    exported into the cache on first use. ``streams`` None chooses for a run of ``images``
-    images; ``threads`` sets torch's threads too. Bad settings raise
-    :class:`~lantern_rt.errors.LanternError` subclasses."""
+    None: the built-in demo), with the run ``options`` of ``lantern generate`` as keywords
+    (:class:`~lantern_rt.run_options.RunOptions`: each one's type, default and help), resolved
+    into a plan (:func:`~lantern_rt.settings.resolve`: what is None gets its default). A model
+    directory on onnxruntime or tensorrt is exported into the cache on first use. ``streams``
+    None chooses for a run of ``images`` images; ``threads`` sets torch's threads too. Bad
+    options raise :class:`~lantern_rt.errors.LanternError` subclasses naming them."""
     if isinstance(model_or_bundle, ModelDir | Bundle):
         source = model_or_bundle
-        info = source if isinstance(source, ModelDir) else bundle_info(source)
     elif model_or_bundle is not None and (Path(model_or_bundle) / MANIFEST).is_file():
-        info, source = open_source(None, Path(model_or_bundle))
+        _, source = open_source(None, Path(model_or_bundle))
     else:
-        info, source = open_source(None if model_or_bundle is None else Path(model_or_bundle), None)
-    request = run_request(
-        info,
-        source,
-        classes=None,
-        prompts=None,
-        cfg_scale=cfg_scale,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        greedy=greedy,
-        method=method,
-        tree=tree,
-        window=window,
-        backend=backend,
-        device=device,
-        k=lantern_k,
-        delta=lantern_delta,
-        lam=lantern_lambda,
-        drafter=None if drafter is None else str(drafter),
-        coupling=coupling,
-    )
-    if threads:
-        torch.set_num_threads(threads)
-    pipe = build_pipeline(
-        source,
-        request.method,
-        RunShape(batch_size, request.sampling.guided, streams=streams),
-        backend=request.settings.backend,
-        device=device,
-        threads=threads,
-        cuda_graphs=cuda_graphs,
-        compile=compile,
-        images=images,
-    )
-    return Generator(info, pipe, request.sampling)
+        _, source = open_source(None if model_or_bundle is None else Path(model_or_bundle), None)
+    plan = resolve(source, RunOptions(**_known(options)), images)
+    return Generator(plan)
+
+
+def _known(options: dict[str, Any]) -> dict[str, Any]:
+    """``options``, each a run option; :class:`ConfigError` naming the first that is not."""
+    unknown = [name for name in options if name not in option_types()]
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}; the options are {', '.join(option_types())}")
+    return options
+
+
+# the keywords of load as help() and editors show them: every run option, with its default
+load.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        *list(inspect.signature(load).parameters.values())[:2],
+        *(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(RunOptions)
+        ),
+    ],
+    return_annotation=Generator,
+)

@@ -1,8 +1,9 @@
 """A pipeline and its assembly: what turns conditions into images on one backend (:class:`Pipeline`),
 the one assembly of a :class:`~lantern_rt.runtime.decode.Speculation`, and each kind of backend's
 pipeline: torch's over a model directory's models, a bundle's over an engine's graph runners.
-The backend registry (:mod:`lantern_rt.backends`), above this module, builds through these;
-:func:`lantern_rt.pipeline.build_pipeline` is the entry point."""
+The backend registry (:mod:`lantern_rt.backends`) builds through these, for a plan that
+:func:`lantern_rt.settings.resolve` checked; :func:`lantern_rt.pipeline.build_pipeline` is the
+entry point."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lantern_rt.bundle import BatchGraphs, Bundle
-from lantern_rt.errors import warn
+from lantern_rt.errors import option, warn
 from lantern_rt.families.loading import bundle_info, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.families.registry import family_named
 from lantern_rt.models.config import ConfigError, GPTConfig
@@ -26,9 +27,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     BundleVQDecoder,
     RunnerFactory,
     bundle_trees,
-    bundle_windows,
 )
-from lantern_rt.runtime.backends.compiled import require_compiler
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
@@ -126,8 +125,6 @@ def torch_pipeline(
     stream), eager or compiled (``compile``: ``torch.compile`` of each whole decode step,
     :mod:`lantern_rt.runtime.backends.compiled`), and (``cuda_graphs``, on a CUDA device) with
     every decode step replayed from one captured CUDA graph."""
-    if compile:
-        require_compiler(device)
     target_model = load_target(md, device)
     vq = load_vq(md, device)
     grid = md.gpt.grid_size
@@ -203,27 +200,9 @@ def bundle_stream(graphs: BatchGraphs, method: MethodConfig, runner: RunnerFacto
     spec = None
     if method.jacobi:
         window = load_tree(method.tree, MAX_DRAFT_WIDTH)
-        if window.paths not in {t.paths for t in bundle_windows(bundle).values()}:
-            named = (
-                f"--window {window.num_nodes}"
-                if method.tree.startswith("chain-")
-                else f"--tree {method.tree}"
-            )
-            raise ConfigError(
-                f"bundle {bundle.path} has no verify graph for {named}: export one "
-                f"with 'lantern export --model MODEL_DIR --tree {method.tree} --out BUNDLE'"
-            )
         spec = jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors())
     elif method.method != "ar":
-        if not bundle.has_drafter:
-            raise ConfigError(
-                f"bundle {bundle.path} has no drafter graphs: re-export a model that has a drafter"
-            )
         tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
-        if tree.paths not in {t.paths for t in bundle.trees.values()}:
-            raise ConfigError(
-                f"bundle {bundle.path} was not exported for tree {method.tree}; export it with --tree {method.tree}"
-            )
         drafter = BundleDrafter(graphs, runner, backend)
         spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
     return Stream(target, spec)
@@ -256,8 +235,8 @@ def onnxruntime_pipeline(
     pipe = bundle_pipeline(graphs, method, runner, "onnxruntime")
     if streams > 1 and pipe.device != "cpu":
         raise ConfigError(
-            f"--streams shares out CPU cores; this pipeline runs on {pipe.device}: use --streams 1 "
-            "(and a larger --batch-size)"
+            f"{option('streams')} shares out CPU cores; this pipeline runs on {pipe.device}: use "
+            f"{option('streams', 1)} (and a larger {option('batch_size')})"
         )
     more = tuple(bundle_stream(graphs, method, runner, "onnxruntime") for _ in range(streams - 1))
     return dataclasses.replace(pipe, more_streams=more)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lantern_rt.errors import option
 from lantern_rt.models.config import ConfigError
 
 if TYPE_CHECKING:
@@ -45,12 +46,13 @@ BuildFn = Callable[["ModelDir | Bundle", "MethodConfig", "RunShape", EngineOptio
 
 @dataclass(frozen=True)
 class Backend:
-    """One engine: its ``name`` (``--backend``); the Python ``package`` it needs and what to run
-    to ``install`` it; what it ``runs`` (:data:`MODEL` and/or :data:`BUNDLE`: a model directory
-    given to a bundle-only backend is exported into the cache first); whether it computes on a
-    GPU whatever the ``--device`` (``gpu_only``); whether it decodes several ``streams`` at once
-    and ``compiles`` decode steps; its rank when :func:`default_backend` chooses on a CPU and on a
-    GPU (lowest first, None: never chosen there); and ``build``, which makes its pipeline."""
+    """One engine: its ``name`` (the ``backend`` option); the Python ``package`` it needs and what
+    to run to ``install`` it; what it ``runs`` (:data:`MODEL` and/or :data:`BUNDLE`: a model
+    directory given to a bundle-only backend is exported into the cache first); whether it
+    computes on a GPU whatever the ``device`` (``gpu_only``) or on the CPU only (``cpu_only``);
+    whether it decodes several ``streams`` at once and ``compiles`` decode steps; its rank when
+    :func:`default_backend` chooses on a CPU and on a GPU (lowest first, None: never chosen
+    there); and ``build``, which makes its pipeline."""
 
     name: str
     package: str
@@ -58,6 +60,7 @@ class Backend:
     runs: frozenset[str]
     build: BuildFn
     gpu_only: bool = False
+    cpu_only: bool = False
     streams: bool = False
     compiles: bool = False
     cpu_rank: int | None = None
@@ -90,8 +93,8 @@ class Backend:
         if BUNDLE not in self.runs:
             others = " or ".join(b.name for b in BACKENDS.values() if BUNDLE in b.runs)
             raise ConfigError(
-                f"the {self.name} backend runs a model directory, not a bundle: use --backend {others} "
-                "or drop --bundle"
+                f"the {self.name} backend runs a model directory, not a bundle: use {option('backend')} "
+                f"{others}, or run a model directory"
             )
 
 
@@ -125,8 +128,6 @@ def _openvino(
 ) -> Pipeline:
     from lantern_rt.assembly import openvino_pipeline
 
-    if not options.device.startswith("cpu"):
-        raise ConfigError(f"the openvino backend runs on the CPU, not {options.device}: use --device cpu")
     return openvino_pipeline(source, method, shape, threads=options.threads, images=options.images)  # type: ignore[arg-type]
 
 
@@ -166,6 +167,7 @@ BACKENDS: dict[str, Backend] = {
             "pip install 'lantern-rt[openvino]'",
             frozenset({BUNDLE}),
             _openvino,
+            cpu_only=True,
             streams=True,
         ),  # ranked nowhere: an extra; onnxruntime stays the CPU default (BENCHMARKS.md, "OpenVINO")
         Backend(

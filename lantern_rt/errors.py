@@ -2,13 +2,16 @@
 reported.
 
 Every error the package raises for bad input derives from :class:`LanternError`; the command
-line turns it into ``error: ...`` on stderr and exit code 2. This module imports no other module
-of the package, so every layer can use it.
+line turns it into ``error: ...`` on stderr and exit code 2. A message names a run option
+through :func:`option`: as the Python API's keyword (``compile=False``) in ``str(error)``, as
+its flag (``--no-compile``, :func:`flag`) on the command line. This module imports no other
+module of the package, so every layer can use it.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import signal
 import sys
 from typing import Any
@@ -16,10 +19,45 @@ from typing import Any
 import click
 
 EXIT_BAD_INPUT = 2
+_REFERENCE = re.compile("\x1f([^\x1f\x1e]*)\x1e([^\x1f\x1e]*)\x1f")  # option(): keyword, flag
+
+
+def flag(name: str, *value: object) -> str:
+    """How the command line spells run option ``name`` (set to ``value``): ``--batch-size``,
+    ``--batch-size 2``; a switch set: ``--compile``, ``--no-compile``."""
+    spelled = "--" + name.replace("_", "-")
+    if not value:
+        return spelled
+    (setting,) = value
+    if isinstance(setting, bool):
+        return spelled if setting else f"--no-{spelled[2:]}"
+    return f"{spelled} {setting}"
+
+
+def option(name: str, *value: object) -> str:
+    """Run option ``name``, or a setting of it to ``value``, in an error's message: the Python
+    API's keyword (``compile``, ``compile=False``) in ``str(error)``, its :func:`flag` in
+    :meth:`LanternError.command_line`."""
+    keyword = name if not value else f"{name}={value[0]!r}"
+    return f"\x1f{keyword}\x1e{flag(name, *value)}\x1f"
 
 
 class LanternError(Exception):
-    """Bad input, a bad file or an impossible setting: reported as one line, exit code 2."""
+    """Bad input, a bad file or an impossible setting: reported as one line, exit code 2. Its
+    message names run options as the Python API does (``str``), and as the command line does
+    (:meth:`command_line`)."""
+
+    def __str__(self) -> str:
+        return _REFERENCE.sub(r"\1", self.message)
+
+    @property
+    def message(self) -> str:
+        """The message with its :func:`option` references unspelled, to quote in another error's."""
+        return super().__str__()
+
+    def command_line(self) -> str:
+        """The message as the command line says it: each run option as its :func:`flag`."""
+        return _REFERENCE.sub(r"\2", self.message)
 
 
 class UserError(LanternError):
@@ -57,9 +95,11 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type's name when it has none."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+def first_line(exc: BaseException, flags: bool = False) -> str:
+    """The first line of an exception's message, or its type's name when it has none; ``flags``:
+    with its run options named as the command line names them (:meth:`LanternError.command_line`)."""
+    text = exc.command_line() if flags and isinstance(exc, LanternError) else str(exc)
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
 
 
 class OneLineErrors(click.Group):
@@ -104,7 +144,7 @@ def reports_errors(fn):
         try:
             return fn(*args, **kwargs)
         except LanternError as exc:
-            click.echo(f"error: {first_line(exc)}", err=True)
+            click.echo(f"error: {first_line(exc, flags=True)}", err=True)
             sys.exit(EXIT_BAD_INPUT)
 
     return wrapper

@@ -15,13 +15,12 @@ from tqdm import tqdm
 
 from lantern_rt.assembly import Pipeline
 from lantern_rt.images import to_uint8
-from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime import profiling
 from lantern_rt.runtime.decode import ImageResult, Job, Jobs
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.streams import decode_streams
 from lantern_rt.runtime.tree import tree_to_json
-from lantern_rt.settings import default_sampling
+from lantern_rt.settings import check_guidance, default_sampling
 from lantern_rt.stats import GenerationStats
 
 
@@ -69,12 +68,7 @@ def generate(
     """
     t_start = time.perf_counter()
     sampling = default_sampling(pipe.info) if sampling is None else sampling
-    if sampling.guided and not pipe.guided:
-        raise ConfigError(
-            f"CFG scale {sampling.cfg_scale} needs each image's unconditional row, and this pipeline "
-            "runs one row per image (a bundle exported with --no-guidance): use --cfg-scale 1 or a "
-            "bundle exported without --no-guidance"
-        )
+    check_guidance(sampling, pipe.guided, "this pipeline")
     labels = list(labels)
     md, method, speculation = pipe.info, pipe.method, pipe.speculation
     n_tokens = md.gpt.block_size

@@ -23,17 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lantern_rt.backends import MODEL, backend_named, runs_on_gpu
 from lantern_rt.errors import UserError
 from lantern_rt.fileio import atomic_write
-from lantern_rt.runtime.run_shape import RunShape
-from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig, RunRequest
+from lantern_rt.settings import RunPlan
 from lantern_rt.stats import tau
 
 if TYPE_CHECKING:
-    from lantern_rt.bundle import Bundle
-    from lantern_rt.models.model_dir import ModelDir
+    from lantern_rt.assembly import Pipeline
 
 SETTINGS = "settings.json"
 SUMMARY = "summary.json"
@@ -66,89 +62,33 @@ def plan_units(class_ids: list[int], num_images: int, unit_size: int) -> list[Un
 
 @dataclass(frozen=True)
 class SetJob:
-    """What every worker needs to build its pipeline and make units (picklable, sent to actors).
+    """What every worker needs to build its pipeline and make units: the set's plan and seed
+    (picklable, sent to Ray's actors with its source: a model directory, or the bundle that
+    :func:`exported_job` exported before any worker starts)."""
 
-    ``model`` is the model directory for the torch backend (None: the built-in demo), ``bundle``
-    the bundle for the others (exported by the driver before any worker starts)."""
-
-    model: str | None
-    bundle: str | None
-    backend: str
-    method: MethodConfig
-    sampling: SamplingConfig
+    plan: RunPlan
     seed: int
-    device: str = "cpu"
-    threads: int = 0
-    cuda_graphs: bool = True
-    batch_size: int = 1
-    compile: bool = False  # torch.compile of each decode step (torch backend)
 
-    def pipeline(self, streams: int | None = 1, images: int | None = None):
-        """Build this job's pipeline (loads the model or opens the bundle), decoding ``streams``
+    def pipeline(self, streams: int | None = 1, images: int | None = None) -> Pipeline:
+        """Build this job's pipeline (loads the model or the bundle's graphs), decoding ``streams``
         batches at once (None: chosen for ``images`` images per call, as ``lantern generate
         --streams auto``)."""
-        from lantern_rt.families.loading import open_bundle, open_model_dir
         from lantern_rt.pipeline import build_pipeline
 
-        if self.bundle is not None:
-            source = open_bundle(self.bundle)
-        else:
-            source = open_model_dir(None if self.model is None else Path(self.model))
-        return build_pipeline(
-            source,
-            self.method,
-            RunShape(self.batch_size, self.sampling.guided, streams=streams),
-            backend=self.backend,
-            device=self.device,
-            threads=self.threads,
-            cuda_graphs=self.cuda_graphs,
-            compile=self.compile,
-            images=images,
-        )
+        shape = dataclasses.replace(self.plan.shape, streams=streams)
+        return build_pipeline(dataclasses.replace(self.plan, shape=shape, images=images))
 
 
-def set_job(
-    model: Path | None,
-    source: ModelDir | Bundle,
-    request: RunRequest,
-    seed: int,
-    device: str = "cpu",
-    threads: int = 0,
-    cuda_graphs: bool = True,
-    batch_size: int = 1,
-    compile: bool = False,
-) -> tuple[SetJob, str]:
-    """The job of a set ``request``ed over ``source`` (the model directory ``model``, or an
-    opened bundle), and the digest of what it runs. A model directory on a backend other than
-    torch is exported (into the cache) now, before any worker starts, and the workers open that
-    bundle."""
-    from lantern_rt.bundle import Bundle
-    from lantern_rt.export_cache import cached_bundle, model_fingerprint
-    from lantern_rt.families.loading import open_bundle
+def exported_job(plan: RunPlan, seed: int) -> tuple[SetJob, str]:
+    """The job of a set of ``plan`` under ``seed``, and the digest of what it runs. A model
+    directory that a backend of bundles runs is exported (into the cache) now, before any worker
+    starts, and the workers run that bundle."""
+    from lantern_rt.export_cache import model_fingerprint
+    from lantern_rt.pipeline import exported
 
-    record = backend_named(request.settings.backend)
-    if not isinstance(source, Bundle) and MODEL not in record.runs:
-        shape = RunShape(batch_size, request.sampling.guided)
-        in_place = record.exports_in_place(device)
-        source = open_bundle(cached_bundle(source, request.method, shape, in_place=in_place))
-    if isinstance(source, Bundle):
-        bundle, digest = str(source.path.resolve()), source.manifest_sha256
-    else:
-        bundle, digest = None, model_fingerprint(source)
-    job = SetJob(
-        model=None if model is None else str(model.resolve()),
-        bundle=bundle,
-        backend=request.settings.backend,
-        method=request.method,
-        sampling=request.sampling,
-        seed=seed,
-        device=device,
-        threads=threads,
-        cuda_graphs=cuda_graphs,
-        batch_size=batch_size,
-        compile=compile,
-    )
-    return job, digest
+    plan = exported(plan)
+    digest = model_fingerprint(plan.source) if plan.source_is_model else plan.source.manifest_sha256  # type: ignore[arg-type,union-attr]
+    return SetJob(plan, seed), digest
 
 
 def fingerprint(job: SetJob, digest: str, class_ids: list[int], num_images: int, unit_size: int) -> dict:
@@ -156,11 +96,11 @@ def fingerprint(job: SetJob, digest: str, class_ids: list[int], num_images: int,
     The batch size, device threads and the number of workers are not among them."""
     return {
         "model_digest": digest,
-        "backend": job.backend,
-        "method": job.method.method,
-        "method_params": job.method.params(),
-        "drafter": job.method.drafter,
-        "sampling": dataclasses.asdict(job.sampling),
+        "backend": job.plan.backend,
+        "method": job.plan.method.method,
+        "method_params": job.plan.method.params(),
+        "drafter": job.plan.method.drafter,
+        "sampling": dataclasses.asdict(job.plan.sampling),
         "seed": job.seed,
         "classes": list(class_ids),
         "num_images": num_images,
@@ -192,7 +132,12 @@ def make_unit(pipe, job: SetJob, unit: Unit, out: Path) -> dict[str, int]:
     from lantern_rt.generate import generate
 
     result = generate(
-        pipe, [unit.label] * unit.count, job.sampling, seed=job.seed, progress=False, start_index=unit.first
+        pipe,
+        [unit.label] * unit.count,
+        job.plan.sampling,
+        seed=job.seed,
+        progress=False,
+        start_index=unit.first,
     )
     stats = result.stats
     arrays = {
@@ -216,9 +161,10 @@ class ShardWriter:
     def __init__(self, job: SetJob, out: str, fail_once: str | None = None) -> None:
         import torch
 
-        if not runs_on_gpu(job.backend, job.device):
-            torch.set_num_threads(max(1, job.threads))
-            job = dataclasses.replace(job, threads=max(1, job.threads))
+        plan = job.plan
+        if not plan.runs_on_gpu:
+            torch.set_num_threads(max(1, plan.threads))
+            job = dataclasses.replace(job, plan=dataclasses.replace(plan, threads=max(1, plan.threads)))
         self.job, self.out, self.fail_once = job, Path(out), fail_once
         self.pipe = job.pipeline()
 
@@ -246,10 +192,10 @@ def run_local(job: SetJob, units: list[Unit], out: Path, advance: Callable[[int]
     would choose for the largest unit."""
     if not units:
         return
-    if job.threads:
+    if job.plan.threads:
         import torch
 
-        torch.set_num_threads(job.threads)
+        torch.set_num_threads(job.plan.threads)
     pipe = job.pipeline(streams=None, images=max(unit.count for unit in units))
     for unit in units:
         make_unit(pipe, job, unit, out)
@@ -279,7 +225,7 @@ def run_ray(
     CPU; never more than there are units), one unit per call; Ray restarts a dead actor and
     retries its unit. The pool's size."""
     ray = import_ray()
-    gpu = runs_on_gpu(job.backend, job.device)
+    gpu = job.plan.runs_on_gpu
     resources = ray.cluster_resources()
     size = min(len(units), actors or max(1, int(resources.get("GPU" if gpu else "CPU", 1))))
     if not size:

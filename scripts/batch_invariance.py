@@ -13,7 +13,7 @@ from lantern_rt.generate import generate
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan
 
 torch.set_num_threads(2)
 md = open_model_dir(None)
@@ -26,7 +26,8 @@ for backend in ("onnxruntime", "torch"):
         for name, s in (("greedy", SamplingConfig(4.0, 0.0)), ("sampled", SamplingConfig(4.0, 1.0))):
             toks = {}
             for B in (1, 16):
-                pipe = build_pipeline(src, mc, RunShape(B), backend=backend, threads=2, cuda_graphs=False)
+                plan = RunPlan(src, backend, mc, s, RunShape(B), threads=2, cuda_graphs=False)
+                pipe = build_pipeline(plan)
                 toks[B] = generate(pipe, labels, s, seed=0, progress=False).tokens
             differ = int((toks[1] != toks[16]).any(1).sum())
             print(

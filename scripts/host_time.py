@@ -21,7 +21,7 @@ from lantern_rt.generate import generate
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.backends import onnxruntime_backend
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan
 
 
 def main() -> None:
@@ -49,9 +49,8 @@ def main() -> None:
     print(f"threads {args.threads}, {len(labels)} images, tree {args.tree}")
     print(f"{'method':<10} {'s/image':>8} {'in graphs':>10} {'steps':>6} {'host ms/step':>13}")
     for method in ("ar", "lantern++"):
-        pipe = build_pipeline(
-            md, MethodConfig(method, tree=args.tree), backend="onnxruntime", threads=args.threads
-        )
+        mc = MethodConfig(method, tree=args.tree)
+        pipe = build_pipeline(RunPlan(md, "onnxruntime", mc, sampling, threads=args.threads))
         generate(pipe, labels[:1], sampling, seed=args.seed + 1, progress=False)  # warm-up
         inside[0] = 0.0
         result = generate(pipe, labels, sampling, seed=args.seed, progress=False)

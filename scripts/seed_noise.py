@@ -17,7 +17,7 @@ from lantern_rt.generate import generate
 from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan
 
 SETS = [
     ("AR0", "ar", 100),
@@ -37,7 +37,8 @@ def main() -> None:
     classifier = load_classifier()
     features = {}
     for name, method, seed in SETS:
-        pipe = build_pipeline(md, MethodConfig(method, tree="chain-4"), backend="onnxruntime", threads=1)
+        mc = MethodConfig(method, tree="chain-4")
+        pipe = build_pipeline(RunPlan(md, "onnxruntime", mc, sampling, threads=1))
         t0 = time.time()
         images = generate(pipe, labels, sampling, seed=seed, progress=False).images
         features[name] = extract_features(classifier, images)[0]

@@ -186,7 +186,7 @@ def test_the_registry_module_imports_no_engine():
     import sys
 
     code = (
-        "import sys, lantern_rt.backends, lantern_rt.settings; "
+        "import sys, lantern_rt.backends, lantern_rt.settings, lantern_rt.run_options; "
         "print(sorted(m for m in ('torch', 'onnxruntime', 'tensorrt') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

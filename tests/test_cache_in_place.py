@@ -29,7 +29,7 @@ from lantern_rt.runtime.drafting import drafter_capacity, scratch_rows
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan
 from tests.conftest import tiny_gpt, tiny_vq
 from tests.test_export import make_bundle
 from tests.test_speculative import GREEDY
@@ -151,7 +151,7 @@ def test_the_step_graphs_write_the_cache(bundles, tmp_path):
 
 
 def tokens(bundle: Bundle, method: MethodConfig, sampling: SamplingConfig) -> torch.Tensor:
-    pipe = build_pipeline(bundle, method, RunShape(2, streams=1), backend="onnxruntime", threads=1)
+    pipe = build_pipeline(RunPlan(bundle, "onnxruntime", method, sampling, RunShape(2, streams=1), threads=1))
     return generate(pipe, [0, 1, 2, 1, 0], sampling, seed=7, progress=False).tokens
 
 

@@ -261,13 +261,12 @@ def test_package_version_without_an_installed_distribution(monkeypatch):
     assert version.package_version() == "unknown"
 
 
-def test_a_bundle_with_a_model_or_drafter_is_one_line_exit_2(tiny_model_dir, tmp_path):
-    """generate and bench share pipeline.open_source: a bundle and a model directory together
-    are refused before anything is opened."""
+def test_a_bundle_with_a_model_is_one_line_exit_2(tiny_model_dir, tmp_path):
+    """A bundle and a model directory together are refused before anything is opened (a bundle
+    with a drafter: tests/test_run_options.py)."""
     bundle = tmp_path / "no-bundle"
     for args, says in (
         (["generate", "--bundle", str(bundle), "--model", str(tiny_model_dir)], "drop --model"),
-        (["generate", "--bundle", str(bundle), "--drafter", str(tmp_path)], "drop --drafter"),
         (
             ["bench", "--bundle", str(bundle), "--model", str(tiny_model_dir), "--out", str(tmp_path / "b")],
             "drop --model",

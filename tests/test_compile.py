@@ -88,11 +88,13 @@ def test_verify_compiles_to_one_graph_at_a_small_gpt_b_like_shape():
 
 
 def test_compile_needs_a_compiler(monkeypatch):
-    """No C++ compiler on a CPU (or no Triton on a GPU): one line naming it and --no-compile."""
+    """No C++ compiler on a CPU (or no Triton on a GPU): one line naming it and how to turn the
+    option off (the Python API's keyword; the command line's flag)."""
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     assert "C++ compiler" in compiled.missing_compiler("cpu")
-    with pytest.raises(compiled.CompileError, match="C\\+\\+ compiler.*--no-compile"):
+    with pytest.raises(compiled.CompileError, match="C\\+\\+ compiler.*compile=False") as refused:
         compiled.require_compiler("cpu")
+    assert refused.value.command_line().endswith("use --no-compile")
     monkeypatch.undo()
     assert compiled.missing_compiler("cpu") is None  # g++ is here
 

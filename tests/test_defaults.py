@@ -16,9 +16,10 @@ from click.testing import CliRunner
 
 from lantern_rt.assembly import torch_pipeline
 from lantern_rt.cli import main
-from lantern_rt.eval.bench import BenchSettings, sampling_config
+from lantern_rt.eval.bench import BenchSettings, bench_plans
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate
+from lantern_rt.run_options import RunOptions
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.settings import (
     CPU_DEFAULT_TREE,
@@ -26,7 +27,7 @@ from lantern_rt.settings import (
     MethodConfig,
     capped_threads,
     export_tree,
-    run_defaults,
+    resolve,
 )
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 
@@ -101,9 +102,11 @@ def test_generate_set_samples_as_the_model_says(sampled_dir, tmp_path):
 
 def test_bench_samples_as_the_model_says(sampled_dir, tmp_path):
     md = open_model_dir(sampled_dir)
-    assert sampling_config(md, BenchSettings(out=tmp_path)) == SamplingConfig(**MODEL_SAMPLING)
-    told = BenchSettings(out=tmp_path, temperature=1.0, top_k=0, top_p=1.0, cfg_scale=4.0)
-    assert sampling_config(md, told) == SamplingConfig(4.0, 1.0, 0, 1.0)
+    plans = bench_plans(md, BenchSettings(out=tmp_path, configs=("ar",)))
+    assert {plan.sampling for plan in plans} == {SamplingConfig(**MODEL_SAMPLING)}
+    options = RunOptions(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=4.0)
+    told = bench_plans(md, BenchSettings(out=tmp_path, configs=("ar",), options=options))
+    assert {plan.sampling for plan in told} == {SamplingConfig(4.0, 1.0, 0, 1.0)}
     params = {p.name: p for p in next(c for n, c in main.commands.items() if n == "bench").params}
     assert all(params[key].default is None for key in ("cfg_scale", "temperature", "top_k", "top_p"))
 
@@ -112,15 +115,15 @@ def test_the_python_api_samples_as_the_model_says(sampled_dir):
     md = open_model_dir(sampled_dir)
     result = generate(torch_pipeline(md, MethodConfig()), [0], progress=False)
     assert result.stats.sampling == SamplingConfig(**MODEL_SAMPLING)
-    assert run_defaults(md).sampling == SamplingConfig(**MODEL_SAMPLING)
-    assert run_defaults(md, top_k=7, greedy=True).sampling == SamplingConfig(2.5, 0.0, 7, 0.9)
+    assert resolve(md).sampling == SamplingConfig(**MODEL_SAMPLING)
+    assert resolve(md, RunOptions(top_k=7, greedy=True)).sampling == SamplingConfig(2.5, 0.0, 7, 0.9)
 
 
 def test_a_model_without_sampling_defaults_gets_the_library_s(tmp_path):
     md = open_model_dir(with_sampling(tmp_path / "none", {}))
-    assert run_defaults(md).sampling == SamplingConfig(4.0, 1.0, 0, 1.0)  # LlamaGen's class-conditional CFG
+    assert resolve(md).sampling == SamplingConfig(4.0, 1.0, 0, 1.0)  # LlamaGen's class-conditional CFG
     demo = open_model_dir(None)  # the demo's config says the library's values: its runs are unchanged
-    assert run_defaults(demo).sampling == SamplingConfig(3.0, 1.0, 0, 1.0)
+    assert resolve(demo).sampling == SamplingConfig(3.0, 1.0, 0, 1.0)
 
 
 def test_a_top_k_that_is_not_an_integer_is_refused(tmp_path):
@@ -175,7 +178,7 @@ def has_cuda(monkeypatch):
 
 def test_the_export_s_tree_is_generate_s_on_the_cpu(tiny_model_dir):
     md = open_model_dir(tiny_model_dir)
-    assert export_tree("cpu") == run_defaults(md, device="cpu").tree == CPU_DEFAULT_TREE
+    assert export_tree("cpu") == resolve(md, RunOptions(device="cpu")).method.tree == CPU_DEFAULT_TREE
     if not torch.cuda.is_available():
         assert export_tree() == CPU_DEFAULT_TREE  # this machine
         assert export_tree("cuda:1") == GPU_DEFAULT_TREE  # a bundle for another machine's GPU
@@ -183,7 +186,7 @@ def test_the_export_s_tree_is_generate_s_on_the_cpu(tiny_model_dir):
 
 def test_the_export_s_tree_is_generate_s_on_a_gpu(tiny_model_dir, has_cuda):
     md = open_model_dir(tiny_model_dir)
-    assert export_tree("cuda") == run_defaults(md, device="cuda").tree == GPU_DEFAULT_TREE
+    assert export_tree("cuda") == resolve(md, RunOptions(device="cuda")).method.tree == GPU_DEFAULT_TREE
     assert export_tree() == GPU_DEFAULT_TREE  # this machine (as torch sees it here)
     assert export_tree("cpu") == CPU_DEFAULT_TREE
 

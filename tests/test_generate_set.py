@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from lantern_rt.cli import main
 from lantern_rt.image_sets import SetJob, generate_set, plan_units
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir
 
 CLASSES, N = "1,3", 3  # 6 images, class-major: (1, 0..2), (3, 3..5)
@@ -114,9 +114,11 @@ def test_demo_speculative_set_matches_generate(tmp_path):
     md = open_model_dir(None)
     method = MethodConfig("lantern++", "chain-5")
     sampling = SamplingConfig(cfg_scale=3.0)
-    job = SetJob(None, None, "torch", method, sampling, seed=5)
-    summary = generate_set(tmp_path, job, model_fingerprint(md), [7], 2, unit_size=1, progress=False)
-    want = generate(build_pipeline(md, method, backend="torch"), [7, 7], sampling, seed=5, progress=False)
+    plan = RunPlan(md, "torch", method, sampling)
+    summary = generate_set(
+        tmp_path, SetJob(plan, 5), model_fingerprint(md), [7], 2, unit_size=1, progress=False
+    )
+    want = generate(build_pipeline(plan), [7, 7], sampling, seed=5, progress=False)
     data = shards(tmp_path)
     assert np.array_equal(data["codes"], want.tokens.numpy())
     assert np.array_equal(data["images"], want.images)
@@ -138,8 +140,9 @@ def test_ray_killed_actor_is_retried(ray_cluster, tiny_dir, reference, tmp_path)
     from lantern_rt.families.loading import open_model_dir
 
     marker, out = tmp_path / "killed", tmp_path / "set"
-    job = SetJob(str(tiny_dir), None, "torch", MethodConfig("ar"), SamplingConfig(cfg_scale=2.0), seed=0)
-    digest = model_fingerprint(open_model_dir(tiny_dir))
+    md = open_model_dir(tiny_dir)
+    job = SetJob(RunPlan(md, "torch", MethodConfig("ar"), SamplingConfig(cfg_scale=2.0)), 0)
+    digest = model_fingerprint(md)
     summary = generate_set(
         out,
         job,

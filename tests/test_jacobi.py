@@ -34,7 +34,7 @@ from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import load_tree
-from lantern_rt.settings import DEFAULT_COUPLING, MethodConfig
+from lantern_rt.settings import DEFAULT_COUPLING, MethodConfig, RunPlan
 from tests.conftest import exported, tiny_gpt, tiny_vq, write_model_dir
 from tests.test_baseline import chi_square, chi_square_critical
 from tests.test_speculative import GREEDY
@@ -337,7 +337,7 @@ def no_drafter_bundle(tmp_path_factory) -> Bundle:
 
 
 def run(source, backend: str, method: MethodConfig, sampling: SamplingConfig, batch: int = 1):
-    pipe = build_pipeline(source, method, RunShape(batch), backend=backend, threads=1)
+    pipe = build_pipeline(RunPlan(source, backend, method, sampling, RunShape(batch), threads=1))
     return generate(pipe, LABELS, sampling, seed=5, progress=False)
 
 

@@ -20,15 +20,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lantern_rt.backends import EngineOptions, backend_named
+from lantern_rt.backends import backend_named
 from lantern_rt.bundle import Bundle
 from lantern_rt.cli import main
+from lantern_rt.families.loading import open_model_dir
 from lantern_rt.generate import generate
 from lantern_rt.models.config import ConfigError
 from lantern_rt.pipeline import build_pipeline
+from lantern_rt.run_options import RunOptions
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan, resolve
 from tests import token_fixture_cases as demo
 from tests.conftest import tiny_gpt, tiny_vq
 from tests.test_export import make_bundle
@@ -49,7 +51,8 @@ def run(bundle: Path | Bundle, backend: str, method: str, sampling: SamplingConf
     source = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
     streams = options.pop("streams", 1)
     mc = MethodConfig(method, tree=TREE, k=5, lam=5.0)
-    pipe = build_pipeline(source, mc, RunShape(streams=streams), backend=backend, **{"threads": 1, **options})
+    plan = RunPlan(source, backend, mc, sampling, RunShape(streams=streams), **{"threads": 1, **options})
+    pipe = build_pipeline(plan)
     result = generate(pipe, LABELS, sampling, seed=3, progress=False)
     return result.tokens, result.stats.histogram
 
@@ -95,13 +98,16 @@ def test_without_openvino_a_run_says_what_to_install(monkeypatch):
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 
-def test_the_record_runs_bundles_on_the_cpu_and_is_never_chosen_unasked():
+def test_the_record_runs_bundles_on_the_cpu_and_is_never_chosen_unasked(monkeypatch):
     record = backend_named("openvino")
     assert record.streams and not record.exports_in_place("cpu")  # standard graphs
     assert record.cpu_rank is None and record.gpu_rank is None  # slower than onnxruntime on the demo
     record.check_bundle()
-    with pytest.raises(ConfigError, match="runs on the CPU, not cuda: use --device cpu"):
-        record.build(None, MethodConfig(), RunShape(), EngineOptions("cuda"))  # type: ignore[arg-type]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA device, as torch sees it
+    monkeypatch.setattr(type(record), "check_available", lambda self: None)
+    with pytest.raises(ConfigError, match="runs on the CPU, not cuda") as refused:
+        resolve(open_model_dir(None), RunOptions(backend="openvino", device="cuda"))
+    assert "use device='cpu'" in str(refused.value) and "use --device cpu" in refused.value.command_line()
 
 
 @needs_openvino
@@ -284,9 +290,8 @@ def test_the_demos_greedy_tokens_equal_onnxruntimes(tmp_path):
     for method in (*demo.METHODS, "sjd"):
         tokens = {}
         for backend in ("openvino", "onnxruntime"):
-            pipe = build_pipeline(
-                bundle, demo.method_config(method), RunShape(streams=1), backend=backend, threads=1
-            )
+            plan = RunPlan(bundle, backend, demo.method_config(method), demo.sampling("greedy"), threads=1)
+            pipe = build_pipeline(plan)
             tokens[backend] = generate(
                 pipe, demo.LABELS, demo.sampling("greedy"), seed=demo.SEED, progress=False
             ).tokens

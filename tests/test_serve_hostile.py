@@ -29,7 +29,9 @@ testclient = pytest.importorskip("starlette.testclient")  # needs httpx (or http
 
 from lantern_rt.api import load  # noqa: E402
 from lantern_rt.cli.serve import serve_cmd  # noqa: E402
-from lantern_rt.serve.app import DECODE_FLAGS, MAX_JSON_DEPTH, QUOTED_CHARS, ServeSettings, create_app  # noqa: E402
+from lantern_rt.errors import flag  # noqa: E402
+from lantern_rt.run_options import option_types  # noqa: E402
+from lantern_rt.serve.app import MAX_JSON_DEPTH, QUOTED_CHARS, ServeSettings, create_app  # noqa: E402
 from lantern_rt.serve.engine import Engine  # noqa: E402
 from lantern_rt.serve.metrics import Metrics  # noqa: E402
 from lantern_rt.serve.transport import ServerConfig  # noqa: E402
@@ -148,9 +150,11 @@ def test_unknown_fields_are_400(client, body: dict, param: str, hint: str) -> No
     assert json.loads(content)["error"]["param"] == param
 
 
-def test_the_decode_flags_named_are_lantern_serve_options() -> None:
+def test_the_flags_named_are_lantern_serve_options() -> None:
+    """A request field that names a run option is refused naming the flag that sets it: every
+    run option is a flag of lantern serve."""
     options = {opt for param in serve_cmd.params for opt in param.opts}
-    assert set(DECODE_FLAGS.values()) <= options
+    assert {flag(name) for name in option_types()} <= options
 
 
 def test_openai_fields_this_server_ignores_are_accepted(client) -> None:

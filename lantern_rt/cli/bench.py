@@ -9,22 +9,19 @@ import click
 
 from lantern_rt.cli.options import (
     IMAGES_PER_CLASS,
-    BackendName,
     bundle_option,
     classes_option,
-    compile_option,
-    cuda_graphs_option,
-    device_option,
     model_option,
     parse_batch_sizes,
     parse_stream_counts,
     prompt_options,
-    sampling_options,
+    run_option,
+    run_options,
     seed_option,
-    threads_option,
 )
 from lantern_rt.errors import reports_errors
 from lantern_rt.prompt_files import read_prompts
+from lantern_rt.run_options import RunOptions, sampling_options
 from lantern_rt.sized_demo.sizes import SIZES
 
 
@@ -38,10 +35,8 @@ from lantern_rt.sized_demo.sizes import SIZES
     "demo's tokens at a real model's step cost, built into the cache on first use ('lantern widen'). "
     "Not with --model or --bundle.",
 )
-@click.option(
-    "--backend",
-    "backends",
-    type=BackendName(),
+@run_option(
+    "backend",
     multiple=True,
     help="Backend(s) to measure (repeatable). Default: torch and onnxruntime; onnxruntime for --bundle.",
 )
@@ -57,9 +52,8 @@ from lantern_rt.sized_demo.sizes import SIZES
     "lantern:k=1000,delta=0.1 and lantern++ with (k, lambda) = (10, 5), (5, 10), (5, 20). "
     "AR on every backend is always run: it is the speedup reference.",
 )
-@click.option(
-    "--tree",
-    "trees",
+@run_option(
+    "tree",
     multiple=True,
     help="Tree(s) for configs that name none (repeatable: every such config runs on each). "
     "Default: the tree 'lantern generate' uses (the bundle's first; else chain-5 on a CPU).",
@@ -105,11 +99,7 @@ from lantern_rt.sized_demo.sizes import SIZES
     help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size. "
     "With --bundle it runs --model (default: the demo), the model the bundle was exported from.",
 )
-@sampling_options
-@device_option
-@threads_option("CPU threads (0: the library default).")
-@cuda_graphs_option
-@compile_option
+@run_options(*sampling_options(), "device", "threads", "cuda_graphs", "compile")
 @click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
 @click.option(
     "--ar-seeds",
@@ -143,9 +133,9 @@ def bench_cmd(
     model_path,
     bundle,
     size,
-    backends,
+    backend,
     configs,
-    trees,
+    tree,
     num_images,
     classes,
     prompt_texts,
@@ -155,19 +145,12 @@ def bench_cmd(
     batch_sizes,
     stream_counts,
     baseline,
-    cfg_scale,
-    temperature,
-    top_k,
-    top_p,
-    device,
-    threads,
-    cuda_graphs,
-    compile_step,
     no_quality,
     ar_seeds,
     features,
     reference,
     out,
+    **options,
 ):
     """Measure decoding methods side by side (speed, acceptance, quality) and write a report."""
     import shlex
@@ -180,21 +163,15 @@ def bench_cmd(
         model=model_path,
         bundle=bundle,
         size=size,
-        backends=backends,
+        backends=backend,
         configs=configs or DEFAULT_CONFIGS,
-        trees=trees,
+        trees=tree,
         num_images=num_images,
         classes=tuple(s for c in classes for s in c.split(",") if s.strip()),
         prompts=tuple(read_prompts(prompt_texts, prompts_file)),
         seed=seed,
         warmup=warmup,
-        cfg_scale=cfg_scale,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        device=device,
-        threads=threads,
-        cuda_graphs=cuda_graphs,
+        options=RunOptions(**options),
         quality=not no_quality,
         ar_seeds=ar_seeds,
         features=features,
@@ -203,7 +180,6 @@ def bench_cmd(
         batch_sizes=tuple(parse_batch_sizes(batch_sizes)),
         streams=tuple(parse_stream_counts(stream_counts)),
         baseline=baseline,
-        compile=compile_step,
     )
     results = run_bench(settings)
     click.echo(speed_table(results["rows"]))

@@ -9,31 +9,30 @@ from pathlib import Path
 import click
 
 from lantern_rt.cli.options import (
-    StreamCount,
-    load_options,
+    RUN,
+    classes_option,
     model_option,
+    num_images_option,
     open_run_source,
     prompt_options,
-    requested_run,
+    run_bundle_option,
     run_options,
+    seed_option,
 )
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.fileio import check_writable
 from lantern_rt.prompt_files import read_prompts
-from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX
+from lantern_rt.run_options import RunOptions
 
 
 @click.command("generate")
 @model_option
-@run_options
+@classes_option
+@num_images_option
+@seed_option
+@run_options(*RUN, streams=None)
+@run_bundle_option
 @prompt_options
-@click.option(
-    "--drafter",
-    "drafter_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Drafter folder (EAGLE layout: config.json + weights). Default: the model's own.",
-)
 @click.option(
     "--profile",
     is_flag=True,
@@ -61,62 +60,34 @@ from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX
     default=None,
     help="Write timings and acceptance statistics as JSON ('-': to standard output).",
 )
-@click.option(
-    "--streams",
-    type=StreamCount(),
-    default="auto",
-    show_default=True,
-    help="Batches decoded at once on the CPU (onnxruntime), each on its share of --threads: more "
-    "images per second when there are several to make; one image's time is unchanged. auto: one "
-    f"per thread (--threads 0: per core), at most {AUTO_STREAMS_MAX} and the batches to make; one "
-    "on a GPU or another backend.",
-)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
 def generate(
     model_path,
     classes,
+    num_images,
+    seed,
+    bundle,
     prompt_texts,
     prompts_file,
-    num_images,
-    cfg_scale,
-    temperature,
-    top_k,
-    top_p,
-    greedy,
-    seed,
-    method,
-    tree,
-    window,
-    coupling,
-    lantern_k,
-    lantern_delta,
-    lantern_lambda,
-    drafter_path,
-    backend,
-    cuda_graphs,
-    compile_step,
     profile,
-    bundle,
-    device,
-    threads,
     output,
     save_tokens,
     stats_json,
-    batch_size,
-    streams,
     quiet,
+    **options,
 ):
     """Generate images and write them as a PNG grid (one row per class, or per prompt for a
     text-to-image model)."""
     t0 = time.perf_counter()
 
-    from lantern_rt.api import load
+    from lantern_rt.api import Generator
     from lantern_rt.fileio import write_together
     from lantern_rt.images import grid, write_png
+    from lantern_rt.settings import requested_conditions, resolve
     from lantern_rt.training import codes_files
 
-    md, source = open_run_source(model_path, bundle, backend, drafter_path)
+    md, source = open_run_source(model_path, bundle)
     stats_out = None if stats_json is None or str(stats_json) == "-" else stats_json  # "-": stdout
     files = [p for p in (output, save_tokens, stats_out) if p is not None]
     if len({p.absolute() for p in files}) < len(files):
@@ -125,15 +96,9 @@ def generate(
         check_writable(path, what)
     if save_tokens is not None and save_tokens.suffix not in (".npy", ".npz"):
         raise UserError(f"--save-tokens must end in .npy or .npz, got {save_tokens}")
-    prompts = read_prompts(prompt_texts, prompts_file)
-    request = requested_run(md, source, prompts, None if drafter_path is None else str(drafter_path))
-    class_ids, mc = request.conditions, request.method
-    generator = load(
-        source,
-        **load_options(click.get_current_context().params),
-        drafter=drafter_path,
-        images=len(class_ids) * num_images,
-    )
+    class_ids = requested_conditions(md, classes, read_prompts(prompt_texts, prompts_file))
+    plan = resolve(source, RunOptions(**options), images=len(class_ids) * num_images)
+    generator = Generator(plan)
     pipe = generator.pipeline
     result = generator(class_ids, n=num_images, seed=seed, progress=not quiet, profile=profile)
     image = grid(result.array, rows=len(class_ids), scale=max(1, 64 // md.image_size))
@@ -154,15 +119,20 @@ def generate(
     per_image = stats.decode_seconds / max(1, stats.num_images)
     streams_note = f", {len(pipe.streams)} streams" if len(pipe.streams) > 1 else ""
     click.echo(
-        f"{stats.num_images} images ({mc.method}, {pipe.backend}{streams_note}) in {stats.total_seconds:.1f}s: "
-        f"{per_image:.3f}s/image decode, mean accepted length {stats.mean_accepted_length:.2f} -> {output}",
+        f"{stats.num_images} images ({plan.method.method}, {pipe.backend}{streams_note}) in "
+        f"{stats.total_seconds:.1f}s: {per_image:.3f}s/image decode, mean accepted length "
+        f"{stats.mean_accepted_length:.2f} -> {output}",
         err=True,
     )
 
 
 @click.command("generate-set")
 @model_option
-@run_options
+@classes_option
+@num_images_option
+@seed_option
+@run_options(*(name for name in RUN if name not in ("drafter", "streams")))
+@run_bundle_option
 @click.option(
     "--out",
     type=click.Path(path_type=Path),
@@ -201,38 +171,22 @@ def generate(
 @reports_errors
 def generate_set_cmd(
     model_path,
-    out,
     classes,
     num_images,
-    cfg_scale,
-    temperature,
-    top_k,
-    top_p,
-    greedy,
     seed,
-    method,
-    tree,
-    window,
-    coupling,
-    lantern_k,
-    lantern_delta,
-    lantern_lambda,
-    backend,
     bundle,
-    device,
-    threads,
-    cuda_graphs,
-    compile_step,
-    batch_size,
+    out,
     unit_size,
     ray_address,
     actors,
     fid_npz,
     quiet,
+    **options,
 ):
     """Generate a labelled image set as shards, locally or on Ray; image for image what
     'lantern generate' gives with the same classes, -n, seed and settings."""
-    from lantern_rt.image_sets import generate_set, import_ray, set_job
+    from lantern_rt.image_sets import exported_job, generate_set, import_ray
+    from lantern_rt.settings import requested_conditions, resolve
 
     if ray_address is not None:
         import_ray()  # before any work: the install hint, not a traceback
@@ -246,17 +200,15 @@ def generate_set_cmd(
         except OSError as exc:
             raise UserError(f"cannot create folder {fid_npz.parent} for --fid-npz: {exc.strerror}") from None
         check_writable(fid_npz, "FID images")
-    md, source = open_run_source(model_path, bundle, backend, None)
+    md, source = open_run_source(model_path, bundle)
     if md.gpt.takes_prompts:
         raise UserError(
             "generate-set makes class-conditional image sets; for prompts use 'lantern generate --prompts'"
         )
-    request = requested_run(md, source, ())
-    job, digest = set_job(
-        model_path, source, request, seed, device, threads, cuda_graphs, batch_size, compile_step
-    )
+    class_ids = requested_conditions(md, classes, ())
+    job, digest = exported_job(resolve(source, RunOptions(**options)), seed)
     summary = generate_set(
-        out, job, digest, request.conditions, num_images, unit_size, ray_address, actors, fid_npz, not quiet
+        out, job, digest, class_ids, num_images, unit_size, ray_address, actors, fid_npz, not quiet
     )
     rate = summary["images_per_second"]
     click.echo(

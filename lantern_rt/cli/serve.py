@@ -7,30 +7,16 @@ import sys
 
 import click
 
-from lantern_rt.backends import runs_on_gpu
-from lantern_rt.cli.options import (
-    StreamCount,
-    load_options,
-    model_option,
-    open_run_source,
-    requested_run,
-    served_run_options,
-)
+from lantern_rt.cli.options import RUN, model_option, open_run_source, run_bundle_option, run_options
 from lantern_rt.errors import EXIT_BAD_INPUT, UserError, reports_errors
-from lantern_rt.runtime.run_shape import MAX_STREAMS
+from lantern_rt.run_options import RunOptions
 from lantern_rt.serve.limits import MAX_CONNECTIONS, READ_TIMEOUT
 
 
 @click.command("serve")
 @model_option
-@served_run_options
-@click.option(
-    "--streams",
-    type=StreamCount(),
-    default="1",
-    show_default=True,
-    help=f"Batches decoded at once on the CPU (onnxruntime), each on its share of --threads (1..{MAX_STREAMS}).",
-)
+@run_options(*RUN)  # the run a server holds
+@run_bundle_option
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface)."
 )
@@ -80,26 +66,7 @@ from lantern_rt.serve.limits import MAX_CONNECTIONS, READ_TIMEOUT
 @reports_errors
 def serve_cmd(
     model_path,
-    cfg_scale,
-    temperature,
-    top_k,
-    top_p,
-    greedy,
-    method,
-    tree,
-    window,
-    lantern_k,
-    lantern_delta,
-    lantern_lambda,
-    coupling,
-    backend,
-    cuda_graphs,
-    compile_step,
     bundle,
-    device,
-    threads,
-    batch_size,
-    streams,
     host,
     port,
     max_queue_images,
@@ -108,6 +75,7 @@ def serve_cmd(
     max_connections,
     use_ray,
     replicas,
+    **options,
 ):
     """Serve POST /v1/images/generations (OpenAI's shape), /v1/models, /health, /health/ready and
     /metrics, decoding every request's images in one continuously batched decode loop."""
@@ -123,19 +91,19 @@ def serve_cmd(
         from prometheus_client import Counter  # noqa: F401
     except ImportError as exc:
         raise UserError(f"lantern serve needs {exc.name}: pip install 'lantern-rt[serve]'") from None
-    md, source = open_run_source(model_path, bundle, backend, None)
-    requested_run(md, source, None)  # bad settings: one line and exit 2 before the server starts
-    options = load_options(click.get_current_context().params)
+    from lantern_rt.settings import resolve
+
+    md, source = open_run_source(model_path, bundle)
+    plan = resolve(source, RunOptions(**options))  # bad options: one line and exit 2 before the server starts
 
     def load():
-        from lantern_rt.api import load
+        from lantern_rt.api import Generator
 
-        return load(source, **options)
+        return Generator(plan)
 
     if use_ray:
         from lantern_rt.serve.ray_serve import run_on_ray
 
-        gpu = runs_on_gpu(backend, device) if backend else not device.startswith("cpu")
         run_on_ray(
             load,
             md.name,
@@ -145,7 +113,7 @@ def serve_cmd(
             port,
             read_timeout=read_timeout,
             replicas=replicas,
-            gpu=gpu,
+            gpu=plan.runs_on_gpu,
         )
         return
     sys.exit(

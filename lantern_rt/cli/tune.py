@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from lantern_rt.cli.options import BackendName, parse_batch_sizes, threads_option
+from lantern_rt.cli.options import parse_batch_sizes, run_option_type, threads_option
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.settings import COUPLINGS, METHODS
 
@@ -56,7 +56,9 @@ SPECULATIVE = tuple(m for m in METHODS if m != "ar")
 @click.option("--lantern-delta", "delta", type=float, default=0.1, show_default=True)
 @click.option("--lantern-lambda", "lam", type=float, default=5.0, show_default=True)
 @click.option("--coupling", type=click.Choice(COUPLINGS), default=None, help="A Jacobi method's coupling.")
-@click.option("--backend", type=BackendName(), default=None, help="Backend to tune. Default: the run's.")
+@click.option(
+    "--backend", type=run_option_type("backend"), default=None, help="Backend to tune. Default: the run's."
+)
 @click.option("--device", default="cpu", show_default=True, help="Where the backend computes.")
 @threads_option("CPU threads (0: the engine's choice), as the runs to come will use.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")

@@ -34,8 +34,9 @@ from torch import nn
 from tqdm import tqdm
 
 from lantern_rt.assembly import Pipeline
-from lantern_rt.backends import BACKENDS, MODEL, backend_named, cpu_backends
+from lantern_rt.backends import BACKENDS, cpu_backends
 from lantern_rt.bundle import Bundle
+from lantern_rt.errors import option
 from lantern_rt.eval.classifier import DEFAULT_WEIGHTS, load_classifier
 from lantern_rt.eval.features import load_features, load_reference, user_features
 from lantern_rt.eval.memory_floor import (
@@ -52,30 +53,22 @@ from lantern_rt.eval.metrics import (
     frechet_distance,
     precision_recall,
 )
-from lantern_rt.export_cache import cached_bundle
-from lantern_rt.families.loading import load_target, load_vq, open_bundle, open_model_dir
+from lantern_rt.families.loading import load_target, load_vq, open_model_dir
 from lantern_rt.generate import Generation, generate
 from lantern_rt.images import to_uint8
 from lantern_rt.models.checkpoint import CheckpointError
 from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
-from lantern_rt.pipeline import build_pipeline, open_source
+from lantern_rt.pipeline import build_pipeline, exported, open_source
+from lantern_rt.run_options import RunOptions
 from lantern_rt.runtime.acceptance import AcceptanceError
-from lantern_rt.runtime.backends.compiled import CompileError, require_compiler
+from lantern_rt.runtime.backends.compiled import CompileError
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
-from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes, check_stream_counts
+from lantern_rt.runtime.method import JACOBI_METHODS, METHODS, MethodConfig
+from lantern_rt.runtime.run_shape import check_batch_sizes, check_stream_counts
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.streams import stream_threads
 from lantern_rt.runtime.tree import TreeError, load_tree
-from lantern_rt.settings import (
-    JACOBI_METHODS,
-    METHODS,
-    MethodConfig,
-    check_device,
-    requested_conditions,
-    run_defaults,
-    window_tree,
-)
+from lantern_rt.settings import RunPlan, method_options, requested_conditions, resolve, window_tree
 from lantern_rt.sized_demo.cache import sized_model_dir
 from lantern_rt.sized_demo.sizes import size_shape
 from lantern_rt.stats import GenerationStats
@@ -548,21 +541,17 @@ class BenchSettings:
     model: Path | None = None
     bundle: Path | None = None
     size: str | None = None  # the demo widened to this sized_demo.SIZES name, instead of model/bundle
-    backends: tuple[str, ...] = ()  # () = the CPU backends (registry.cpu_backends): torch and onnxruntime
+    backends: tuple[str, ...] = ()  # () = the CPU backends (backends.cpu_backends): torch and onnxruntime
     configs: tuple[str, ...] = DEFAULT_CONFIGS
-    trees: tuple[str, ...] = ()  # () = the tree `lantern generate` would use (settings.run_defaults)
+    trees: tuple[str, ...] = ()  # () = the tree `lantern generate` would use (settings.resolve)
     num_images: int = 4  # per class
     classes: tuple[str, ...] = ()  # ids or names; () = every class
     prompts: tuple[str, ...] = ()  # a text-to-image model's prompts (instead of classes)
     seed: int = 0
     warmup: int = 1
-    cfg_scale: float | None = None  # None (here and below) = the model's default
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    device: str = "cpu"  # where the torch rows compute (and what onnxruntime's providers may use)
-    threads: int = 0
-    cuda_graphs: bool = True  # torch on a CUDA device, tensorrt: each step replayed from a captured graph
+    # every row's run options: its sampling, device, threads, CUDA graphs and compiled steps (the
+    # torch rows'); the backends, configs, trees, batch sizes and streams above and below set the rest
+    options: RunOptions = RunOptions()
     quality: bool = True
     ar_seeds: int = 2
     command: str = ""
@@ -573,16 +562,47 @@ class BenchSettings:
     batch_sizes: tuple[int, ...] = (1,)  # images per decode step; every configuration runs at each
     streams: tuple[int, ...] = (1,)  # batches decoded at once (onnxruntime rows; others run one)
     baseline: str | None = None  # "torch-batched": LlamaGen's sampler loop (eval.baseline) as rows
-    compile: bool = False  # the torch rows' decode steps compiled (torch.compile)
 
 
-def resolve_backends(requested: Sequence[str], bundle: bool) -> tuple[str, ...]:
-    """The backends to measure: ``requested`` (each able to run a ``bundle``), else the CPU ones."""
-    for name in requested:
-        if bundle:
-            backend_named(name).check_bundle()
-        backend_named(name).check_available()
-    return tuple(dict.fromkeys(requested)) or cpu_backends(bundle)
+def bench_plans(source: ModelDir | Bundle, s: BenchSettings) -> list[RunPlan]:
+    """Every row's plan, each resolved from the settings' options (:func:`~lantern_rt.settings.resolve`:
+    its refusals before any work): AR and every configuration on each backend (default: the
+    CPU ones), at each batch size, at each stream count on the backends that decode in streams
+    (the others at one); a configuration naming no tree runs on each of ``s.trees`` (default:
+    the tree a run of each backend chooses)."""
+    backends = tuple(dict.fromkeys(s.backends)) or cpu_backends(isinstance(source, Bundle))
+    plan = {b: resolve(source, dataclasses.replace(s.options, backend=b, compile=False)) for b in backends}
+    trees = s.trees or tuple(dict.fromkeys(plan[b].method.tree for b in backends))
+    configs = expand_configs(s.configs, trees, plan[backends[0]].info.gpt.block_size)
+    streaming = [b for b in backends if plan[b].record.streams]
+    if max(s.streams) > 1 and not streaming:
+        names = " or ".join(name for name, b in BACKENDS.items() if b.streams)
+        raise ConfigError(
+            f"{option('streams')} above 1 runs on {names}: add {option('backend')} with one of them"
+        )
+    compiling = s.options.compile and any(plan[b].record.compiles for b in backends)
+    if s.options.compile and not compiling:
+        raise CompileError(
+            f"{option('compile')} compiles the torch rows' decode steps: add {option('backend', 'torch')} "
+            f"or use {option('compile', False)}"
+        )
+    return [
+        resolve(
+            source,
+            dataclasses.replace(
+                s.options,
+                **method_options(mc),
+                backend=b,
+                batch_size=size,
+                streams=streams,
+                compile=s.options.compile and plan[b].record.compiles,
+            ),
+        )
+        for size in s.batch_sizes
+        for streams in s.streams
+        for b in backends
+        for mc in (configs if streams == 1 or b in streaming else ())
+    ]
 
 
 def output_dir(out: Path) -> Path:
@@ -613,13 +633,6 @@ def machine_info() -> dict[str, Any]:
         "openvino": _version("openvino"),
         "lantern_rt": package_version(),
     }
-
-
-def sampling_config(source: ModelDir | Bundle, s: BenchSettings) -> SamplingConfig:
-    """The settings' sampling, with what ``lantern generate`` would use for what they leave unset."""
-    return run_defaults(
-        source, cfg_scale=s.cfg_scale, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p
-    ).sampling
 
 
 def with_quality(
@@ -664,19 +677,6 @@ def ar_seed_sets(
 
 
 BASELINES = ("torch-batched",)
-
-
-def _bundle_for(
-    source: ModelDir | Bundle, backend: str, mc: MethodConfig, sizes: list[int], shape: RunShape, device: str
-) -> ModelDir | Bundle:
-    """What a pipeline of ``backend`` on ``device`` is built from: a bundle, or a model directory
-    for a backend that runs one; a model directory's bundle is exported (once, cached) in the
-    run ``shape``'s rows and cache windows, with every batch size of ``sizes``."""
-    record = backend_named(backend)
-    if isinstance(source, Bundle) or MODEL in record.runs:
-        return source
-    in_place = record.exports_in_place(device)
-    return open_bundle(cached_bundle(source, mc, shape, batch_sizes=sizes, in_place=in_place))
 
 
 def baseline_model(name: str, source: ModelDir | Bundle, model: Path | None) -> ModelDir:
@@ -752,70 +752,44 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Run the benchmark and write results.json, results.md and the plots into ``s.out``."""
     from lantern_rt.eval.report import write_report
 
-    check_device(s.device)
     model = sized_model(s.size, s.model, s.bundle)
+    if s.bundle is not None and s.model is not None and s.baseline is None:
+        raise ConfigError("--bundle runs an exported bundle: drop --model (it names a --baseline's model)")
     # beside a bundle, --model names what the baseline runs
     info, source = open_source(None if s.bundle and s.baseline else model, s.bundle)
     md = source if isinstance(source, ModelDir) else None
-    backends = resolve_backends(s.backends, md is None)
-    trees = s.trees or tuple(
-        dict.fromkeys(run_defaults(source, backend=b, device=s.device).tree for b in backends)
+    sizes = check_batch_sizes(list(s.batch_sizes))
+    stream_counts = check_stream_counts(list(s.streams))
+    plans = bench_plans(
+        source, dataclasses.replace(s, batch_sizes=tuple(sizes), streams=tuple(stream_counts))
     )
-    configs = expand_configs(s.configs, trees, info.gpt.block_size)
+    backends = tuple(dict.fromkeys(plan.backend for plan in plans))
     classes = requested_conditions(info, s.classes, s.prompts)
     labels = [c for c in classes for _ in range(s.num_images)]
-    sampling = sampling_config(source, s)
+    sampling = plans[0].sampling  # every row's: the same options
     shape = (info.vq.out_channels, info.image_size, info.image_size)
     feature_fn = None if s.features is None else load_features(s.features, shape)
     reference = None if s.reference is None else load_reference(s.reference, shape, classes, s.num_images)
-    sizes = check_batch_sizes(list(s.batch_sizes))
-    stream_counts = check_stream_counts(list(s.streams))
-    streaming = [b for b in backends if backend_named(b).streams]
-    if max(stream_counts) > 1 and not streaming:
-        names = " or ".join(name for name, b in BACKENDS.items() if b.streams)
-        raise ConfigError(f"--streams above 1 runs on {names}: add --backend with one of them")
-    stream_threads(s.threads, max(stream_counts))  # enough threads, checked before any work
-    if s.compile:
-        if not any(backend_named(b).compiles for b in backends):
-            raise CompileError(
-                "--compile compiles the torch rows' decode steps: add --backend torch or use --no-compile"
-            )
-        require_compiler(s.device)
     baseline = None if s.baseline is None else baseline_model(s.baseline, source, model)
-    for size in sizes if isinstance(source, Bundle) else ():
-        source.batch(size)  # refused before any run
     out = output_dir(s.out)
-    if s.threads:
-        torch.set_num_threads(s.threads)
+    threads = s.options.threads
+    if threads:
+        torch.set_num_threads(threads)
     started, load_start = datetime.now(timezone.utc), os.getloadavg()
-    sources: dict[tuple[str, str], ModelDir | Bundle] = {}  # one export check and open per tree
-    for b in backends:
-        for mc in configs:
-            if (b, mc.tree) not in sources:
-                shape = RunShape(guided=sampling.guided)
-                sources[b, mc.tree] = _bundle_for(source, b, mc, sizes, shape, s.device)
+    sources: dict[tuple[str, str], ModelDir | Bundle] = {}  # one export (every batch size) per tree
     step_bytes: dict[tuple[str, MethodConfig], StepBytes | None] = {}  # read once per source and method
     runs = []
-    for size in sizes:
-        for streams in stream_counts:
-            for b in backends:
-                for mc in configs if streams == 1 or b in streaming else ():
-                    pipe = build_pipeline(
-                        sources[b, mc.tree],
-                        mc,
-                        RunShape(size, sampling.guided, streams=streams),
-                        backend=b,
-                        device=s.device,
-                        threads=s.threads,
-                        cuda_graphs=s.cuda_graphs,
-                        compile=s.compile and backend_named(b).compiles,
-                    )
-                    if (b, mc) not in step_bytes:
-                        step_bytes[b, mc] = pipeline_step_bytes(pipe, sources[b, mc.tree])
-                    runs.append(Measurement.of_pipeline(pipe, sampling, s.seed, generate, step_bytes[b, mc]))
+    for plan in plans:
+        b, mc = plan.backend, plan.method
+        if (b, mc.tree) not in sources:
+            sources[b, mc.tree] = exported(plan, sizes).source
+        pipe = build_pipeline(dataclasses.replace(plan, source=sources[b, mc.tree]))
+        if (b, mc) not in step_bytes:
+            step_bytes[b, mc] = pipeline_step_bytes(pipe, sources[b, mc.tree])
+        runs.append(Measurement.of_pipeline(pipe, sampling, s.seed, generate, step_bytes[b, mc]))
     if s.baseline is not None:
         runs += [baseline_measurement(s.baseline, baseline, sampling, s.seed, size) for size in sizes]
-    bandwidth = copy_bandwidth(s.threads or torch.get_num_threads())
+    bandwidth = copy_bandwidth(threads or torch.get_num_threads())
     runs = run_interleaved(runs, labels, s.warmup, chunk_size(sizes, len(labels), stream_counts))
     ref, note = quality_reference(
         info, classes, len(labels), s.quality, s.classifier, s.data_root, feature_fn, reference
@@ -850,7 +824,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             "seed": s.seed,
             "warmup": s.warmup,
             "ar_seeds": s.ar_seeds,
-            "threads": s.threads,
+            "threads": threads,
             "batch_sizes": sizes,
             "streams": stream_counts,
             "images_per_call": chunk_size(sizes, len(labels), stream_counts),

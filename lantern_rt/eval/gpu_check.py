@@ -78,7 +78,7 @@ from lantern_rt.runtime.drafting import drafter_capacity
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, load_tree
-from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig
+from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig, RunPlan
 from lantern_rt.sized_demo.cache import sized_model_dir
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
@@ -107,7 +107,9 @@ def run_path(
 ) -> dict[str, Any]:
     """Sampling-mode speed and greedy tokens for one path and method (first image: warm-up)."""
     md = open_model_dir(DEMO_DIR)
-    pipe = build_pipeline(md, method, backend=backend, device=device, threads=1, cuda_graphs=graphs)
+    pipe = build_pipeline(
+        RunPlan(md, backend, method, SAMPLING, device=device, threads=1, cuda_graphs=graphs)
+    )
     generate(pipe, labels[:1], SAMPLING, seed=99, progress=False)
     timed = generate(pipe, labels, SAMPLING, seed=0, progress=False)
     greedy = generate(pipe, labels[:2], GREEDY, seed=0, progress=False)
@@ -175,7 +177,9 @@ def greedy_tokens(
     md: ModelDir, graphs: bool, method: MethodConfig, device: str, labels: list[int]
 ) -> torch.Tensor:
     """Greedy tokens of ``labels`` on the torch path (``graphs``: CUDA graphs)."""
-    pipe = build_pipeline(md, method, backend="torch", device=device, threads=1, cuda_graphs=graphs)
+    pipe = build_pipeline(
+        RunPlan(md, "torch", method, SAMPLING, device=device, threads=1, cuda_graphs=graphs)
+    )
     return generate(pipe, labels, GREEDY, seed=0, progress=False).tokens
 
 
@@ -185,7 +189,9 @@ def sized_run(
     """One sized row on the torch path: the greedy tokens of ``labels[0]`` (the warm-up too),
     then ``labels`` sampled and timed: seconds per image (median), tau, and the memory floor at
     ``bandwidth`` bytes/s (:mod:`lantern_rt.eval.memory_floor`; B = 1; None: no floor)."""
-    pipe = build_pipeline(md, method, backend="torch", device=device, threads=1, cuda_graphs=graphs)
+    pipe = build_pipeline(
+        RunPlan(md, "torch", method, SAMPLING, device=device, threads=1, cuda_graphs=graphs)
+    )
     greedy = generate(pipe, labels[:1], GREEDY, seed=0, progress=False).tokens
     stats = generate(pipe, labels, SAMPLING, seed=0, progress=False).stats
     seconds = statistics.median(stats.seconds_per_image)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lantern_rt.bundle import Bundle, BundleError
+from lantern_rt.errors import option
 from lantern_rt.families.registry import DEFAULT_FAMILY, family_named
 from lantern_rt.models.checkpoint import CheckpointError, load_strict, read_state_dict
 from lantern_rt.models.config import ConfigError, read_json
@@ -65,7 +66,7 @@ def _drafter_source(md: ModelDir, path: str | Path | None) -> tuple[Path, dict, 
     if path is None:
         if "drafter" not in md.files:
             raise ConfigError(
-                f"{md.root} has no drafter; train one with 'lantern train-drafter' or pass --drafter"
+                f"{md.root} has no drafter; train one with 'lantern train-drafter' or give {option('drafter')}"
             )
         path = md.path("drafter")
         if not Path(path).is_dir():

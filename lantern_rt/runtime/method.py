@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lantern_rt.errors import option
 from lantern_rt.models.config import ConfigError
 
 if TYPE_CHECKING:
@@ -45,10 +46,13 @@ class MethodConfig:
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if self.jacobi and self.drafter is not None:
-            raise ConfigError(f"--method {self.method} drafts without a drafter: drop --drafter")
+            raise ConfigError(
+                f"{option('method', self.method)} drafts without a drafter: drop {option('drafter')}"
+            )
         if self.coupling is not None and not self.jacobi:
             raise ConfigError(
-                f"--coupling sets how --method {' or '.join(JACOBI_METHODS)} draft, not {self.method}: drop it"
+                f"{option('coupling')} sets how {option('method')} {' or '.join(JACOBI_METHODS)} draft, "
+                f"not {option('method', self.method)}: drop it"
             )
         if self.coupling is not None and self.coupling not in COUPLINGS:
             raise ConfigError(f"unknown coupling {self.coupling!r}; choose from {', '.join(COUPLINGS)}")

@@ -14,7 +14,7 @@ from functools import lru_cache, partial
 import torch
 from torch import Tensor
 
-from lantern_rt.errors import LanternError
+from lantern_rt.errors import LanternError, option
 
 
 class SamplingError(LanternError, ValueError):
@@ -132,11 +132,12 @@ def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
     if cfg.top_k > sort_width:
         raise SamplingError(
             f"top-k {cfg.top_k} is above {sort_width}, the most this runtime's drafter keeps for a "
-            f"vocabulary of {vocab}: use --top-k {sort_width} or less"
+            f"vocabulary of {vocab}: use {option('top_k', sort_width)} or less"
         )
     if cfg.top_p < 1.0 and cfg.top_k == 0:
         raise SamplingError(
-            f"top-p on a vocabulary of {vocab} needs a top-k of at most {sort_width} as well: add --top-k"
+            f"top-p on a vocabulary of {vocab} needs a top-k of at most {sort_width} as well: add "
+            f"{option('top_k')}"
         )
 
 

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from lantern_rt.errors import option
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.base import TargetBackend
 from lantern_rt.runtime.decode import ImageResult, Job, JobSource, Speculation, StepCache, decode_images
@@ -135,7 +136,8 @@ def stream_threads(threads: int, streams: int) -> int:
         raise ConfigError(f"at least one stream, got {streams}")
     if 0 < threads < streams:
         raise ConfigError(
-            f"{streams} streams need a thread each and have {threads} to share (--threads, at most the "
-            f"cores this process may use): use --streams {threads} or fewer, or --threads 0"
+            f"{streams} streams need a thread each and have {threads} to share ({option('threads')}, "
+            f"at most the cores this process may use): use {option('streams', threads)} or fewer, or "
+            f"{option('threads', 0)}"
         )
     return threads if streams == 1 else max(1, threads // streams)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import math
@@ -27,8 +28,9 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantern_rt.api import Generator
-from lantern_rt.errors import LanternError, first_line
+from lantern_rt.errors import LanternError, first_line, flag
 from lantern_rt.images import pil_image
+from lantern_rt.run_options import option_types
 from lantern_rt.serve.engine import Closed, Engine, ImageRequest, QueueFull, TooManyImages
 from lantern_rt.serve.limits import READ_TIMEOUT
 from lantern_rt.settings import MAX_SEED
@@ -40,24 +42,6 @@ QUOTED_CHARS = 100  # of a value an error message quotes
 MAX_MESSAGE_CHARS = 1000  # of an error message
 GENERATIONS = "/v1/images/generations"
 REQUEST_ID = b"x-request-id"
-# the request fields the running decode fixes, and the server flag that sets each
-SAMPLING_FLAGS = {
-    "cfg_scale": "--cfg-scale",
-    "temperature": "--temperature",
-    "top_k": "--top-k",
-    "top_p": "--top-p",
-}
-# request fields that name a decode setting of the server, not of a request, and its flag
-DECODE_FLAGS = {
-    "method": "--method",
-    "tree": "--tree",
-    "window": "--window",
-    "lantern_k": "--lantern-k",
-    "lantern_delta": "--lantern-delta",
-    "lantern_lambda": "--lantern-lambda",
-    "coupling": "--coupling",
-    "greedy": "--greedy",
-}
 
 
 class ApiError(Exception):
@@ -349,8 +333,8 @@ def _nests_deeper(text: str, limit: int) -> bool:
 def _unrecognized(name: str) -> str:
     """The 400's message for a body field this server does not know."""
     message = f"unrecognized request argument supplied: {clip(name)}"
-    if name in DECODE_FLAGS:
-        return f"{message}: the running decode fixes it; start lantern serve with {DECODE_FLAGS[name]}"
+    if name in option_types():
+        return f"{message}: the running decode fixes it; start lantern serve with {flag(name)}"
     if name == "lantern":
         return f"{message}: the running decode fixes lantern's settings; start lantern serve with its flags"
     return message
@@ -371,13 +355,13 @@ def _labels(engine: Engine, settings: ServeSettings, body: GenerationBody) -> tu
     if body.size not in (None, "auto", size):
         raise ApiError(400, f"size must be {size} (the model's), not {quoted(body.size)}", "size")
     running = gen.sampling
-    for name, flag in SAMPLING_FLAGS.items():
+    for name in (f.name for f in dataclasses.fields(running)):  # the running decode's, set by flags
         asked, runs = getattr(body, name), getattr(running, name)
         if asked is not None and not math.isclose(asked, runs, rel_tol=1e-9, abs_tol=1e-12):
             raise ApiError(
                 400,
                 f"{name} {asked:g} differs from the running decode's {runs:g}: "
-                f"start lantern serve with {flag} {asked:g}",
+                f"start lantern serve with {flag(name, f'{asked:g}')}",
                 name,
             )
     prompt = str(body.prompt)

@@ -21,7 +21,7 @@ from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree
-from lantern_rt.settings import MethodConfig
+from lantern_rt.settings import MethodConfig, RunPlan
 
 # A verify call's tree and result, handed to a decode's watcher
 Watcher = Callable[[StaticTree, Verified], None]
@@ -106,9 +106,8 @@ class TuneSession:
             first = next((name for name, t in bundle.trees.items() if t.graph), None)
             method = MethodConfig("lantern++", first) if bundle.has_drafter and first else MethodConfig("ar")
             shape = RunShape(batch, bundle.constants.guided, streams=1)
-            self._pipes[batch] = build_pipeline(
-                bundle, method, shape, backend=self.backend, device=self.device, threads=self.threads
-            )
+            plan = RunPlan(bundle, self.backend, method, self.sampling, shape, self.device, self.threads)
+            self._pipes[batch] = build_pipeline(plan)
         return self._pipes[batch]
 
     def speculation(self, candidate: Candidate, pipe: Pipeline) -> Speculation | None:

@@ -26,6 +26,7 @@ from lantern_rt.bundle import (
     step_windows,
     windowed_name,
 )
+from lantern_rt.errors import option
 from lantern_rt.graph_spec import TensorSpec, dtype_name
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
@@ -163,7 +164,7 @@ class BundleTarget:
         if scratch and device.type != "cpu":
             raise BundleError(
                 f"{bundle.path} writes its cache in place, which onnxruntime does on the CPU only: "
-                "run it with --device cpu, or export the model without --cache-in-place"
+                f"run it with {option('device', 'cpu')}, or export the model without --cache-in-place"
             )
         step = graphs.graph(AR_STEP_GRAPH)
         self.cache = cache_for(step, graphs, device, self.cls_token_num, windows, scratch, at_length=True)

@@ -15,7 +15,7 @@ import time
 import torch
 from torch import Tensor
 
-from lantern_rt.errors import LanternError
+from lantern_rt.errors import LanternError, option
 from lantern_rt.runtime.backends.cuda_graphs import StepFn, restored, shape_key
 
 # Settings, windows and batch shapes a run may compile a step for, with room to spare: past
@@ -24,7 +24,8 @@ RECOMPILE_LIMIT = 64
 
 
 class CompileError(LanternError, RuntimeError):
-    """``--compile`` cannot run here; the message names the missing piece and ``--no-compile``."""
+    """The ``compile`` option cannot run here; the message names the missing piece and how to turn
+    it off."""
 
 
 def missing_compiler(device: torch.device | str) -> str | None:
@@ -47,7 +48,9 @@ def require_compiler(device: torch.device | str) -> None:
     """:class:`CompileError` when ``torch.compile`` cannot build for ``device``."""
     missing = missing_compiler(device)
     if missing:
-        raise CompileError(f"--compile needs {missing}: install it or use --no-compile")
+        raise CompileError(
+            f"{option('compile')} needs {missing}: install it or use {option('compile', False)}"
+        )
 
 
 class Compiled:
