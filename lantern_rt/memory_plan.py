@@ -77,7 +77,7 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp32", 4, None, None, "fp32", "fp32"),
         Precision("fp16", 2, None, None, "fp16", "fp16"),
         Precision("int8", 4, 8, None, "fp32", "int8"),
-        Precision("w8a16", 2, 8, 128, "fp16", "w4a16"),
+        Precision("w8a16", 2, 8, 128, "fp16", "w8a16"),
         Precision("w4a16", 2, 4, 128, "fp16", "w4a16"),
     )
 }

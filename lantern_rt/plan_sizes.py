@@ -28,9 +28,15 @@ PLAN_MODEL = "TensorRT for RTX 1.7: weights as stored + 138.4 KB per generated k
 # kernels of a target graph: (per layer, per graph), by its kind and the precision of its products
 # (a verify graph's before its tree's: TREE_KERNELS)
 LAYER_KERNELS: dict[str, dict[str, tuple[float, float]]] = {
-    "prefill": {"fp32": (5, 5), "fp16": (4, 7), "int8": (5.86, 4.4), "w4a16": (6, 4)},
-    "step": {"fp32": (5, 24), "fp16": (3, 25), "int8": (6.86, 21.4), "w4a16": (5, 23)},
-    "verify": {"fp32": (4, 28.2), "fp16": (2, 29.2), "int8": (5.71, 27.1), "w4a16": (4, 27.2)},
+    "prefill": {"fp32": (5, 5), "fp16": (4, 7), "int8": (5.86, 4.4), "w8a16": (4, 11), "w4a16": (6, 4)},
+    "step": {"fp32": (5, 24), "fp16": (3, 25), "int8": (6.86, 21.4), "w8a16": (3, 29), "w4a16": (5, 23)},
+    "verify": {
+        "fp32": (4, 28.2),
+        "fp16": (2, 29.2),
+        "int8": (5.71, 27.1),
+        "w8a16": (2, 33.2),
+        "w4a16": (4, 27.2),
+    },
 }
 # a step graph that reads a window of the cache, not all of it, has these many more
 PARTIAL_WINDOW_KERNELS = {"step": 2, "verify": -4}

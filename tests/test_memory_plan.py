@@ -51,7 +51,7 @@ def test_target_kernels_grow_per_layer():
     """The kernel table: a layer adds the same kernels (two or more) to every graph of a kind; a
     step graph over a window of the cache has two more, a verify graph four fewer (as built)."""
     for kind in ("prefill", "step", "verify"):
-        for precision in ("fp32", "fp16", "int8", "w4a16"):
+        for precision in ("fp32", "fp16", "int8", "w8a16", "w4a16"):
             counts = [kernels(kind, precision, layers) for layers in (2, 6, 10)]
             assert abs((counts[2] - counts[1]) - (counts[1] - counts[0])) <= 1  # rounding
             assert counts[1] - counts[0] >= 8
