@@ -46,7 +46,7 @@ from lantern_rt.plan_sizes import built_plans, graph_weights, kernels, plan_byte
 
 # a TensorRT for RTX build's peak host memory (the process, the ONNX graph, the parsed network,
 # the plan): BUILD_BASE plus BUILD_PER_PLAN_BYTE x the plan's size, measured on fp32, fp16 and
-# int8 plans of 4 to 182 MB within 5%; an int4-weight plan's build peaked up to 13% above it
+# int8 plans of 4 to 182 MB within 5%; an int4-weight plan's build peaked up to 14% above it
 BUILD_BASE = 470_000_000
 BUILD_PER_PLAN_BYTE = 3.6
 INDEX_BYTES = 8  # the neighbour table is int64
