@@ -51,7 +51,7 @@ DEVICES: tuple[Device, ...] = (
         memory=8 * GIB,
         source="NVIDIA Jetson Orin Nano Series data sheet: 8GB 128-bit LPDDR5, shared by CPU and GPU",
         reserved=2 * GIB,
-        reserved_for="firmware carve-outs (Linux sees about 7.4 GiB), a headless Ubuntu, the Python "
+        reserved_for="firmware carve-outs (users report Linux seeing 7.2-7.4 GiB), a headless Ubuntu, the Python "
         "process with torch and the CUDA context",
         unified=True,
         tensorrt=JETSON_TENSORRT,
@@ -112,3 +112,17 @@ def device_named(key: str) -> Device:
         if device.key == key:
             return device
     raise UserError(f"unknown device {key!r}: choose from {', '.join(d.key for d in DEVICES)}")
+
+
+def device_table() -> list[str]:
+    """docs/jetson.md's device table, a Markdown row per device."""
+    lines = [
+        "| `--device` | device | compute capability | memory, GiB | source | kept back, GiB | for | usable, GiB |",
+        "|---|---|---|---:|---|---:|---|---:|",
+    ]
+    for d in DEVICES:
+        lines.append(
+            f"| {d.key} | {d.name} | {d.compute_capability} | {d.memory / GIB:.2f} | {d.source} | "
+            f"{d.reserved / GIB:.1f} | {d.reserved_for} | {d.usable / GIB:.2f} |"
+        )
+    return lines

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from lantern_rt.cli import main
-from lantern_rt.devices import DEVICES, device_named
+from lantern_rt.devices import DEVICES, device_named, device_table
 from lantern_rt.memory_plan import (
     PRECISIONS,
     ExportLayout,
@@ -95,11 +95,12 @@ def _layout() -> ExportLayout:
     return ExportLayout((1,), 257, (257,), 1, 256, True, (), False, False)
 
 
-def test_the_fit_table_of_docs_jetson_is_the_generated_one():
-    """docs/jetson.md holds fit_table()'s rows as they are: rerun it when the plan changes."""
+def test_the_tables_of_docs_jetson_are_the_generated_ones():
+    """docs/jetson.md holds device_table()'s and fit_table()'s rows as they are: regenerate them
+    when the devices or the plan change."""
     text = (ROOT / "docs" / "jetson.md").read_text()
-    missing = [line for line in fit_table() if line not in text]
-    assert not missing, f"docs/jetson.md's fit table is stale; first differing row: {missing[0]}"
+    missing = [line for line in [*device_table(), *fit_table()] if line not in text]
+    assert not missing, f"docs/jetson.md's tables are stale; first differing row: {missing[0]}"
 
 
 def test_info_json_of_a_published_model_parses():
