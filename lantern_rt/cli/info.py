@@ -153,16 +153,15 @@ def plan_lines(plan, devices, detailed: bool = False) -> list[str]:
             activations = sum(g.activations for g in p.loaded(b))
             row += f" {size(sum(p.kv[b])):>11} {size(activations):>11} {size(p.need(b)):>11}"
         lines.append(row + f" {size(p.neighbours):>11} {size(p.build_peak()):>11}")
-    if len(plan.precisions) == 1:
-        lines += ["", *graph_lines(next(iter(plan.precisions.values())))]
+    only = next(iter(plan.precisions.values()))
+    if len(plan.precisions) == 1 and not only.refused:
+        lines += ["", *graph_lines(only)]
     lines += ["", *device_lines(plan, devices, detailed)]
     return lines
 
 
 def graph_lines(p) -> list[str]:
     """One precision's plans, graph by graph."""
-    if p.refused:
-        return []
     lines = [f"{'graph':<26} {'weights':>11} {'kernels':>7} {'predicted':>11} {'built':>11} {'error':>7}"]
     for g in p.graphs:
         error = f"{(g.predicted / g.built - 1) * 100:+.1f}%" if g.built else ""
