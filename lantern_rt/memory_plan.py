@@ -50,6 +50,7 @@ from lantern_rt.plan_sizes import built_plans, graph_weights, kernels, plan_byte
 BUILD_BASE = 470_000_000
 BUILD_PER_PLAN_BYTE = 3.6
 INDEX_BYTES = 8  # the neighbour table is int64
+EXPORT_NEIGHBORS_K = 1000  # latent neighbours a bundle keeps per code: the exporter's NEIGHBORS_K
 VQ_LIVE_TENSORS = 3  # a VQ decoder's block at full resolution: its input, its output, the residual
 
 
@@ -525,10 +526,11 @@ def model_layout(
     model: ModelShape, trees: Sequence[str], batch_sizes: Sequence[int], windows: int, guided: bool = True
 ) -> ExportLayout:
     """The layout of the bundle ``lantern export`` writes for ``model`` with these trees, batch
-    sizes and cache windows (every tree drafted with a drafter; without one, only Jacobi
-    windows are verified)."""
-    from lantern_rt.export.exporter import verified
+    sizes and cache windows (every tree drafted and verified with a drafter; without one, only
+    Jacobi windows are verified: the exporter's ``verified``, which only the command line may
+    import)."""
     from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
+    from lantern_rt.runtime.jacobi import is_window
     from lantern_rt.runtime.kv_cache import cache_windows
     from lantern_rt.runtime.tree import load_tree
 
@@ -538,7 +540,7 @@ def model_layout(
     for i, name in enumerate(trees):
         tree = load_tree(name, max_width=MAX_DRAFT_WIDTH)
         draft = draft_graph_name(i) if model.drafter_layers else None
-        verify = verify_graph_name(i) if verified(tree, model.drafter_layers > 0) else None
+        verify = verify_graph_name(i) if model.drafter_layers or is_window(tree) else None
         shapes.append(TreeShape.of(name, tree.paths, draft, verify))
     return ExportLayout(
         tuple(batch_sizes),
@@ -562,11 +564,9 @@ def model_plan(
 ) -> MemoryPlan:
     """The memory plan of the bundles of ``layout`` that ``model`` would export, one per
     precision, every weight counted from its shapes."""
-    from lantern_rt.export.exporter import NEIGHBORS_K
-
     parts = model_weights(model)
     params, weights = weight_summary(parts)
-    k = min(NEIGHBORS_K, model.gpt.vocab_size - 1)
+    k = min(EXPORT_NEIGHBORS_K, model.gpt.vocab_size - 1)
     neighbours = model.gpt.vocab_size * k * INDEX_BYTES
     plans = {p: precision_plan(model, layout, PRECISIONS[p], parts, neighbours) for p in precisions}
     return MemoryPlan(source, where, model, layout, params, weights, plans)

@@ -59,6 +59,23 @@ def test_target_kernels_grow_per_layer():
     assert kernels("verify", "fp16", 6, full_window=False) == kernels("verify", "fp16", 6) - 4
 
 
+def test_the_export_rules_restated_are_the_exporter_s():
+    """The plan restates two of the exporter's rules (only the command line imports export/):
+    the neighbours a bundle keeps per code, and which trees get a verify graph."""
+    from lantern_rt.export import exporter
+    from lantern_rt.memory_plan import EXPORT_NEIGHBORS_K, ModelShape, model_layout
+    from lantern_rt.runtime.tree import load_tree
+
+    assert EXPORT_NEIGHBORS_K == exporter.NEIGHBORS_K
+    names = ("chain-5", "naive_extend_57", "pac-2-2-7", "mc_sim_7b_63")
+    base = REFERENCE_MODELS["llamagen-b"]()
+    for layers in (0, 1):
+        model = ModelShape(base.name, base.family, base.gpt, base.vq, base.image_size, layers)
+        layout = model_layout(model, names, [1], 1)
+        verified = [t.verify is not None for t in layout.trees]
+        assert verified == [exporter.verified(load_tree(n), layers > 0) for n in names]
+
+
 @pytest.mark.parametrize(
     ("name", "params"),
     [("llamagen-b", 111e6), ("llamagen-l", 343e6), ("llamagen-xl", 775e6), ("llamagen-xxl", 1.4e9)],
