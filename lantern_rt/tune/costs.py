@@ -24,7 +24,7 @@ from lantern_rt.tune.session import Candidate, DecodeRun
 # Rounds of one batch per candidate, the candidates in turn (a load that comes and goes on a shared
 # machine weighs on each alike): at least MIN_ROUNDS, then until a candidate's mean step moves by
 # less than SETTLED between its rounds, at most MAX_ROUNDS
-MIN_ROUNDS, MAX_ROUNDS, SETTLED = 2, 5, 0.03
+MIN_ROUNDS, MAX_ROUNDS, SETTLED = 3, 6, 0.03
 
 
 @dataclass(frozen=True)

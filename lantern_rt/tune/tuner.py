@@ -188,20 +188,29 @@ class Tuner:
                     f"--method {method.method} drafts with a drafter, which {self.info.name} lacks"
                 )
 
-    def calibration(self, jacobi: bool) -> StaticTree:
-        """The tree a method's acceptance is counted over: the spine, or a pac window, within the
-        image's tokens (a bundle's: its largest tree the method can run)."""
+    def calibration(self, jacobi: bool) -> list[StaticTree]:
+        """The trees a method's acceptance is counted over, within the image's tokens: a drafter's
+        spine (every rank below the rank-0 path) and the chain of its depth, pooled; a Jacobi
+        window's pac tree; a bundle's largest tree the method runs and its deepest chain. A step
+        starts where its tree's last step ended, so the spine alone (a wide tree, past hard
+        places in fewer steps) sees easier starts than a chain does: the pooled counts sit
+        between the two."""
         if self.is_bundle:
             usable = self._bundle_trees(jacobi)
             if not usable:
                 kind = "chain or pac verify graph" if jacobi else "drafting graph"
                 raise ConfigError(f"bundle {self.source.path} has no {kind} to calibrate on")  # type: ignore[union-attr]
-            return max(usable, key=lambda t: t.num_nodes)
+            chains = [t for t in usable if t.is_chain]
+            picked = [
+                max(usable, key=lambda t: t.num_nodes),
+                *([max(chains, key=lambda t: t.num_nodes)] if chains else []),
+            ]
+            return list({t.paths: t for t in picked}.values())
         depth = min(CALIBRATION_DEPTH, self.tokens - 2)
         if jacobi:
             width = min(CALIBRATION_WIDTH, self.tokens - 2)
-            return pac_tree(width, 1, width + depth - 1) if width >= 2 else chain_tree(depth)
-        return calibration_tree(CALIBRATION_WIDTH, depth)
+            return [pac_tree(width, 1, width + depth - 1) if width >= 2 else chain_tree(depth)]
+        return [calibration_tree(CALIBRATION_WIDTH, depth), chain_tree(depth)]
 
     def _bundle_trees(self, jacobi: bool) -> list[StaticTree]:
         bundle = self.source
@@ -241,31 +250,31 @@ class Tuner:
         self.progress.start(
             len(opts.methods) + len(self.batch_sizes) * (MAX_ROUNDS + 1) + sum(slices.values())
         )
-        session = self._session([*calibration.values(), *(t for ts in named.values() for t in ts)])
+        session = self._session(
+            [*(t for ts in calibration.values() for t in ts), *(t for ts in named.values() for t in ts)]
+        )
         tables = {rule_label(m): self._acceptance(session, m, calibration[m.jacobi]) for m in opts.methods}
-        costs = {b: self._costs(session, b, named) for b in self.batch_sizes}
-        tuned = {
-            (m, b): self._search(costs[b], tables[rule_label(m)], calibration[m.jacobi], m.jacobi)
-            for m in opts.methods
-            for b in self.batch_sizes
-        }
-        tuned_trees = self._name_tuned(tuned)
+        costs: dict[int, CostModel] = {}
+        tuned_trees: dict[tuple, StaticTree] = {}  # by paths, named tuned, tuned-2, ...
         rows: list[Row] = []
         notes: list[str] = []
-        for b in self.batch_sizes:
-            chosen = [tuned_trees[c.tree.paths] for m in opts.methods if (c := tuned[m, b]) is not None]
-            tuned_session, note = self._tuned_session(session, chosen, b)
+        for b in self.batch_sizes:  # costs, search and candidates of one size close together in time
+            costs[b] = self._costs(session, b, named)
+            tuned = {
+                m: self._tuned(self._search(costs[b], tables[rule_label(m)], m.jacobi), tuned_trees)
+                for m in opts.methods
+            }
+            tuned_session, note = self._tuned_session(
+                session, [t for t in tuned.values() if t is not None], b
+            )
             notes += note
             candidates: list[tuple[Candidate, TuneSession | None, AcceptanceTable | None, bool]] = [
                 (Candidate(MethodConfig("ar")), session, None, False)
             ]
             for m in opts.methods:
                 table = tables[rule_label(m)]
-                choice = tuned[m, b]
-                if choice is not None:
-                    candidates.append(
-                        (Candidate(m, tuned_trees[choice.tree.paths]), tuned_session, table, True)
-                    )
+                if (tree := tuned[m]) is not None:
+                    candidates.append((Candidate(m, tree), tuned_session, table, True))
                 candidates += [(Candidate(m, tree), session, table, False) for tree in named[m.jacobi]]
             rows += self._measure(candidates, b, costs[b], slices[b])
             for m in opts.methods:
@@ -288,7 +297,7 @@ class Tuner:
 
     def _session(self, trees: Sequence[StaticTree], batch_sizes: Sequence[int] | None = None) -> TuneSession:
         """The session over the source bundle, or over the cached export of ``trees`` (repeats
-        dropped) for ``batch_sizes`` (None: every batch size tuned)."""
+        dropped, by name) for ``batch_sizes`` (None: every batch size tuned)."""
         bundle = self.source
         if not isinstance(bundle, Bundle):
             unique: dict[tuple, StaticTree] = {}
@@ -302,21 +311,24 @@ class Tuner:
                 shape,
                 batch_sizes=sizes,
                 in_place=self.in_place,
-                trees=list(unique.values()),
+                trees=sorted(unique.values(), key=lambda t: t.name),  # one export whatever the order
             )
             bundle = open_bundle(path)
         return TuneSession(bundle, self.backend, self.options.device, self.options.threads, self.sampling)
 
-    def _acceptance(self, session: TuneSession, method: MethodConfig, tree: StaticTree) -> AcceptanceTable:
-        """``method``'s acceptance per position, counted over ``tree`` in calibration decodes (B = 1)."""
-        counts = AcceptanceCounts(tree.max_depth, tree.width)
-        candidate = Candidate(method, tree)
+    def _acceptance(
+        self, session: TuneSession, method: MethodConfig, trees: Sequence[StaticTree]
+    ) -> AcceptanceTable:
+        """``method``'s acceptance per position, counted over each of ``trees`` in calibration
+        decodes (B = 1), pooled."""
+        counts = AcceptanceCounts(max(t.max_depth for t in trees), max(t.width for t in trees))
 
         def watch(verified_tree: StaticTree, out: Any) -> None:
             counts.count_step(verified_tree, out.kept[0].tolist(), int(out.length[0]))
 
         self.progress.tick(f"acceptance of {rule_label(method)}")
-        session.decode(candidate, 1, self.options.calibration_images, SEED + 1000, watch)
+        for tree in trees:
+            session.decode(Candidate(method, tree), 1, self.options.calibration_images, SEED + 1000, watch)
         return counts.table(rule_label(method))
 
     def _costs(self, session: TuneSession, batch: int, named: dict[bool, list[StaticTree]]) -> CostModel:
@@ -333,27 +345,28 @@ class Tuner:
         )
         return CostModel(batch, tuple(costs))
 
-    def _search(
-        self, model: CostModel, table: AcceptanceTable, calibration: StaticTree, jacobi: bool
-    ) -> Choice | None:
-        """The tree of the most predicted tokens per second for a method at one batch size."""
+    def _search(self, model: CostModel, table: AcceptanceTable, jacobi: bool) -> Choice | None:
+        """The tree of the most predicted tokens per second for a method at one batch size,
+        within the positions its acceptance table holds."""
         p = table.probabilities()
-        depth = min(calibration.max_depth, self.tokens - 2)
+        depth, width = table.shape
+        depth = min(depth, self.tokens - 2)
         nodes = min(model.max_nodes, self.tokens - 2)
         if jacobi:
-            windows = _window_candidates(nodes, depth, calibration.width)
+            windows = _window_candidates(nodes, depth, width)
             found = [Choice(t, expected_tokens(t, p), model.step(t, True)) for t in windows]
             return max(found, key=lambda c: c.rate, default=None)
-        return fastest_tree(p, model.step, nodes, depth, min(calibration.width, MAX_DRAFT_WIDTH))
+        return fastest_tree(p, model.step, nodes, depth, min(width, MAX_DRAFT_WIDTH))
 
-    def _name_tuned(self, tuned: dict[tuple[MethodConfig, int], Choice | None]) -> dict[tuple, StaticTree]:
-        """Each distinct tuned tree by its paths, named ``tuned`` (the first), ``tuned-2``, ..."""
-        names: dict[tuple, StaticTree] = {}
-        for choice in tuned.values():
-            if choice is not None and choice.tree.paths not in names:
-                name = TUNED_TREE if not names else f"{TUNED_TREE}-{len(names) + 1}"
-                names[choice.tree.paths] = replace(choice.tree, name=name)
-        return names
+    def _tuned(self, choice: Choice | None, names: dict[tuple, StaticTree]) -> StaticTree | None:
+        """The tree of ``choice`` under its name among the tuned ``names`` (by its paths):
+        ``tuned`` for the first, ``tuned-2``, ... for others, added there."""
+        if choice is None:
+            return None
+        if choice.tree.paths not in names:
+            name = TUNED_TREE if not names else f"{TUNED_TREE}-{len(names) + 1}"
+            names[choice.tree.paths] = replace(choice.tree, name=name)
+        return names[choice.tree.paths]
 
     def _tuned_session(
         self, session: TuneSession, trees: Sequence[StaticTree], batch: int
