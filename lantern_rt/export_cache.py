@@ -9,13 +9,13 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST
+from lantern_rt.cache_paths import cache_folder, model_fingerprint
 from lantern_rt.fileio import WriteError, held
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
@@ -28,20 +28,8 @@ if TYPE_CHECKING:
 
 
 def cache_root() -> Path:
-    """Where exported bundles are cached: ``$LANTERN_CACHE`` or ``~/.cache/lantern-rt``."""
-    return Path(os.environ.get("LANTERN_CACHE", Path.home() / ".cache" / "lantern-rt")) / "bundles"
-
-
-def model_fingerprint(md: ModelDir) -> str:
-    """sha256 over the model's config and every weight file it names (folders included)."""
-    h = hashlib.sha256((md.root / "config.json").read_bytes())
-    for key in sorted(md.files):
-        path = md.path(key)
-        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            if file.is_file() and file.name != "train_state.pt":
-                h.update(file.name.encode())
-                h.update(file.read_bytes())
-    return h.hexdigest()
+    """Where exported bundles are cached: ``bundles/`` of the cache folder (:func:`cache_folder`)."""
+    return cache_folder() / "bundles"
 
 
 def cached_bundle(

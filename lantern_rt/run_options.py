@@ -26,6 +26,7 @@ from lantern_rt.runtime.method import COUPLINGS, DEFAULT_COUPLING, METHODS
 from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, MAX_BATCH_SIZE, MAX_STREAMS
 
 DEFAULT_WINDOW = 5  # a Jacobi window's draft positions, when neither window nor tree is given
+AUTO = "auto"  # the method of a run that names none: its tuning record's choice, else the defaults
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,15 @@ class RunOptions:
         None,
         "Decoding method: plain autoregressive, exact speculative, or relaxed (LANTERN, LANTERN++); "
         "sjd and sjd++ need no drafter: a Jacobi window drafted from the target's own distributions, "
-        "exact or with LANTERN++'s neighbour credit. Default: lantern++ when the model has a drafter, "
-        "else ar.",
-        choices=METHODS,
+        "exact or with LANTERN++'s neighbour credit. Default: auto: with no tree given, the method and "
+        "tree this machine's tuning record chose for the batch size ('lantern tune'; AR where "
+        "speculation did not pay), else lantern++ when the model has a drafter, else ar.",
+        choices=(*METHODS, AUTO),
     )
     tree: str | None = declared(
         None,
-        "Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, or a JSON file of paths (sjd, sjd++: "
+        "Static draft tree: naive_extend_57, mc_sim_7b_63, chain-N, tuned (the tree 'lantern tune' chose), "
+        "or a JSON file of paths (sjd, sjd++: "
         "chain-N or pac-K-D-N). Default: the bundle's first tree, else chain-5 on a CPU (a tree's cost "
         "grows with its size there; measured best in BENCHMARKS.md), naive_extend_57 on a GPU "
         "(tensorrt, or a CUDA device).",

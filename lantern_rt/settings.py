@@ -11,6 +11,7 @@ and what ``lantern calibrate`` drives a bundle with (:func:`calibration_method`)
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lantern_rt.backends import MODEL, Backend, EngineOptions, backend_named, default_backend
 from lantern_rt.errors import option, warn
 from lantern_rt.models.config import ConfigError
-from lantern_rt.run_options import DEFAULT_WINDOW, RunOptions, option_types
+from lantern_rt.run_options import AUTO, DEFAULT_WINDOW, RunOptions, option_types
 from lantern_rt.runtime.method import (
     COUPLINGS as COUPLINGS,  # the commands' choices and the tests read the methods here too
 )
@@ -105,8 +106,9 @@ def resolve(
     """The plan of a run of ``source`` (a model directory or an opened bundle) with ``options``,
     for ``images`` images when known (None: any number; the streams of ``streams`` None are
     chosen for it). What the options leave None gets its default: the backend from the device
-    and what is installed (:func:`~lantern_rt.backends.default_backend`), the method from
-    whether there is a drafter (lantern++, else ar), the tree from the bundle (its first) or the
+    and what is installed (:func:`~lantern_rt.backends.default_backend`), the method and tree
+    from this machine's tuning record (:func:`tuned_method`), else the method from whether
+    there is a drafter (lantern++, else ar), the tree from the bundle (its first) or the
     backend's device (:func:`default_tree`; a Jacobi method's: the chain of its ``window``), the
     sampling from the model (:func:`default_sampling`). Every refusal of the options is raised
     here, before any work (an export, a model's weights loaded), as a :class:`ConfigError` or the
@@ -117,8 +119,8 @@ def resolve(
     record = backend_named(options.backend or default_backend(options.device, is_bundle, drafter is not None))
     record.check_available()  # before any export: without its engine there is nothing to run it
     info = _info(source)
-    method = default_method(source, options.method, drafter)
-    tree = options.tree
+    name, tree = tuned_method(source, options, record, drafter)
+    method = default_method(source, name, drafter)
     if method in JACOBI_METHODS:
         tree = window_tree(method, tree, options.window, info.gpt.block_size)
     elif options.window is not None:
@@ -156,6 +158,26 @@ def resolve(
     _check_engine(plan, record)
     _check_source(plan)
     return plan
+
+
+def tuned_method(
+    source: ModelDir | Bundle, options: RunOptions, record: Backend, drafter: str | None
+) -> tuple[str | None, str | None]:
+    """(method, tree) of a run before the defaults: the options', ``--tree tuned`` standing for
+    the tuning record's tree; for a run that names no method (or ``auto``), no tree, no window and
+    no drafter, what this machine's tuning record chose for its batch size on its backend (said in
+    one line; a record from another machine or version is ignored with a one-line note)."""
+    from lantern_rt.tune.record import TUNED_TREE, tuned_choice, tuned_tree_spec
+
+    method = None if options.method == AUTO else options.method
+    if options.tree == TUNED_TREE:
+        return method, tuned_tree_spec(source)
+    if method is None and options.tree is None and options.window is None and drafter is None:
+        choice = tuned_choice(source, record.name, record.package, options.batch_size)
+        if choice is not None:
+            print(choice.note, file=sys.stderr)
+            return choice.method, choice.tree
+    return method, options.tree
 
 
 def method_options(method: MethodConfig) -> dict[str, Any]:

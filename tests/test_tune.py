@@ -13,12 +13,19 @@ from click.testing import CliRunner
 
 from lantern_rt.cli import main
 from lantern_rt.families.loading import open_bundle, open_model_dir
-from lantern_rt.runtime.tree import load_tree
-from lantern_rt.settings import MethodConfig
+from lantern_rt.run_options import RunOptions
+from lantern_rt.runtime.tree import build_tree, load_tree
+from lantern_rt.settings import MethodConfig, resolve
 from lantern_rt.tune import record as records
 from lantern_rt.tune.costs import MAX_ROUNDS, MIN_ROUNDS, CostModel, StepCost, batch_drain, measure
-from lantern_rt.tune.lookup import named_tree, record_path
-from lantern_rt.tune.record import RecordError, read_record, this_machine, write_record
+from lantern_rt.tune.record import (
+    RecordError,
+    named_tree,
+    read_record,
+    record_path,
+    this_machine,
+    write_record,
+)
 from lantern_rt.tune.session import Candidate, DecodeRun
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle
@@ -27,7 +34,7 @@ HERE = this_machine("onnxruntime", "onnxruntime")
 RECORD = {
     "machine": HERE,
     "batch_sizes": {"1": {"choice": {"label": "lantern++ tuned"}}},
-    "tuned_tree": {"name": "tuned", "paths": [[0], [1], [0, 0]]},
+    "tuned_trees": {"tuned": [[0], [1], [0, 0]]},
 }
 
 
@@ -36,9 +43,9 @@ def test_a_record_round_trips(tmp_path: Path) -> None:
     write_record(path, RECORD)
     data = read_record(path, HERE)
     assert {k: data[k] for k in RECORD} == json.loads(json.dumps(RECORD))
-    assert records.record_tree(data).paths == ((0,), (1,), (0, 0))
+    assert records.record_tree(data, path).paths == ((0,), (1,), (0, 0))
     assert load_tree(str(records.tree_file(path))).paths == ((0,), (1,), (0, 0))  # --tree FILE
-    write_record(path, {**RECORD, "tuned_tree": None})  # AR everywhere: no tree file left
+    write_record(path, {**RECORD, "tuned_trees": {}})  # AR everywhere: no tree file left
     assert sorted(p.name for p in path.parent.iterdir()) == ["tuning.json"]
 
 
@@ -83,12 +90,12 @@ def test_ctrl_c_while_writing_leaves_no_half_written_record(tmp_path: Path, monk
 
     monkeypatch.setattr(Path, "write_bytes", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        write_record(path, {**RECORD, "tuned_tree": None})
+        write_record(path, {**RECORD, "tuned_trees": {}})
     monkeypatch.undo()
     assert path.read_bytes() == before  # the old record, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "tuning.json",
-        "tuning.tree.json",
+        "tuning.tuned.json",
     ]  # no temporary file
     fresh = tmp_path / "new.json"
     monkeypatch.setattr(Path, "write_bytes", interrupted)
@@ -219,3 +226,68 @@ def test_bad_input_to_tune_is_one_line_exit_2(
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and says in result.output and result.output.count("\n") == 1
     assert not (tmp_path / "cache").exists()  # refused before any export
+
+
+def _choice(label: str, method: str, tree: dict | None) -> dict:
+    return {"choice": {"label": label, "method": method, "tree": tree, "measured_s_per_image": 0.25}}
+
+
+TUNED_PATHS = [[0], [0, 0], [0, 0, 0], [1]]
+CHOICES = {
+    "1": _choice("lantern++ tuned", "lantern++", {"name": "tuned", "paths": TUNED_PATHS}),
+    "2": _choice("lantern++ chain-3", "lantern++", {"name": "chain-3", "paths": [[0], [0, 0], [0, 0, 0]]}),
+    "8": _choice("ar", "ar", None),
+}
+
+
+@pytest.fixture
+def demo(tmp_path: Path, monkeypatch):
+    """The demo with a tuning record of this machine (onnxruntime) in a cache of the test's own."""
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    md = open_model_dir(None)
+    record = {"machine": HERE, "batch_sizes": CHOICES, "tuned_trees": {"tuned": TUNED_PATHS}}
+    write_record(record_path(md), record)
+    return md
+
+
+def _resolved(md, capsys, **options):
+    plan = resolve(md, RunOptions(**options))
+    return plan.method.method, plan.method.tree, capsys.readouterr().err
+
+
+def test_a_run_that_names_no_method_follows_the_record_of_this_machine(demo, capsys) -> None:
+    method, tree, said = _resolved(demo, capsys)
+    assert method == "lantern++" and load_tree(tree).paths == build_tree(TUNED_PATHS).paths
+    assert said.count("\n") == 1 and "tuning record of this machine" in said and "lantern++ tuned" in said
+    assert _resolved(demo, capsys, method="auto")[:2] == (method, tree)
+    assert _resolved(demo, capsys, batch_size=2)[:2] == ("lantern++", "chain-3")
+    assert _resolved(demo, capsys, batch_size=8)[0] == "ar"  # speculation did not pay there
+    method, tree, said = _resolved(demo, capsys, batch_size=4)
+    assert (method, tree) == ("lantern++", "chain-5") and "no choice for batch size 4" in said
+    assert _resolved(demo, capsys, method="exact")[:2] == ("exact", "chain-5")  # an explicit method wins
+    assert _resolved(demo, capsys, tree="chain-3")[:2] == ("lantern++", "chain-3")  # so does a tree
+    method, tree, _ = _resolved(demo, capsys, tree="tuned")
+    assert load_tree(tree).paths == build_tree(TUNED_PATHS).paths
+    assert [t.paths for t in records.export_trees(demo, "onnxruntime", "onnxruntime")] == [
+        build_tree(TUNED_PATHS).paths,
+        ((0,), (0, 0), (0, 0, 0)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "says"),
+    [
+        (lambda path: path.write_bytes(b"{not json"), "is corrupt"),
+        (
+            lambda path: write_record(
+                path, {"machine": {**HERE, "cpu": "Another CPU"}, "batch_sizes": CHOICES, "tuned_trees": {}}
+            ),
+            "another machine or version: cpu 'Another CPU'",
+        ),
+    ],
+)
+def test_a_record_of_another_machine_or_corrupt_is_ignored_in_one_line(demo, capsys, spoil, says) -> None:
+    spoil(record_path(demo))
+    method, tree, said = _resolved(demo, capsys)
+    assert (method, tree) == ("lantern++", "chain-5")  # today's defaults
+    assert said.startswith("warning: ignored:") and says in said and said.count("\n") == 1

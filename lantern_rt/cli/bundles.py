@@ -28,8 +28,8 @@ from lantern_rt.settings import (
     multiple=True,
     help="Static tree(s) to export verify/draft graphs for (repeatable): preset, chain-N, pac-K-D-N (a Jacobi window of --method sjd), "
     "tuned (the tree 'lantern tune' chose for the model) or JSON file. "
-    f"Default: the tree 'lantern generate' chooses on --device: {CPU_DEFAULT_TREE} on a CPU, "
-    f"{GPU_DEFAULT_TREE} on a GPU.",
+    "Default: the trees this machine's tuning record chose ('lantern tune'), else the tree 'lantern "
+    f"generate' chooses on --device: {CPU_DEFAULT_TREE} on a CPU, {GPU_DEFAULT_TREE} on a GPU.",
 )
 @click.option(
     "--device",
@@ -94,17 +94,23 @@ def export_cmd(
     quiet,
 ):
     """Export fixed-shape ONNX graphs and a manifest (the bundle), each checked against torch."""
+    from lantern_rt.backends import backend_named, default_backend
     from lantern_rt.export.exporter import export_bundle
     from lantern_rt.families.loading import open_model_dir
     from lantern_rt.graph_spec import IN_PLACE_OPSET
-    from lantern_rt.settings import export_tree
-    from lantern_rt.tune.lookup import named_tree
+    from lantern_rt.settings import export_tree, machine_device
+    from lantern_rt.tune.record import export_trees, named_tree
 
     t0 = time.perf_counter()
     default_tree = export_tree(device)  # checks --device, given or not a --tree
-    trees = trees or (default_tree,)
     md = open_model_dir(model_path)
     parsed = [named_tree(t, md) for t in trees]
+    if not parsed:  # the trees this machine's tuning record chose, else the device's default
+        runner = backend_named(
+            default_backend(device or machine_device(), bundle=True, drafter_override=False)
+        )
+        parsed = export_trees(md, runner.name, runner.package) or [named_tree(default_tree, md)]
+    trees = [t.name for t in parsed]
     sizes = parse_batch_sizes(batch_sizes)
     export_bundle(
         md,

@@ -205,10 +205,11 @@ def report(result) -> list[str]:
             f"B = {b}: {choice.label}, {choice.measured_seconds_per_image:.4f} s/image measured "
             f"({choice.seconds_per_image:.4f} predicted)"
         )
-    if record["tuned_tree"] is not None:
+    for name, paths in record["tuned_trees"].items():
+        lines.append(f"{name}: {paths} (lantern export --tree {tree_file(result.path, name)})")
+    if record["tuned_trees"]:
         lines.append(
-            f"tuned tree: {record['tuned_tree']['paths']} (lantern export --tree tuned, or --tree "
-            f"{tree_file(result.path)})"
+            "lantern export --tree tuned exports the first; a run with no --method and no --tree follows the choices"
         )
     lines += result.notes
     lines.append(f"record: {result.path} ({result.seconds:.0f} s)")

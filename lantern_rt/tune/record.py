@@ -4,9 +4,12 @@ previous record or none, never a part). A record holds the machine it was measur
 cores, GPU, backend and versions, :func:`this_machine`); one from another machine or version is
 refused by :func:`read_record` with one line saying what differs.
 
-Where it lives: beside a bundle (``BUNDLE/tuning.json``), or for a model directory in the export
-cache's ``tuning/`` folder, by the model's name and fingerprint (:func:`model_record_path`); the
-tuned tree also in a file of its own beside it (:func:`tree_file`).
+Where it lives (:func:`record_path`): beside a bundle (``BUNDLE/tuning.json``), or for a model
+directory in the cache folder's ``tuning/``, by the model's name and fingerprint; each tuned tree
+also in a file of its own beside it (:func:`tree_file`). What reads it: a run that names no
+method and no tree (:func:`tuned_choice`, the run's ``auto`` method), ``--tree tuned``
+(:func:`tuned_tree_spec`, :func:`named_tree`) and ``lantern export`` with no ``--tree``
+(:func:`export_trees`).
 """
 
 from __future__ import annotations
@@ -14,13 +17,20 @@ from __future__ import annotations
 import importlib
 import json
 import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lantern_rt.errors import LanternError
+from lantern_rt.bundle import Bundle
+from lantern_rt.cache_paths import cache_folder, model_fingerprint
+from lantern_rt.errors import LanternError, warn
 from lantern_rt.fileio import write_together
+from lantern_rt.models.model_dir import ModelDir
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.run_shape import available_cores
-from lantern_rt.runtime.tree import StaticTree, TreeError, build_tree
+from lantern_rt.runtime.tree import StaticTree, TreeError, build_tree, load_tree
 from lantern_rt.version import package_version
 
 FORMAT = "lantern-rt-tuning"
@@ -34,15 +44,12 @@ class RecordError(LanternError, ValueError):
     """A tuning record that is corrupt, of another format, or from another machine or version."""
 
 
-def bundle_record_path(bundle: Path) -> Path:
-    """A bundle's record: ``BUNDLE/tuning.json``."""
-    return Path(bundle) / BUNDLE_RECORD
-
-
-def model_record_path(cache: Path, name: str, fingerprint: str) -> Path:
-    """A model directory's record in the export cache folder ``cache`` (the parent of its
-    ``bundles/``): ``tuning/NAME-FINGERPRINT16.json``."""
-    return Path(cache) / "tuning" / f"{name}-{fingerprint[:16]}.json"
+def record_path(source: ModelDir | Bundle) -> Path:
+    """Where ``source``'s tuning record lives: ``BUNDLE/tuning.json`` beside a bundle's manifest,
+    or ``tuning/NAME-FINGERPRINT16.json`` in the cache folder for a model directory."""
+    if isinstance(source, Bundle):
+        return source.path / BUNDLE_RECORD
+    return cache_folder() / "tuning" / f"{source.name}-{model_fingerprint(source)[:16]}.json"
 
 
 def cpu_name() -> str:
@@ -105,26 +112,29 @@ def differences(recorded: dict[str, Any], here: dict[str, Any]) -> list[str]:
     return found
 
 
-def tree_file(path: Path) -> Path:
-    """The tuned tree's own JSON file beside the record at ``path`` (``NAME.tree.json``), which
-    ``lantern export --tree FILE`` reads."""
-    return Path(path).with_suffix(".tree.json")
+def tree_file(path: Path, name: str = TUNED_TREE) -> Path:
+    """The tuned tree ``name``'s own JSON file beside the record at ``path``
+    (``RECORD.NAME.json``), which ``lantern export --tree FILE`` and a run's tree read."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{name}.json")
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
-    """Write ``record`` (the JSON of a tune) to ``path`` and its tuned tree to :func:`tree_file`,
-    together and atomically: both appear whole or neither does (Ctrl-C, a full disk), their
-    folder made first; a record without a tuned tree removes an older tree file."""
+    """Write ``record`` (the JSON of a tune) to ``path`` and each of its ``tuned_trees`` to its
+    :func:`tree_file`, together and atomically: all appear whole or none does (Ctrl-C, a full
+    disk), their folder made first; the tree files of an older record that this one lacks are
+    removed after."""
+    path = Path(path)
     body = json.dumps({"format": FORMAT, "version": VERSION, **record}, indent=1).encode()
-    writes = {Path(path): lambda tmp: tmp.write_bytes(body)}
-    tree = record.get("tuned_tree")
-    if tree is not None:
-        text = json.dumps(tree).encode()
-        writes[tree_file(path)] = lambda tmp: tmp.write_bytes(text)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    writes: dict[Path, Callable[[Path], object]] = {path: lambda tmp: tmp.write_bytes(body)}
+    for name, paths in (record.get("tuned_trees") or {}).items():
+        text = json.dumps({"name": name, "paths": paths}).encode()
+        writes[tree_file(path, name)] = lambda tmp, text=text: tmp.write_bytes(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_together(writes)
-    if tree is None:
-        tree_file(path).unlink(missing_ok=True)
+    for old in path.parent.glob(f"{path.stem}.{TUNED_TREE}*.json"):
+        if old not in writes:
+            old.unlink(missing_ok=True)
 
 
 def read_record(path: Path, here: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -157,12 +167,131 @@ def read_record(path: Path, here: dict[str, Any] | None = None) -> dict[str, Any
     return data
 
 
-def record_tree(record: dict[str, Any], path: Path | str = "the tuning record") -> StaticTree:
-    """The record's tuned tree (:data:`TUNED_TREE`); :class:`RecordError` when it holds none."""
-    raw = record.get("tuned_tree")
-    if not isinstance(raw, dict) or not isinstance(raw.get("paths"), list):
-        raise RecordError(f"{path} holds no tuned tree: its choice at every batch size is AR")
+def record_tree(record: dict[str, Any], path: Path | str, name: str = TUNED_TREE) -> StaticTree:
+    """The record's tuned tree ``name``; :class:`RecordError` when it holds none."""
+    trees = record.get("tuned_trees")
+    raw = trees.get(name) if isinstance(trees, dict) else None
+    if not isinstance(raw, list):
+        raise RecordError(f"{path} holds no tuned tree {name!r}: its choice at every batch size is AR")
     try:
-        return build_tree(raw["paths"], name=TUNED_TREE)
+        return build_tree(raw, name=name)
     except TreeError as err:
-        raise RecordError(f"{path}: its tuned tree is corrupt: {err}") from None
+        raise RecordError(f"{path}: its tuned tree {name!r} is corrupt: {err}") from None
+
+
+def tuned_tree_spec(source: ModelDir | Bundle) -> str:
+    """What ``--tree tuned`` stands for in a run of ``source``: the tuned tree's file beside its
+    record (whichever machine measured it: the tree was asked for by name); :class:`RecordError`
+    in one line without a record or a tuned tree."""
+    path = record_path(source)
+    if not path.is_file():
+        name = source.path if isinstance(source, Bundle) else source.root
+        raise RecordError(f"no tuning record for {name} (looked for {path}): run 'lantern tune {name}' first")
+    record_tree(read_record(path), path)  # it holds one, whole
+    return str(tree_file(path))
+
+
+def named_tree(spec: str, source: ModelDir | Bundle) -> StaticTree:
+    """The tree ``spec`` names for ``source``: :data:`TUNED_TREE` (its record's, see
+    :func:`tuned_tree_spec`), else :func:`~lantern_rt.runtime.tree.load_tree`'s (a preset,
+    chain-N, pac-K-D-N or a JSON file of paths)."""
+    if spec == TUNED_TREE:
+        return load_tree(tuned_tree_spec(source), MAX_DRAFT_WIDTH)
+    return load_tree(spec, MAX_DRAFT_WIDTH)
+
+
+@dataclass(frozen=True)
+class TunedChoice:
+    """What the record of this machine chose for a batch size: the method (``ar`` included), the
+    tree as a run names it (None for AR), and what was measured, for the run's one line."""
+
+    method: str
+    tree: str | None
+    note: str
+
+
+def _here_record(source: ModelDir | Bundle, backend: str, package: str) -> tuple[Path, dict[str, Any]] | None:
+    """``source``'s record when it was measured here on ``backend``; None without one, or (with
+    a one-line note) for one from another machine or version, or a corrupt one."""
+    path = record_path(source)
+    if not path.is_file():
+        return None
+    try:
+        record = read_record(path)
+    except RecordError as err:
+        warn(f"ignored: {err.message}")
+        return None
+    if record["machine"].get("backend") != backend:
+        return None  # a tune of another backend says nothing of this one's runs
+    if diff := differences(record["machine"], this_machine(backend, package)):
+        warn(
+            f"ignored: the tuning record {path} was measured on another machine or version: {'; '.join(diff)}"
+        )
+        return None
+    return path, record
+
+
+def tuned_choice(
+    source: ModelDir | Bundle, backend: str, package: str, batch_size: int
+) -> TunedChoice | None:
+    """The choice of ``source``'s tuning record for ``batch_size`` images per step on ``backend``
+    (its Python ``package``) on this machine: None without a record for here (a note says why
+    one is ignored) or without that batch size in it (a note names those it has)."""
+    found = _here_record(source, backend, package)
+    if found is None:
+        return None
+    path, record = found
+    choice = record["batch_sizes"].get(str(batch_size), {}).get("choice")
+    if not isinstance(choice, dict):
+        tuned = ", ".join(record["batch_sizes"])
+        warn(
+            f"the tuning record {path} has no choice for batch size {batch_size} (tuned: {tuned}): today's defaults"
+        )
+        return None
+    spec = None
+    if choice.get("tree") is not None:
+        spec = _run_spec(source, path, record, choice["tree"])
+    measured = choice.get("measured_s_per_image")
+    note = (
+        f"the tuning record of this machine ({path}) chose {choice.get('label')} at batch size "
+        f"{batch_size}" + (f" ({measured:.3g} s/image measured)" if isinstance(measured, float) else "")
+    )
+    return TunedChoice(str(choice.get("method")), spec, note)
+
+
+def _run_spec(source: ModelDir | Bundle, path: Path, record: dict[str, Any], tree: dict[str, Any]) -> str:
+    """How a run names the chosen ``tree`` ({name, paths}): a bundle's own tree by its name, a
+    tuned tree by its file, a named one by its name."""
+    paths = tuple(tuple(p) for p in tree.get("paths") or ())
+    if isinstance(source, Bundle):
+        from lantern_rt.runtime.backends.bundle_graphs import bundle_trees
+
+        named = [name for name, t in bundle_trees(source).items() if t.paths == paths]
+        if not named:
+            raise RecordError(f"{path} chose a tree the bundle {source.path} lacks: run lantern tune again")
+        return named[0]
+    name = str(tree.get("name"))
+    return str(tree_file(path, name)) if name in (record.get("tuned_trees") or {}) else name
+
+
+def export_trees(md: ModelDir, backend: str, package: str) -> list[StaticTree]:
+    """The trees ``lantern export`` writes for ``md`` when given none, on a machine whose tuning
+    record (of ``backend``) chose speculation at some batch size: those chosen trees (a note
+    says so); else [] (the export's own default)."""
+    found = _here_record(md, backend, package)
+    if found is None:
+        return []
+    path, record = found
+    trees: dict[tuple, StaticTree] = {}
+    for size in record["batch_sizes"].values():
+        tree = (size.get("choice") or {}).get("tree")
+        if isinstance(tree, dict):
+            loaded = load_tree(_run_spec(md, path, record, tree), MAX_DRAFT_WIDTH)
+            trees.setdefault(loaded.paths, loaded)
+    if trees:
+        print(
+            f"exporting the trees the tuning record of this machine ({path}) chose: "
+            f"{', '.join(t.name for t in trees.values())}",
+            file=sys.stderr,
+        )
+    return list(trees.values())

@@ -32,8 +32,7 @@ from lantern_rt.settings import MethodConfig, default_sampling
 from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree
 from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, measure
 from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree
-from lantern_rt.tune.lookup import record_path
-from lantern_rt.tune.record import TUNED_TREE, this_machine, write_record
+from lantern_rt.tune.record import TUNED_TREE, record_path, this_machine, write_record
 from lantern_rt.tune.session import Candidate, DecodeRun, TuneSession
 
 # The named trees measured beside the tuned one: a drafter's, and a Jacobi window's
@@ -261,7 +260,7 @@ class Tuner:
         for b in self.batch_sizes:  # costs, search and candidates of one size close together in time
             costs[b] = self._costs(session, b, named)
             tuned = {
-                m: self._tuned(self._search(costs[b], tables[rule_label(m)], m.jacobi), tuned_trees)
+                m: self._tuned(self._search(costs[b], tables[rule_label(m)], m.jacobi), m.jacobi, tuned_trees)
                 for m in opts.methods
             }
             tuned_session, note = self._tuned_session(
@@ -358,11 +357,14 @@ class Tuner:
             return max(found, key=lambda c: c.rate, default=None)
         return fastest_tree(p, model.step, nodes, depth, min(width, MAX_DRAFT_WIDTH))
 
-    def _tuned(self, choice: Choice | None, names: dict[tuple, StaticTree]) -> StaticTree | None:
-        """The tree of ``choice`` under its name among the tuned ``names`` (by its paths):
+    def _tuned(
+        self, choice: Choice | None, jacobi: bool, names: dict[tuple, StaticTree]
+    ) -> StaticTree | None:
+        """The tree of ``choice``: a Jacobi window under its own name (chain-N, pac-K-D-N: what
+        makes it a window), a drafter's under its name among the tuned ``names`` (by its paths):
         ``tuned`` for the first, ``tuned-2``, ... for others, added there."""
-        if choice is None:
-            return None
+        if choice is None or jacobi:
+            return None if choice is None else choice.tree
         if choice.tree.paths not in names:
             name = TUNED_TREE if not names else f"{TUNED_TREE}-{len(names) + 1}"
             names[choice.tree.paths] = replace(choice.tree, name=name)
@@ -431,7 +433,6 @@ class Tuner:
         seconds: float,
     ) -> dict[str, Any]:
         """The record's JSON (:mod:`lantern_rt.tune.record` adds its format and version)."""
-        tree = next(iter(tuned.values()), None)  # the first method's at the first batch size
         source = self.source
         return {
             "machine": this_machine(self.backend, self.package),
@@ -463,9 +464,7 @@ class Tuner:
                 }
                 for b in self.batch_sizes
             },
-            "tuned_tree": None
-            if tree is None
-            else {"name": TUNED_TREE, "paths": [list(p) for p in tree.paths]},
+            "tuned_trees": {t.name: [list(p) for p in t.paths] for t in tuned.values()},
             "seconds": seconds,
         }
 
