@@ -284,6 +284,27 @@ def test_a_run_that_names_no_method_follows_the_record_of_this_machine(demo, cap
             ),
             "another machine or version: cpu 'Another CPU'",
         ),
+        (
+            lambda path: write_record(
+                path,
+                {
+                    "machine": HERE,
+                    "batch_sizes": {"1": _choice("x", "lantern++", {"paths": 3})},
+                    "tuned_trees": {},
+                },
+            ),
+            "is corrupt (a choice's tree)",
+        ),
+        (
+            lambda path: write_record(
+                path,
+                {
+                    "machine": HERE,
+                    "batch_sizes": {"1": _choice("x", "lantern++", {"name": "tuned-9", "paths": [[0]]})},
+                },
+            ),
+            "unknown tree 'tuned-9'",
+        ),
     ],
 )
 def test_a_record_of_another_machine_or_corrupt_is_ignored_in_one_line(demo, capsys, spoil, says) -> None:

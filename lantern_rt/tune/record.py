@@ -29,6 +29,7 @@ from lantern_rt.errors import LanternError, warn
 from lantern_rt.fileio import write_together
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
+from lantern_rt.runtime.method import METHODS
 from lantern_rt.runtime.run_shape import available_cores
 from lantern_rt.runtime.tree import StaticTree, TreeError, build_tree, load_tree
 from lantern_rt.version import package_version
@@ -241,28 +242,38 @@ def tuned_choice(
     if found is None:
         return None
     path, record = found
-    choice = record["batch_sizes"].get(str(batch_size), {}).get("choice")
+    entry = record["batch_sizes"].get(str(batch_size))
+    choice = entry.get("choice") if isinstance(entry, dict) else None
     if not isinstance(choice, dict):
         tuned = ", ".join(record["batch_sizes"])
         warn(
-            f"the tuning record {path} has no choice for batch size {batch_size} (tuned: {tuned}): today's defaults"
+            f"the tuning record {path} has no choice for batch size {batch_size} (tuned: {tuned}): "
+            "today's defaults"
         )
         return None
-    spec = None
-    if choice.get("tree") is not None:
-        spec = _run_spec(source, path, record, choice["tree"])
+    try:
+        if choice.get("method") not in METHODS:
+            raise RecordError(f"tuning record {path} chose an unknown method {choice.get('method')!r}")
+        spec = None if choice.get("tree") is None else _run_spec(source, path, record, choice["tree"])
+        if spec is not None and not isinstance(source, Bundle):
+            load_tree(spec, MAX_DRAFT_WIDTH)  # loadable, before the run exports it
+    except (RecordError, TreeError) as err:
+        warn(f"ignored: {err.message}")
+        return None
     measured = choice.get("measured_s_per_image")
     note = (
         f"the tuning record of this machine ({path}) chose {choice.get('label')} at batch size "
         f"{batch_size}" + (f" ({measured:.3g} s/image measured)" if isinstance(measured, float) else "")
     )
-    return TunedChoice(str(choice.get("method")), spec, note)
+    return TunedChoice(choice["method"], spec, note)
 
 
 def _run_spec(source: ModelDir | Bundle, path: Path, record: dict[str, Any], tree: dict[str, Any]) -> str:
     """How a run names the chosen ``tree`` ({name, paths}): a bundle's own tree by its name, a
     tuned tree by its file, a named one by its name."""
-    paths = tuple(tuple(p) for p in tree.get("paths") or ())
+    if not isinstance(tree, dict) or not isinstance(tree.get("paths"), list):
+        raise RecordError(f"tuning record {path} is corrupt (a choice's tree): run lantern tune again")
+    paths = build_tree(tree["paths"]).paths
     if isinstance(source, Bundle):
         from lantern_rt.runtime.backends.bundle_graphs import bundle_trees
 
@@ -283,11 +294,16 @@ def export_trees(md: ModelDir, backend: str, package: str) -> list[StaticTree]:
         return []
     path, record = found
     trees: dict[tuple, StaticTree] = {}
-    for size in record["batch_sizes"].values():
-        tree = (size.get("choice") or {}).get("tree")
-        if isinstance(tree, dict):
-            loaded = load_tree(_run_spec(md, path, record, tree), MAX_DRAFT_WIDTH)
-            trees.setdefault(loaded.paths, loaded)
+    try:
+        for size in record["batch_sizes"].values():
+            choice = size.get("choice") if isinstance(size, dict) else None
+            tree = choice.get("tree") if isinstance(choice, dict) else None
+            if tree is not None:
+                loaded = load_tree(_run_spec(md, path, record, tree), MAX_DRAFT_WIDTH)
+                trees.setdefault(loaded.paths, loaded)
+    except (RecordError, TreeError) as err:
+        warn(f"ignored: the tuning record {path}: {err.message}")
+        return []
     if trees:
         print(
             f"exporting the trees the tuning record of this machine ({path}) chose: "
