@@ -4,8 +4,9 @@ timing the calls of real decodes in rounds until their means settle (:func:`meas
 the cost model the tree search reads (:class:`CostModel`).
 
 The verify curve over n = 1..N tokens runs through the verify calls measured (AR's one token and
-each measured tree's N + 1), linear between them; drafting and the host's share are fitted
-linearly in a tree's depth and nodes over the trees measured. A step's prediction for a tree
+each measured tree's N + 1), linear between them; drafting and the host's share are a measured
+tree's own, and for a tree of another shape fitted linearly in its depth and nodes over the
+trees measured. A step's prediction for a tree
 of n nodes and depth d is verify(n + 1) + draft(d, n) + host(d, n).
 """
 
@@ -129,6 +130,15 @@ class CostModel:
         return float(np.interp(tokens, [n for n, _ in points], [s for _, s in points]))
 
     def _fitted(self, field_name: str, tree: StaticTree, jacobi: bool) -> float:
+        """``field_name`` (draft or host) of a step over ``tree``: a measured tree's of its shape
+        (nodes and depth), else the plane fitted over the measured trees."""
+        same = [
+            getattr(c, field_name)
+            for c in self.measured
+            if (c.nodes, c.depth, c.jacobi) == (tree.num_nodes, tree.max_depth, jacobi)
+        ]
+        if same:
+            return float(np.mean(same))
         points = [
             (c.depth, c.nodes, getattr(c, field_name))
             for c in self.measured
