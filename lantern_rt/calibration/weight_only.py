@@ -4,7 +4,8 @@ unchanged MatMul/Gemm; the activations stay in the graph's dtype (fp16: it is ma
 bundle). Not onnxruntime's ``MatMulNBits``: standard ONNX (opset 21, which has int4 tensors and
 ``block_size``), which TensorRT builds (its weight-only quantization: the int4 or int8 weights
 are what the plan stores) and onnxruntime runs (as written: the dequantized weight folded into a
-constant, the product in fp32 through Casts on the CPU).
+constant, the product in fp32 through Casts on the CPU; its runtime sessions fuse each
+DequantizeLinear and MatMul into its own ``MatMulNBits`` kernel).
 
 The scales are symmetric, plain absmax per block (no activation statistics, not AWQ): for each
 block of ``block`` weights along the product's input axis, ``scale = max|w| / qmax`` (qmax 7
