@@ -142,9 +142,14 @@ def _tensorrt(
 
 
 def _require_tensorrt() -> object:
+    """TensorRT's module, where a plan can run: a flavour installed and a CUDA GPU (both checked
+    before a model directory's export, which would be wasted without them)."""
     from lantern_rt.engines.compat import require_tensorrt
+    from lantern_rt.engines.plans import device_info
 
-    return require_tensorrt()
+    module = require_tensorrt()
+    device_info()
+    return module
 
 
 BACKENDS: dict[str, Backend] = {
