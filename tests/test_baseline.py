@@ -14,7 +14,7 @@ from token_fixture_cases import FIXTURE
 from token_fixture_cases import LABELS as FIXTURE_LABELS
 from token_fixture_cases import sampling as fixture_sampling
 
-from lantern_rt.eval.baseline import BaselineRun, top_k_top_p, torch_batched_ar
+from lantern_rt.eval.baseline import BaselineRun, filtered, torch_batched_ar
 from lantern_rt.families.loading import load_target, open_model_dir
 from lantern_rt.models.target import Transformer
 from lantern_rt.runtime.sampling import SamplingConfig
@@ -122,11 +122,13 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return q / q.sum()
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (7, 1.0), (0, 0.6), (12, 0.8), (1, 0.5)])
-def test_top_k_top_p_keeps_what_the_definition_keeps(top_k, top_p):
+@pytest.mark.parametrize(
+    ("top_k", "top_p"), [(0, 1.0), (7, 1.0), (0, 0.6), (12, 0.8), (1, 0.5), (60, 0.7), (0, 0.99)]
+)
+def test_the_filter_keeps_what_the_definition_keeps(top_k, top_p):
     logits = 2.0 * torch.randn(6, 50, generator=torch.Generator().manual_seed(top_k))
-    filtered = top_k_top_p(logits.clone() / 0.7, top_k, top_p)
-    for row, out in zip(logits, filtered, strict=True):
+    sampling = SamplingConfig(cfg_scale=1.0, temperature=0.7, top_k=top_k, top_p=top_p)
+    for row, out in zip(logits, filtered(logits, sampling), strict=True):
         expected = reference_probs(row, 0.7, top_k, top_p)
         torch.testing.assert_close(out.softmax(-1), expected, atol=1e-6, rtol=1e-5)
 

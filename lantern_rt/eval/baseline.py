@@ -9,9 +9,9 @@ top-p, a softmax and ``torch.multinomial``. :func:`torch_batched_ar` follows tha
 step, written here over our :class:`~lantern_rt.models.target.Transformer` (its pure ``step``);
 no LlamaGen code is copied.
 
-Where it differs from LlamaGen: the unconditional rows are always there (LlamaGen drops them
-when ``cfg_scale <= 1``), as in our runtime, so that greedy tokens agree at every scale;
-greedy (temperature 0) is the argmax of the mixed softmax; there is no ``cfg_interval``.
+Where it differs from LlamaGen: greedy (temperature 0) is the argmax of the mixed softmax;
+there is no ``cfg_interval``; top-k and top-p are the runtime's filter (:func:`filtered`), which
+keeps every token tied with a threshold.
 
 Randomness: one ``torch.Generator`` per chunk of ``batch_size`` labels, seeded from (seed,
 chunk index). Sampled tokens therefore depend on the batch size and do not match the per-image
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lantern_rt.models.config import ConfigError, GPTConfig
 from lantern_rt.models.target import Transformer
-from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs, filter_logits
 
 
 @dataclass(frozen=True)
@@ -43,31 +43,24 @@ class BaselineRun:
     seconds_per_image: float
 
 
-def top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """LlamaGen's ``top_k_top_p_filtering`` on logits [B, V] (removed entries -inf): keep the
-    logits at least the k-th largest (0 = off), then the largest tokens up to and including the
-    first whose cumulative probability passes ``top_p`` (the most likely is always kept)."""
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = torch.zeros_like(cumulative, dtype=torch.bool)
-        remove[:, 1:] = cumulative[:, :-1] > top_p  # shifted right: the first past top_p stays
-        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    return logits
+def filtered(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """Sampled logits [B, V] divided by the temperature, then top-k and top-p as the runtime filters
+    them (:func:`~lantern_rt.runtime.sampling.filter_logits`: ties at a threshold all stay, where
+    LlamaGen's sort may split them). As LlamaGen's ``sample``, no filter runs when both are off;
+    the filter sorts the top-k largest logits when top-k is on (which is exact), else all of them."""
+    if sampling.top_k == 0 and sampling.top_p == 1.0:
+        return logits / sampling.temperature
+    settings = filter_inputs(sampling, logits.device)[1:]  # temperature, top-k, top-p
+    width = min(sampling.top_k, logits.shape[-1]) if sampling.top_k > 0 else logits.shape[-1]
+    return filter_logits(logits, *settings, width)
 
 
 def sample(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
     """One token per row of mixed logits [B, V] -> [B] int64: argmax of the softmax when greedy,
-    else temperature, :func:`top_k_top_p`, softmax and ``torch.multinomial`` (LlamaGen's ``sample``)."""
+    else :func:`filtered`, softmax and ``torch.multinomial`` (LlamaGen's ``sample``)."""
     if sampling.greedy:
         return logits.softmax(-1).argmax(-1)
-    logits = logits / sampling.temperature
-    if sampling.top_k > 0 or sampling.top_p < 1.0:
-        logits = top_k_top_p(logits, sampling.top_k, sampling.top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+    return torch.multinomial(filtered(logits, sampling).softmax(-1), 1, generator=generator).squeeze(1)
 
 
 def cfg_mixed(logits: Tensor, cfg_scale: float) -> Tensor:
