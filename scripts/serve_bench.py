@@ -49,10 +49,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--images", type=int, default=32, help="images per measurement")
+    parser.add_argument("--images", type=int, default=32, help="images per measurement (at least 8)")
     parser.add_argument("--clients", default="1,4,16", help="concurrent clients, comma-separated")
     parser.add_argument("extra", nargs="*", help="after --: options for both commands")
     args = parser.parse_args()
+    if args.images < 8:
+        parser.error("--images must be at least 8: the offline run spreads them over 8 classes")
     clients = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -1,10 +1,12 @@
 """scripts/ is a shelf of measurement tools: at most 8 files, each with a row in the index
 (docs/benchmarks-tools.md), and nothing outside BENCHMARKS.md's history names a script that is not
-there."""
+there; the kept tools refuse bad input in one line."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,3 +52,15 @@ def test_no_file_names_a_script_that_is_not_there():
         if name not in shelf()
     }
     assert not missing, sorted(missing)
+
+
+def test_serve_bench_refuses_fewer_images_than_its_classes():
+    """It spreads --images over 8 classes: fewer would ask ``lantern generate`` for 0 per class."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "serve_bench.py"), "--images", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "--images must be at least 8" in run.stderr
+    assert "Traceback" not in run.stderr
