@@ -1,6 +1,6 @@
 """scripts/ is a shelf of measurement tools: at most 8 files, each with a row in the index
 (docs/benchmarks-tools.md), and nothing outside BENCHMARKS.md's history names a script that is not
-there; the kept tools refuse bad input in one line."""
+there; serve_bench.py refuses too few images in one line."""
 
 from __future__ import annotations
 
