@@ -43,11 +43,14 @@ class ToyGraph:
         )
         self.entry, self.calls = entry, calls
 
-    def __call__(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         self.calls.append(self.entry.name)
         feed = {spec.name: inputs[spec.name].contiguous().numpy() for spec in self.entry.inputs}
-        outputs = self.session.run([spec.name for spec in self.entry.outputs], feed)
-        return tuple(torch.from_numpy(np.ascontiguousarray(o)) for o in outputs)
+        names = [spec.name for spec in self.entry.outputs]
+        outputs = self.session.run(names, feed)
+        return {
+            name: torch.from_numpy(np.ascontiguousarray(o)) for name, o in zip(names, outputs, strict=True)
+        }
 
 
 TOY_CALLS: list[str] = []

@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from lantern_rt.assembly import bundle_pipeline
 from lantern_rt.backends import backend_named
 from lantern_rt.bundle import AR_STEP_GRAPH, Bundle, BundleError, batched_name
 from lantern_rt.calibration.calibrate import calibrate_bundle
@@ -32,6 +33,7 @@ from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig, RunPlan
 from tests.conftest import tiny_gpt, tiny_vq
 from tests.test_export import make_bundle
+from tests.test_onnxruntime_backend import outputs_reversed
 from tests.test_speculative import GREEDY
 
 TREES = ["chain-4", "mc_sim_7b_63"]
@@ -171,6 +173,24 @@ def test_tokens_equal_the_standard_graphs(bundles, method, sampling):
     a node's K/V kept for another's or a stale scratch slot seen changes the tokens that follow."""
     want = tokens(bundles[False], method, sampling)
     got = tokens(bundles[True], method, sampling)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["standard", "in-place"])
+def test_graph_outputs_in_another_order_decode_the_same_tokens(bundles, in_place):
+    """Every graph (prefill, drafting, verify, VQ) with its outputs in reverse order: the same
+    greedy LANTERN++ tokens, the K/V returned or written in place read by name."""
+    method = MethodConfig("lantern++", tree="chain-4", k=5)
+    got, want = (
+        generate(
+            bundle_pipeline(bundles[in_place].batch(2), method, make, "onnxruntime"),
+            [0, 1, 2],
+            GREEDY,
+            seed=7,
+            progress=False,
+        ).tokens
+        for make in (outputs_reversed(ort_runner(threads=1)), ort_runner(threads=1))
+    )
     assert torch.equal(got, want)
 
 

@@ -109,9 +109,9 @@ def test_an_onnxruntime_graph_ignores_the_order_of_its_names(tmp_path):
     specs = (TensorSpec("a", (3,), "float32"), TensorSpec("b", (3,), "float32"))
     run = one_node_runner(tmp_path, "Sub", specs, TensorSpec("out", (3,), "float32"))
     a, b = torch.tensor([5.0, 6.0, 7.0]), torch.tensor([1.0, 2.0, 3.0])
-    first = run(a=a, b=b)[0].clone()
-    assert torch.equal(first, a - b) and torch.equal(run(b=b, a=a)[0], first)
-    assert torch.equal(run(a=b, b=a)[0], b - a)
+    first = run(a=a, b=b)["out"].clone()
+    assert torch.equal(first, a - b) and torch.equal(run(b=b, a=a)["out"], first)
+    assert torch.equal(run(a=b, b=a)["out"], b - a)
 
 
 def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
@@ -121,11 +121,11 @@ def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
     specs = (TensorSpec("past_k_0", (3,), "float32"), TensorSpec("a", (3,), "float32"))
     run = one_node_runner(tmp_path, "Add", specs, TensorSpec("out", (3,), "float32"))
     cache, a = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
-    assert torch.equal(run(past_k_0=cache, a=a)[0], a)
+    assert torch.equal(run(past_k_0=cache, a=a)["out"], a)
     cache += 10.0
-    assert torch.equal(run(past_k_0=cache, a=a)[0], a + 10.0)
+    assert torch.equal(run(past_k_0=cache, a=a)["out"], a + 10.0)
     other = torch.full((3,), -1.0)
-    assert torch.equal(run(past_k_0=other, a=a)[0], a - 1.0)
+    assert torch.equal(run(past_k_0=other, a=a)["out"], a - 1.0)
     for named, message in (
         ({"past_k_0": torch.zeros(4), "a": a}, r"past_k_0 has shape \[4\]"),
         ({"past_k_0": other, "a": torch.zeros(1)}, r"input a has shape \[1\]"),
@@ -134,7 +134,7 @@ def test_an_onnxruntime_graph_reads_bound_inputs_where_they_lie(tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             run(**named)
-    assert torch.equal(run(past_k_0=other, a=a)[0], a - 1.0)
+    assert torch.equal(run(past_k_0=other, a=a)["out"], a - 1.0)
 
 
 def test_an_onnxruntime_graph_call_prints_no_warnings(tmp_path, capfd):
@@ -152,6 +152,6 @@ def test_an_onnxruntime_graph_call_prints_no_warnings(tmp_path, capfd):
     out_spec = TensorSpec("out", (1, 1, 4, 2), "float32")
     run = one_node_runner(tmp_path, "TensorScatter", specs, out_spec, opset=24, axis=2)
     capfd.readouterr()
-    out = run(cache=torch.zeros(1, 1, 4, 2), rows=torch.ones(1, 1, 1, 2), start=torch.tensor([2]))[0]
+    out = run(cache=torch.zeros(1, 1, 4, 2), rows=torch.ones(1, 1, 1, 2), start=torch.tensor([2]))["out"]
     assert float(out.sum()) == 2.0
     assert capfd.readouterr().err == ""

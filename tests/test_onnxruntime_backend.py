@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnxruntime as ort
 import pytest
 import torch
 
 from lantern_rt.bundle import Bundle, BundleError
 from lantern_rt.families.loading import load_target, load_vq, open_model_dir
-from lantern_rt.runtime.backends.bundle_graphs import BundleDrafter, BundleTarget, BundleVQDecoder
+from lantern_rt.runtime.backends.bundle_graphs import (
+    BundleDrafter,
+    BundleTarget,
+    BundleVQDecoder,
+    RunnerFactory,
+)
 from lantern_rt.runtime.backends.onnxruntime_backend import CUDA, ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchTarget
 from lantern_rt.runtime.decode import decode_image
@@ -35,6 +42,27 @@ def backends(bundle: Bundle, model_dir) -> tuple[BundleTarget, TorchTarget]:
     return BundleTarget(bundle.batch(1), ort_runner(threads=1), "onnxruntime"), TorchTarget(
         load_target(model_dir)
     )
+
+
+def outputs_reversed(runner: RunnerFactory) -> RunnerFactory:
+    """``runner`` over each graph with its outputs declared in reverse order: real sessions whose
+    outputs come back in another order than the export wrote them."""
+    return lambda bundle, entry: runner(bundle, dataclasses.replace(entry, outputs=entry.outputs[::-1]))
+
+
+def test_graph_outputs_are_read_by_name(bundle, model_dir):
+    """Graphs whose outputs come in reverse order decode the same greedy tokens: every caller
+    reads a graph's outputs by name, not by position."""
+    reordered = outputs_reversed(ort_runner(threads=1))
+    prefill = reordered(bundle, bundle.graph("target_prefill"))
+    named = prefill(cond=COND, prefix=torch.ones(prefill.inputs[1].shape, dtype=torch.bool))
+    assert list(named) == ["new_v", "new_k", "hidden", "logits"]
+    n = model_dir.gpt.block_size
+    got, want = (
+        decode_image(BundleTarget(bundle.batch(1), make, "onnxruntime"), COND, n, GREEDY, None).tokens
+        for make in (reordered, ort_runner(threads=1))
+    )
+    assert torch.equal(got, want)
 
 
 def test_greedy_decoding_matches_torch(bundle, model_dir):

@@ -89,7 +89,7 @@ def test_the_sessions_of_a_bundle_hold_its_weights_once(tmp_path, monkeypatch):
     before = resident_bytes()
     make = ort_runner(threads=1, providers=[CPU])
     runners = [make(bundle, entry) for entry in entries]
-    outputs = [runner(x=x)[0].clone() for runner in runners]
+    outputs = [runner(x=x)["y"].clone() for runner in runners]
     grown = resident_bytes() - before
     assert grown < 2.5 * weight_bytes, (
         f"{grown / 2**20:.0f} MiB for {weight_bytes / 2**20:.0f} MiB of weights"
@@ -111,7 +111,7 @@ def test_shared_weights_compute_what_the_file_does(tmp_path, monkeypatch, kind):
     x = torch.randn(ROWS, DIM)
     tolerance = 1e-5 if kind == "fp32" else 0
     for entry in entries:
-        got = make(bundle, entry)(x=x)[0]
+        got = make(bundle, entry)(x=x)["y"]
         plain = ort.InferenceSession(str(tmp_path / entry.file), providers=[CPU])
         want = plain.run(None, {"x": x.numpy()})[0]
         np.testing.assert_allclose(got.numpy(), want, rtol=tolerance, atol=tolerance)

@@ -65,6 +65,7 @@ from lantern_rt.graph_rules import check_graph, with_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     GraphRunner,
+    Outputs,
     RunnerFactory,
     bundle_trees,
     bundle_windows,
@@ -156,7 +157,7 @@ class _RecordingRunner:
         self.recorder, self.entry, self.inner = recorder, entry, inner
         self.device = inner.device
 
-    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+    def __call__(self, **inputs: Tensor) -> Outputs:
         self.recorder.offer(self.entry, inputs)
         return self.inner(**inputs)
 

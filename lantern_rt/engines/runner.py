@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import sys
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from lantern_rt.engines.plans import device_info, find_engines, machine
 from lantern_rt.errors import first_line
 from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
+    Outputs,
     RunnerFactory,
     bound_by_pointer,
     ordered,
@@ -89,14 +91,17 @@ class TrtGraph:
         self.stream = torch.cuda.Stream(self.device)
         self._buffers = [self._empty(spec) for spec in self.inputs]
         self._bound: list[Tensor] = list(self._buffers)  # what each input is bound to (kept alive)
-        self._results = tuple(self._empty(spec) for spec in self.outputs)
-        for spec, tensor in zip(self.inputs + self.outputs, self._buffers + list(self._results), strict=True):
+        self._results = {spec.name: self._empty(spec) for spec in self.outputs}
+        self._outputs: Outputs = MappingProxyType(self._results)
+        for spec, tensor in zip(
+            self.inputs + self.outputs, self._buffers + list(self._results.values()), strict=True
+        ):
             self._bind(spec, tensor)
         self.use_cuda_graph = cuda_graph
         self.cuda_graph_error: str | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
 
-    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+    def __call__(self, **inputs: Tensor) -> Outputs:
         args = ordered(self.inputs, inputs)
         current = torch.cuda.current_stream(self.device)
         for i, (spec, arg) in enumerate(zip(self.inputs, args, strict=True)):
@@ -113,7 +118,7 @@ class TrtGraph:
         with torch.cuda.stream(self.stream):
             self._run()
         current.wait_stream(self.stream)
-        return self._results
+        return self._outputs
 
     def _run(self) -> None:
         if self._graph is not None:

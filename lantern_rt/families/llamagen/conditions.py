@@ -82,7 +82,7 @@ def bundle_prompts(bundle: Bundle, runner: RunnerFactory, device: torch.device, 
             )
         encoder = runner(bundle, bundle.graph(TEXT_ENCODER_GRAPH))
         null = torch.from_numpy(null_caption(bundle)).to(device)
-        return load_tokenizer(bundle.path), lambda i, m: encoder(ids=i, mask=m)[0], null
+        return load_tokenizer(bundle.path), lambda i, m: encoder(ids=i, mask=m)["features"], null
 
     def condition(prompt: int | str) -> Condition:
         return prompt_condition(str(prompt), *text_side(), warn)

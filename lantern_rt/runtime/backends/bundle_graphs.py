@@ -7,7 +7,7 @@ caches, masks and the VQ decoder's fixed batch—lives here once, for every engi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -40,17 +40,21 @@ class GraphRunner(Protocol):
     """One bundle graph on an engine.
 
     Called with torch tensors by the names the manifest declares (a ``past_k_{i}``/``past_v_{i}``
-    input per layer; :func:`ordered` checks and orders them); returns its outputs in the
-    manifest's order. The returned tensors are the runner's own buffers: valid until its next
-    call; a ``present_*`` output (a graph that writes its cache in place) is the ``past_*``
-    input's own memory, written by the call.
+    input per layer; :func:`ordered` checks and orders them); returns its outputs by the names
+    the manifest declares (:data:`Outputs`, as Polygraphy's runners do), so that a caller reads
+    each by name, whatever the graph's order. The returned mapping and its tensors are the
+    runner's own (read-only; the same mapping every call): valid until its next call; a
+    ``present_*`` output (a graph that writes its cache in place) is the ``past_*`` input's own
+    memory, written by the call.
     """
 
     device: torch.device
 
-    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]: ...
+    def __call__(self, **inputs: Tensor) -> Outputs: ...
 
 
+# A graph call's outputs: output name (as the manifest declares it) -> tensor.
+Outputs = Mapping[str, Tensor]
 RunnerFactory = Callable[[Bundle, GraphEntry], GraphRunner]
 
 
@@ -173,9 +177,9 @@ class BundleTarget:
         self, cond: Tensor, prefix: Tensor | None = None, fresh: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         prefix = self.cache.visible(prefix)
-        logits, hidden, k, v = self._prefill(cond=cond, prefix=prefix)
-        self.cache.restart(k, v, fresh, prefix)
-        return logits, hidden
+        out = self._prefill(cond=cond, prefix=prefix)
+        self.cache.restart(out["new_k"], out["new_v"], fresh, prefix)
+        return out["logits"], out["hidden"]
 
     def verify(
         self,
@@ -204,9 +208,17 @@ class BundleTarget:
             **relax._asdict(),
             **cache_inputs(cache),
         )
-        if cache.scratch:  # it wrote every node's K/V: length, kept, tokens, hidden, logits, probs, caches
-            return Verified(*out[:4], None, None, *out[4:6])
-        return Verified(*out)
+        # a graph that wrote every node's K/V into the cache (scratch slots) has no new_k/new_v
+        return Verified(
+            out["length"],
+            out["kept"],
+            out["tokens"],
+            out["hidden"],
+            out.get("new_k"),
+            out.get("new_v"),
+            out["logits"],
+            out["probs"],
+        )
 
 
 class BundleDrafter:
@@ -240,9 +252,11 @@ class BundleDrafter:
             self.cache.length.masked_fill_(fresh, 0)
         elif self._prompt:
             visible = prefix[:, :-1]  # the graph's prompt_pairs: slot j's pair is seen where slot j is
-            self.cache.restart(*self._prefill(hidden=hidden, cond=cond, prefix=prefix), fresh, visible)
+            out = self._prefill(hidden=hidden, cond=cond, prefix=prefix)
+            self.cache.restart(out["new_k"], out["new_v"], fresh, visible)
         else:
-            self.cache.restart(*self._prefill(hidden=hidden), fresh)
+            out = self._prefill(hidden=hidden)
+            self.cache.restart(out["new_k"], out["new_v"], fresh)
 
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
         graph = self._graphs.get(tree.paths)
@@ -259,7 +273,8 @@ class BundleDrafter:
             **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
             **cache_inputs(self.cache),
         )
-        return (*out[:3], None, None) if self.cache.scratch else out  # in place: no K/V returned
+        # written in place (scratch slots): no new_k/new_v
+        return out["node_tokens"], out["valid"], out["q"], out.get("new_k"), out.get("new_v")
 
 
 class BundleVQDecoder:
@@ -277,7 +292,7 @@ class BundleVQDecoder:
             chunk = codes[start : start + self.batch]
             padded = torch.zeros(self.batch, *codes.shape[1:], dtype=codes.dtype, device=codes.device)
             padded[: len(chunk)] = chunk
-            images.append(self._graph(codes=padded)[0][: len(chunk)].clone())
+            images.append(self._graph(codes=padded)["images"][: len(chunk)].clone())
         return torch.cat(images)
 
 

@@ -13,6 +13,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from torch import Tensor
 from lantern_rt.bundle import Bundle, GraphEntry
 from lantern_rt.graph_spec import PRESENT_PREFIX, TensorSpec
 from lantern_rt.runtime.backends.bundle_graphs import (
+    Outputs,
     RunnerFactory,
     bound_by_pointer,
     check_input,
@@ -238,14 +240,15 @@ class OrtGraph:
             for j, spec in enumerate(self.outputs)
             if spec.name.startswith(PRESENT_PREFIX)
         }
-        self._results: list[Tensor | None] = [
-            None if j in self._aliases else self._allocate(spec) for j, spec in enumerate(self.outputs)
-        ]
-        for spec, out in zip(self.outputs, self._results, strict=True):
-            if out is not None:
-                self._bind(self._binding.bind_output, spec, out)
+        # output name -> the tensor it is written into (an aliased one's once its input is bound)
+        self._results: dict[str, Tensor] = {}
+        for j, spec in enumerate(self.outputs):
+            if j not in self._aliases:
+                self._results[spec.name] = self._allocate(spec)
+                self._bind(self._binding.bind_output, spec, self._results[spec.name])
+        self._outputs: Outputs = MappingProxyType(self._results)
 
-    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+    def __call__(self, **inputs: Tensor) -> Outputs:
         if len(inputs) != len(self.inputs):
             ordered(self.inputs, inputs)  # raises: which inputs are missing or unknown
         for i, spec in enumerate(self.inputs):
@@ -265,12 +268,12 @@ class OrtGraph:
                 self._bind(self._binding.bind_input, spec, arg)
                 for j in (j for j, source in self._aliases.items() if source == i):
                     self._bind(self._binding.bind_output, self.outputs[j], arg)
-                    self._results[j] = arg
+                    self._results[self.outputs[j].name] = arg
             self._buffers[i] = arg  # keeps the bound memory alive
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # torch's pending writes, e.g. a cache commit
         self.session.run_with_iobinding(self._binding)
-        return tuple(self._results)
+        return self._outputs
 
     def _allocate(self, spec: TensorSpec) -> Tensor:
         return torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)

@@ -10,7 +10,7 @@ each output is a buffer allocated once per runner that the request writes into.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import MappingProxyType
 
 import openvino as ov
 import torch
@@ -20,14 +20,12 @@ from lantern_rt.bundle import Bundle, GraphEntry
 from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.backends.bundle_graphs import (
+    Outputs,
     RunnerFactory,
     bound_by_pointer,
     check_input,
     ordered,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def shared(tensor: Tensor) -> ov.Tensor:
@@ -75,15 +73,16 @@ class OvGraph:
             None if by_pointer else _allocate(spec)
             for spec, by_pointer in zip(self.inputs, self._by_pointer, strict=True)
         ]
-        self._results = tuple(_allocate(spec) for spec in self.outputs)
+        self._results = {spec.name: _allocate(spec) for spec in self.outputs}
+        self._outputs: Outputs = MappingProxyType(self._results)
         for spec, tensor in (
             *zip(self.inputs, self._buffers, strict=True),
-            *zip(self.outputs, self._results, strict=True),
+            *zip(self.outputs, self._results.values(), strict=True),
         ):
             if tensor is not None:
                 self._request.set_tensor(spec.name, shared(tensor))
 
-    def __call__(self, **inputs: Tensor) -> tuple[Tensor, ...]:
+    def __call__(self, **inputs: Tensor) -> Outputs:
         if len(inputs) != len(self.inputs):
             ordered(self.inputs, inputs)  # raises: which inputs are missing or unknown
         for i, spec in enumerate(self.inputs):
@@ -102,7 +101,7 @@ class OvGraph:
             self._buffers[i] = arg  # keeps the memory set alive
         self._request.start_async()
         self._request.wait()
-        return self._results
+        return self._outputs
 
 
 def _allocate(spec: TensorSpec) -> Tensor:
