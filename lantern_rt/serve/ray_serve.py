@@ -25,6 +25,9 @@ from lantern_rt.api import Generator
 from lantern_rt.errors import UserError, first_line
 
 APP = "lantern"
+# Ray Serve's wait for its HTTP proxy actor to answer (its own default 5 s, three tries, then the
+# start fails): on a local Ray on a busy CPU the proxy takes longer to start.
+PROXY_READY_SECONDS = 30
 
 
 def import_ray_serve() -> Any:
@@ -98,6 +101,8 @@ def run_on_ray(
 
     serve = import_ray_serve()
     address = os.environ.get("RAY_ADDRESS") or None
+    if address is None:  # a local Ray inherits it: a loaded CPU starts the proxy in more than 5 s
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_SECONDS))
     try:  # the replicas' logs stay in Ray's session folder (/tmp/ray/session_latest/logs)
         ray.init(
             address=address or "local", include_dashboard=False, log_to_driver=False, logging_level="WARNING"
