@@ -20,7 +20,7 @@ from lantern_rt.families.registry import family_named
 from lantern_rt.models.config import ConfigError, GPTConfig
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.target import grid_codes
-from lantern_rt.runtime.backends.base import DrafterBackend, TargetBackend
+from lantern_rt.runtime.backends.base import Drafter, TargetBackend
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     BundleTarget,
@@ -39,7 +39,7 @@ from lantern_rt.runtime.tree import StaticTree, load_tree
 
 
 def speculation(
-    drafter: DrafterBackend | JacobiDrafter,
+    drafter: Drafter,
     tree: StaticTree,
     method: MethodConfig,
     neighbors: torch.Tensor | Callable[[int], torch.Tensor],

@@ -17,7 +17,7 @@ from lantern_rt.families.loading import load_drafter, load_target, open_model_di
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.acceptance import Relaxation
-from lantern_rt.runtime.backends.base import Draft
+from lantern_rt.runtime.backends.base import Draft, Pending
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
     BundleTarget,
@@ -26,7 +26,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Speculation, decode_image
-from lantern_rt.runtime.drafting import draft, noise_rows
+from lantern_rt.runtime.drafting import noise_rows
 from lantern_rt.runtime.sampling import SamplingConfig, draw_noise, filter_inputs
 from lantern_rt.runtime.tree import load_tree
 from tests.conftest import tiny_vq
@@ -104,16 +104,19 @@ def test_drafting_graph_matches_torch(bundle, model_dir, sampling):
         generator = torch.Generator().manual_seed(1)
         for pending, root in ((slice(0, 3), 3), (slice(3, 6), 6)):
             pad = 6 - (pending.stop - pending.start)  # left-aligned pending pairs, 6 catch-up rows
-            got = draft(
-                drafter,
-                tree,
+            rows = Pending(
                 F.pad(tokens[pending], (0, pad))[None],  # one image
                 F.pad(hidden[:, pending], (0, 0, 0, pad)),
                 torch.tensor([3]),
                 torch.tensor([root]),
+                torch.tensor([True]),
+            )
+            got = drafter.propose(
+                tree,
+                rows,
                 draw_noise(noise_rows(tree), 64, sampling.greedy, generator, torch.device("cpu"))[None],
                 filter_inputs(sampling, torch.device("cpu")),
-                torch.tensor([True]),
+                torch.tensor([sampling.greedy]),
             )
             drafts.append(
                 Draft(got.tokens[0].clone(), got.valid[0].clone(), got.q[0].clone())
@@ -174,18 +177,9 @@ def test_lantern_pp_matches_torch(bundle, model_dir, tree, sampling):
 def test_a_tree_that_was_not_exported_is_refused(bundle):
     drafter = BundleDrafter(bundle.batch(1), ort_runner(threads=1), "onnxruntime")
     with pytest.raises(BundleError, match="no drafting graph for tree chain-3"):
-        one = torch.tensor([1])
-        draft(
-            drafter,
-            load_tree("chain-3"),
-            torch.zeros(1, 4, dtype=torch.long),
-            torch.zeros(2, 4, 32),
-            one,
-            one,
-            torch.zeros(1, 4, 64),
-            None,
-            torch.tensor([True]),
-        )
+        one, yes = torch.tensor([1]), torch.tensor([True])
+        pending = Pending(torch.zeros(1, 4, dtype=torch.long), torch.zeros(2, 4, 32), one, one, yes)
+        drafter.propose(load_tree("chain-3"), pending, torch.zeros(1, 4, 64), None, yes)
 
 
 def test_generate_with_a_bundle_defaults_to_its_first_tree(bundle, model_dir, tmp_path):

@@ -20,11 +20,9 @@ from torch import Tensor
 from lantern_rt.bundle import window_needed
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.acceptance import Relaxation, RelaxInputs, draw, relax_inputs, target_probabilities
-from lantern_rt.runtime.backends.base import Draft, DrafterBackend, FilterInputs, TargetBackend
+from lantern_rt.runtime.backends.base import Draft, Drafter, FilterInputs, Pending, TargetBackend
 from lantern_rt.runtime.backends.compiled import Compiled
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
-from lantern_rt.runtime.drafting import draft, noise_rows
-from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.profiling import span
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
@@ -39,10 +37,10 @@ from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 @dataclass(frozen=True)
 class Speculation:
-    """What speculative decoding adds to plain decoding: a drafter backend, or the Jacobi
-    window that drafts from the target's own distributions (docs/method.md §11)."""
+    """What speculative decoding adds to plain decoding: a drafter (a drafter backend, or the
+    Jacobi window that drafts from the target's own distributions, docs/method.md §11)."""
 
-    drafter: DrafterBackend | JacobiDrafter
+    drafter: Drafter
     tree: StaticTree
     relax: Relaxation
     neighbors: Tensor | None = None  # [V, k_max] latent neighbours, needed when relaxed
@@ -91,35 +89,18 @@ class DecodeStep:
         noise: Tensor,
         bonus_noise: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        target = self.target
-        jacobi = (
-            self.speculation.drafter
-            if self.speculation and isinstance(self.speculation.drafter, JacobiDrafter)
-            else None
-        )
-        if jacobi:
-            with span("draft"):
-                drafted = jacobi.draft(pending, m, target.cache.length, draft_noise, self.relax.greedy)
-        elif self.speculation:
-            with span("draft"):
-                drafted = draft(
-                    self.speculation.drafter,
-                    self.tree,
-                    pending,
-                    hidden,
-                    m,
-                    target.cache.length,
-                    draft_noise,
-                    self.filters,
-                    active,
-                )
-        else:
+        target, spec = self.target, self.speculation
+        if spec is None:
             drafted = Draft(pending[:, :1], self.ar_valid, self.ar_q)  # AR's one pending token (m = 1)
+        else:  # propose, verify and accept, record
+            with span("draft"):
+                rows = Pending(pending, hidden, m, target.cache.length, active)
+                drafted = spec.drafter.propose(self.tree, rows, draft_noise, self.filters, self.relax.greedy)
         with span("verify"):
             out = target.verify(self.tree, drafted, noise, bonus_noise, self.filters, self.relax)
-        if jacobi:
+        if spec is not None:
             with span("draft"):
-                jacobi.record(out, active)
+                spec.drafter.record(out, active)
         with span("kv_compaction"):
             committed = out.length + 1  # the accepted tokens and the bonus
             target.cache.commit(out.new_k, out.new_v, out.kept, committed * active, self.tree.is_chain)
@@ -400,11 +381,9 @@ def _prefill(
 
 
 def _draft_rows(spec: Speculation | None) -> int:
-    """Rows of V uniforms a step's drafting takes: the Jacobi window's, or one per node that
-    draws children; 0 without speculation."""
-    if spec is None:
-        return 0
-    return spec.drafter.noise_rows if isinstance(spec.drafter, JacobiDrafter) else noise_rows(spec.tree)
+    """Rows of V uniforms a step's drafting takes (:meth:`Drafter.noise_rows`); 0 without
+    speculation."""
+    return spec.drafter.noise_rows(spec.tree) if spec else 0
 
 
 def _step_noise(
@@ -467,19 +446,10 @@ def _step(
         return step
     if cache.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device}")
-    state_tensors = (target.cache.length, *_drafter_state(speculation))
+    state_tensors = (target.cache.length, *(speculation.drafter.state if speculation else ()))
     run = Compiled(step, state_tensors) if cache.compile else step
     cache.steps[key] = CudaGraphed(run, state_tensors) if cache.cuda_graphs else run
     return cache.steps[key]
-
-
-def _drafter_state(speculation: Speculation | None) -> tuple[Tensor, ...]:
-    """What a step's drafting updates in place: the drafter cache's length, or the Jacobi state."""
-    if speculation is None:
-        return ()
-    if isinstance(speculation.drafter, JacobiDrafter):
-        return speculation.drafter.state
-    return (speculation.drafter.cache.length,)
 
 
 def _uniform(

@@ -17,6 +17,7 @@ own step, a bundle holds it as one graph per tree, and the same noise gives the 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,8 +25,9 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from lantern_rt.runtime.backends.base import CatchUp, Draft, DrafterBackend, DraftOutputs, FilterInputs
-from lantern_rt.runtime.kv_cache import cache_mask, gather_rows
+from lantern_rt.runtime.acceptance import Verified
+from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs, Pending
+from lantern_rt.runtime.kv_cache import KVCache, cache_mask, gather_rows
 from lantern_rt.runtime.sampling import (
     TOPK_LIMIT,
     cfg_mix,
@@ -342,29 +344,50 @@ def draft_tree(
     )
 
 
-def draft(
-    drafter: DrafterBackend,
-    tree: StaticTree,
-    pending_tokens: Tensor,
-    pending_hidden: Tensor,
-    m: Tensor,
-    root_position: Tensor,
-    noise: Tensor,
-    sampling: FilterInputs,
-    active: Tensor,
-) -> Draft:
-    """Draft ``tree`` below each image's root (the last of its ``m`` [B] pending tokens, the
-    first m of ``pending_tokens`` [B, R], committed since the last call, at target position
-    ``root_position`` [B]; ``pending_hidden`` [2B, R, D] holds the target hidden states before
-    each of them) from the uniform ``noise`` [B, noise_rows(tree), V] (sampling.draw_noise) and
-    commit the pending pairs of the ``active`` [B] images to the drafter's cache, all on the
-    device."""
-    rows = CatchUp(
-        pending_tokens, pending_hidden, m, root_position, drafter.cache.length, drafter.cache.prefix
-    )
-    tokens, valid, q, new_k, new_v = drafter.draft(tree, rows, noise, sampling)
-    if new_k is None:  # written in place: the catch-up rows lie in the scratch slots
-        drafter.cache.commit(None, None, caught_up(catch_up_rows(tree), m), m * active)
-    else:
-        drafter.cache.write(new_k, new_v, m * active)
-    return Draft(tokens, valid, q)
+class TreeDrafter(ABC):
+    """The :class:`~lantern_rt.runtime.backends.base.Drafter` of a drafter model (EAGLE), the
+    base of the drafter backends (:class:`~lantern_rt.runtime.backends.base.DrafterBackend`):
+    a proposal is one backend call that catches up on the pending pairs and drafts the tree
+    (:func:`draft_tree`), after which the pairs are committed to the drafter's cache; the
+    verification teaches it nothing (the next catch-up brings the accepted pairs)."""
+
+    name: str
+    cache: KVCache
+
+    @abstractmethod
+    def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
+        """:meth:`~lantern_rt.runtime.backends.base.DrafterBackend.prefill`."""
+
+    @abstractmethod
+    def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
+        """:meth:`~lantern_rt.runtime.backends.base.DrafterBackend.draft`."""
+
+    @property
+    def state(self) -> tuple[Tensor, ...]:
+        """What a step updates in place: the drafter cache's length."""
+        return (self.cache.length,)
+
+    def noise_rows(self, tree: StaticTree) -> int:
+        """One row per node that draws children (the module's :func:`noise_rows`)."""
+        return noise_rows(tree)
+
+    def propose(
+        self, tree: StaticTree, pending: Pending, noise: Tensor, sampling: FilterInputs, greedy: Tensor
+    ) -> Draft:
+        """Draft ``tree`` below each image's root (the last of its m pending tokens, at target
+        position ``pending.root_position``; ``pending.hidden`` holds the target's hidden states
+        before each of them) from the uniform ``noise`` [B, noise_rows(tree), V]
+        (sampling.draw_noise: greedy drafts come from its constant noise, so ``greedy`` is not
+        read) and commit the pending pairs of the active images to the drafter's cache, all on
+        the device."""
+        m, cache = pending.count, self.cache
+        rows = CatchUp(pending.tokens, pending.hidden, m, pending.root_position, cache.length, cache.prefix)
+        tokens, valid, q, new_k, new_v = self.draft(tree, rows, noise, sampling)
+        if new_k is None:  # written in place: the catch-up rows lie in the scratch slots
+            cache.commit(None, None, caught_up(catch_up_rows(tree), m), m * pending.active)
+        else:
+            cache.write(new_k, new_v, m * pending.active)
+        return Draft(tokens, valid, q)
+
+    def record(self, verified: Verified, active: Tensor) -> None:  # noqa: B027 (a no-op by design)
+        """Nothing to keep: the next proposal catches up on the committed pairs."""

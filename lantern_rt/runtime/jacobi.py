@@ -17,10 +17,10 @@ The window is a chain (``chain-N``) or a pac tree (``pac-K-D-N``,
 and a pac tree's K candidates there are drawn without replacement from p, the coupled draft
 first.
 
-:class:`JacobiDrafter` fills the draft slots of the one decode loop
-(:class:`~lantern_rt.runtime.decode.DecodeStep`) in place of a drafter backend. Its state is
-device tensors updated in place, and every function here is fixed-shape tensor work with no
-host read, so a CUDA graph can capture the step whole.
+:class:`JacobiDrafter` is a :class:`~lantern_rt.runtime.backends.base.Drafter`, the decode
+loop's one drafting interface (:class:`~lantern_rt.runtime.decode.DecodeStep`), as a drafter
+backend is. Its state is device tensors updated in place, and every function here is
+fixed-shape tensor work with no host read, so a CUDA graph can capture the step whole.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lantern_rt.runtime.acceptance import Verified
-from lantern_rt.runtime.backends.base import Draft
+from lantern_rt.runtime.backends.base import Draft, FilterInputs, Pending
 from lantern_rt.runtime.method import COUPLINGS
 from lantern_rt.runtime.sampling import gumbel_offsets
 from lantern_rt.runtime.tree import StaticTree, pac_shape
@@ -131,7 +131,8 @@ def ranked_candidates(p: Tensor, first: Tensor, offsets: Tensor, width: int) -> 
 
 
 class JacobiDrafter:
-    """The Jacobi window's state for B images, and the drafts it yields each step.
+    """The Jacobi window's :class:`~lantern_rt.runtime.backends.base.Drafter` for B images: its
+    state, the drafts it proposes each step and what it records of their verification.
 
     ``probs`` [B, N+1, V]: each image's target distributions from its last verify call; ``node``
     [B]: the last node of the path that call accepted; ``ready`` [B]: whether an image has had
@@ -183,26 +184,27 @@ class JacobiDrafter:
         """The tensors a step updates in place (restored after a CUDA graph's warm-up calls)."""
         return self.probs, self.node, self.ready, self.history, *self.kept
 
-    @property
-    def noise_rows(self) -> int:
-        """Rows of V uniforms a step's drafts take: L for the first draws (the fresh Gumbel noise
-        of ``gumbel``), with ``maximal`` L more for the siblings of a pac tree and L whose first
-        column is the keep tests' uniform."""
+    def noise_rows(self, tree: StaticTree) -> int:
+        """Rows of V uniforms a step's drafts of the window (``tree``) take: L for the first draws
+        (the fresh Gumbel noise of ``gumbel``), with ``maximal`` L more for the siblings of a pac
+        tree and L whose first column is the keep tests' uniform."""
         return self.slots * (3 if self.coupling == "maximal" else 1)
 
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
-        """The ``fresh`` [B] images start with no last call (the drafter backends' signature:
-        nothing else of the prefill is needed)."""
+        """The ``fresh`` [B] images start with no last call (nothing else of the prefill is
+        needed)."""
         self.ready.masked_fill_(fresh, False)
 
-    def draft(
-        self, pending: Tensor, m: Tensor, root_position: Tensor, noise: Tensor, greedy: Tensor
+    def propose(
+        self, tree: StaticTree, pending: Pending, noise: Tensor, sampling: FilterInputs, greedy: Tensor
     ) -> Draft:
-        """The window's draft below each image's root, the last of its ``m`` [B] ``pending``
-        [B, R] tokens (committed since the last call) at cache position ``root_position`` [B],
-        from ``noise`` [B, :attr:`noise_rows`, V]: the pending tokens are recorded in the
-        history, then each position takes its coupled carried draft where there is one, else its
-        spatial one, and a pac tree's siblings are drawn after it (docs/method.md §11)."""
+        """The window's (``tree``'s) draft below each image's root, the last of its m pending
+        tokens (committed since the last call) at cache position ``pending.root_position`` [B],
+        from ``noise`` [B, :meth:`noise_rows`, V], argmax drafts where ``greedy`` (the target's
+        distributions already carry the ``sampling`` settings): the pending tokens are recorded
+        in the history, then each position takes its coupled carried draft where there is one,
+        else its spatial one, and a pac tree's siblings are drawn after it (docs/method.md §11)."""
+        pending, m, root_position = pending.tokens, pending.count, pending.root_position
         batch, rows = pending.shape
         offsets = torch.arange(rows, device=pending.device)
         slots = root_position[:, None] - m[:, None] + 1 + offsets
@@ -250,10 +252,10 @@ class JacobiDrafter:
             self.kept[1].copy_(draft.q)
         return draft
 
-    def record(self, out: Verified, active: Tensor) -> None:
+    def record(self, verified: Verified, active: Tensor) -> None:
         """Keep the target's distributions at every node of this call (:attr:`Verified.probs
         <lantern_rt.runtime.acceptance.Verified.probs>` [B, N+1, V]) and the last node of its
         accepted path for the next draft of the ``active`` [B] images."""
-        self.probs.copy_(out.probs)
-        self.node.copy_(out.kept.gather(1, out.length[:, None]).squeeze(1))
+        self.probs.copy_(verified.probs)
+        self.node.copy_(verified.kept.gather(1, verified.length[:, None]).squeeze(1))
         self.ready |= active

@@ -17,7 +17,6 @@ from lantern_rt.generate import image_job
 from lantern_rt.pipeline import build_pipeline
 from lantern_rt.runtime.acceptance import Verified
 from lantern_rt.runtime.decode import Speculation, decode_images
-from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.runtime.tree import StaticTree
@@ -130,8 +129,8 @@ class TuneSession:
         run = DecodeRun(images, 0.0)
         target = _Timed(pipe.target, {"verify": run.calls["verify"], "prefill": run.calls["prefill"]}, watch)
         spec = self.speculation(candidate, pipe)
-        if spec is not None and not isinstance(spec.drafter, JacobiDrafter):
-            drafter = _Timed(spec.drafter, {"draft": run.calls["draft"]})
+        if spec is not None and not candidate.method.jacobi:  # a drafter model's calls
+            drafter = _Timed(spec.drafter, {"propose": run.calls["draft"]})
             spec = Speculation(drafter, spec.tree, spec.relax, spec.neighbors)  # type: ignore[arg-type]
         classes = self.bundle.gpt.num_classes
         jobs = [image_job(pipe, (seed + i) % classes, seed, i) for i in range(images)]

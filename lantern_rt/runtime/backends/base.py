@@ -43,6 +43,59 @@ class Draft:
     q: Tensor
 
 
+class Pending(NamedTuple):
+    """What a step drafts from: each image's pairs committed since its last step, all on the
+    device (:class:`~lantern_rt.runtime.decode.DecodeStep`)."""
+
+    tokens: Tensor  # [B, R] int64: each image's m pending tokens, left-aligned (the m-th is the root)
+    hidden: Tensor  # [2B, R, D]: the target's hidden state before each of them (CFG rows)
+    count: Tensor  # [B] int64: m, 1..R
+    root_position: Tensor  # [B] int64: the root's target position (the target cache's length)
+    active: Tensor  # [B] bool: the slots that hold an image (an inactive one commits nothing)
+
+
+class Drafter(Protocol):
+    """What drafts a speculative step's trees: the decode loop's one drafting interface
+    (onnxruntime-genai's speculative strategy: propose, verify, accept and commit). Each step
+    :meth:`propose` drafts below every image's root, the target verifies and accepts, and
+    :meth:`record` gives the drafter that verification. A drafter model (EAGLE:
+    :class:`~lantern_rt.runtime.drafting.TreeDrafter`, the base of the drafter backends) and the
+    Jacobi window (:class:`~lantern_rt.runtime.jacobi.JacobiDrafter`) implement it. Both work on
+    device tensors, their state updated in place with no host read, so that a step compiles and
+    a CUDA graph captures it whole."""
+
+    name: str
+
+    @property
+    def state(self) -> tuple[Tensor, ...]:
+        """The tensors a step updates in place (restored after the warm-up calls of a compile
+        or a CUDA graph capture)."""
+        ...
+
+    def noise_rows(self, tree: StaticTree) -> int:
+        """Rows of V uniforms a step's :meth:`propose` takes for ``tree``."""
+        ...
+
+    def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
+        """The ``fresh`` [B] images start over (:meth:`DrafterBackend.prefill`'s arguments: the
+        target's hidden states at all but the prefix's last slot, its condition rows and their
+        visible slots)."""
+        ...
+
+    def propose(
+        self, tree: StaticTree, pending: Pending, noise: Tensor, sampling: FilterInputs, greedy: Tensor
+    ) -> Draft:
+        """B drafts of ``tree`` below each image's root, the last of its ``pending`` tokens, from
+        the uniform ``noise`` [B, :meth:`noise_rows`, V] under the ``sampling`` settings
+        (``greedy`` [1] bool: the relaxation's, argmax drafts)."""
+        ...
+
+    def record(self, verified: Verified, active: Tensor) -> None:
+        """After the target verified and accepted this step's drafts: keep what the next
+        :meth:`propose` of the ``active`` [B] images needs of it."""
+        ...
+
+
 class TargetBackend(Protocol):
     """Runs the target's prefill and step graphs over the 2B CFG rows of B images
     (:func:`~lantern_rt.runtime.sampling.cfg_rows`) and owns their KV cache.

@@ -30,6 +30,7 @@ from lantern_rt.errors import option
 from lantern_rt.graph_spec import TensorSpec, dtype_name
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
+from lantern_rt.runtime.drafting import TreeDrafter
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.run_shape import RunShape
@@ -221,11 +222,11 @@ class BundleTarget:
         )
 
 
-class BundleDrafter:
-    """``DrafterBackend`` over a bundle's drafting graphs for the batch of ``graphs``, one per
-    exported tree (the drafter's layers and the LM head are inside them); its cache has the
-    manifest's ``drafter_capacity``, then ``drafter_scratch`` slots the graphs write their rows
-    into when exported with the cache written in place (``drafting.Scratch``)."""
+class BundleDrafter(TreeDrafter):
+    """``DrafterBackend``, a :class:`TreeDrafter`, over a bundle's drafting graphs for the batch
+    of ``graphs``, one per exported tree (the drafter's layers and the LM head are inside them);
+    its cache has the manifest's ``drafter_capacity``, then ``drafter_scratch`` slots the graphs
+    write their rows into when exported with the cache written in place (``drafting.Scratch``)."""
 
     def __init__(self, graphs: BatchGraphs, runner: RunnerFactory, name: str):
         bundle = graphs.bundle

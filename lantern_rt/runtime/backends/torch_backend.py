@@ -23,6 +23,7 @@ from lantern_rt.runtime.drafting import (
     DraftPlan,
     DraftStep,
     Head,
+    TreeDrafter,
     cfg_pairs,
     draft_plan,
     draft_tree,
@@ -164,12 +165,13 @@ def lm_head(head: torch.nn.Linear, layout: GPTConfig) -> Head:
     return lambda hidden, positions: layout_logits(head(hidden).float(), positions, layout)
 
 
-class TorchDrafter:
-    """``DrafterBackend`` over a torch ``Drafter`` and the target's final LM head: ``draft_tree``
-    run eagerly with the drafter's own ``step``; its cache keeps which of its first ``prefix``
-    slots (the condition prefix's pairs) each row sees; ``layout`` is the target's config when
-    its image layout forces tokens (:func:`~lantern_rt.models.target.layout_logits`); the cache
-    holds the run ``shape``'s images, one row each when not ``guided`` (docs/method.md §13)."""
+class TorchDrafter(TreeDrafter):
+    """``DrafterBackend``, a :class:`TreeDrafter`, over a torch ``Drafter`` and the target's final
+    LM head: ``draft_tree`` run eagerly with the drafter's own ``step``; its cache keeps which of
+    its first ``prefix`` slots (the condition prefix's pairs) each row sees; ``layout`` is the
+    target's config when its image layout forces tokens
+    (:func:`~lantern_rt.models.target.layout_logits`); the cache holds the run ``shape``'s
+    images, one row each when not ``guided`` (docs/method.md §13)."""
 
     name = "torch"
 
