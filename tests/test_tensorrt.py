@@ -525,15 +525,14 @@ def test_trt_graphs_match_onnxruntime(bundle):
     fixed |= dict(zip(RELAX_INPUTS, relax_inputs(Relaxation("exact"), None, vocab, False, cpu), strict=True))
     cuda_fixed = {name: t.cuda() for name, t in fixed.items()}  # bound once, where they lie
     for step in range(3):  # plain run and capture, then replays with new small inputs
-        capacity = entry.input("mask").shape[-1]
         small = {
-            "node_tokens": torch.tensor([step + 1]),
-            "positions": torch.tensor([step]),
-            "mask": torch.arange(capacity)[None, None, None] <= step,
-            "valid": torch.ones(1, dtype=torch.bool),
-            "q": torch.zeros(1, vocab),
-            "noise": torch.zeros(1),
-            "bonus_noise": torch.rand(vocab, generator=g),
+            "node_tokens": torch.tensor([[step + 1]]),
+            "cache_length": torch.tensor([bundle.constants.cls_token_num + step]),
+            "prefix": torch.ones(entry.input("prefix").shape, dtype=torch.bool),
+            "valid": torch.ones(1, 1, dtype=torch.bool),
+            "q": torch.zeros(1, 1, vocab),
+            "noise": torch.zeros(1, 1),
+            "bonus_noise": torch.rand(1, vocab, generator=g),
         }
         want = ort_graph(**fixed, **small)
         got = trt_graph(**cuda_fixed, **{k: t.cuda() for k, t in small.items()})
