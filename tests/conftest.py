@@ -115,23 +115,26 @@ def free_port() -> int:
 # The longest modules (their exports, or Ray's start), in the order the test workers take them:
 # `make test` hands whole modules to its workers in collection order (pytest-xdist's --dist
 # loadfile --no-loadscope-reorder), so these start early and the workers end at about the same
-# time; the others follow in file order. test_ray.py comes first and test_generate_set.py late:
+# time; the others follow in file order. test_ray.py comes early and test_generate_set.py late:
 # both hold ray_alone, so that a worker does not wait for the other's Ray.
 LONGEST_FIRST = (
     "test_trt_rtx_demo.py",
-    "test_jacobi.py",
     "test_chameleon_runtime.py",
     "test_batching.py",
-    "test_ray.py",
     "test_cache_in_place.py",
-    "test_faults_output.py",
-    "test_cache_windows.py",
-    "test_guidance.py",
+    "test_jacobi.py",
     "test_openvino.py",
-    "test_text_to_image.py",
-    "test_trt_rtx_families.py",
-    "test_widen.py",
+    "test_ray.py",
     "test_api.py",
+    "test_guidance.py",
+    "test_cache_windows.py",
+    "test_ort_speculative.py",
+    "test_faults_output.py",
+    "test_text_to_image.py",
+    "test_widen.py",
+    "test_export_memory.py",
+    "test_trt_rtx_families.py",
+    "test_weight_only.py",
 )
 
 
