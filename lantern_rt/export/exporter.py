@@ -351,7 +351,7 @@ def export_graph(
     spec = module.spec
     path = folder / f"{spec.name}.onnx"
     try:
-        with _quiet_exporter(), _operator_table_built_once():
+        with _quiet_exporter():
             torch.onnx.export(
                 module.eval(),
                 module.example_inputs(torch.Generator().manual_seed(0)),
@@ -395,39 +395,6 @@ def _quiet_exporter() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-
-
-_OPERATOR_TABLES: dict[tuple[Any, ...], Any] = {}
-
-
-@contextlib.contextmanager
-def _operator_table_built_once() -> Iterator[None]:
-    """``torch.onnx.export`` builds its table of ATen -> ONNX functions (``ONNXRegistry.from_torchlib``)
-    anew on every call, about a second, a quarter of a small graph's export: for the block, each
-    opset's table is built once per process and reused (export reads it and adds nothing to it
-    unless given a custom translation table, which this module never passes). A torch without
-    that private hook exports as it would."""
-    try:
-        from torch.onnx._internal.exporter._registration import ONNXRegistry
-    except ImportError:
-        yield
-        return
-    built = ONNXRegistry.__dict__.get("from_torchlib")
-    if not isinstance(built, classmethod):
-        yield
-        return
-
-    def once(cls: type, *args: Any, **kwargs: Any) -> Any:
-        key = (cls, args, tuple(sorted(kwargs.items())))
-        if key not in _OPERATOR_TABLES:
-            _OPERATOR_TABLES[key] = built.__func__(cls, *args, **kwargs)
-        return _OPERATOR_TABLES[key]
-
-    ONNXRegistry.from_torchlib = classmethod(once)
-    try:
-        yield
-    finally:
-        ONNXRegistry.from_torchlib = built
 
 
 def compare_with_torch(
