@@ -544,12 +544,16 @@ def test_inspect_of_a_bundle_without_its_vq_decode_file_is_one_line(bundle):
 
 
 def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``lantern ARGS`` as a terminal starts it: SIGINT at its default action (Ctrl-C raises
+    KeyboardInterrupt) even when the suite itself runs as a shell's background job, whose
+    children inherit SIGINT ignored."""
     return subprocess.Popen(
         [str(LANTERN), *args],
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
