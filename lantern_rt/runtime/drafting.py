@@ -346,21 +346,29 @@ def draft_tree(
 
 class TreeDrafter(ABC):
     """The :class:`~lantern_rt.runtime.backends.base.Drafter` of a drafter model (EAGLE), the
-    base of the drafter backends (:class:`~lantern_rt.runtime.backends.base.DrafterBackend`):
-    a proposal is one backend call that catches up on the pending pairs and drafts the tree
-    (:func:`draft_tree`), after which the pairs are committed to the drafter's cache; the
-    verification teaches it nothing (the next catch-up brings the accepted pairs)."""
+    base of the drafter backends: each runs the drafter (with the target's LM head) over B
+    images' 2B CFG rows and owns the drafter cache. A proposal is one backend call that catches
+    up on the pending pairs and drafts the tree (:func:`draft_tree`), after which the pairs are
+    committed to the drafter's cache; the verification teaches it nothing (the next catch-up
+    brings the accepted pairs)."""
 
     name: str
     cache: KVCache
+    vocab_size: int
 
     @abstractmethod
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
-        """:meth:`~lantern_rt.runtime.backends.base.DrafterBackend.prefill`."""
+        """Restart the ``fresh`` [B] images' caches with the pairs of their condition prefix
+        (:func:`prefix_pairs`, from the target's hidden states ``hidden`` [2B, T - 1, D] at all
+        but its last slot; nothing for a one-slot prefix). ``cond`` [2B, ...] and ``prefix``
+        [2B, T] are the target's condition rows and their visible slots: a prompt-token drafter
+        pairs each state with its row's next token and hides the padding."""
 
     @abstractmethod
     def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
-        """:meth:`~lantern_rt.runtime.backends.base.DrafterBackend.draft`."""
+        """:func:`draft_tree` over this backend's cache: catch-up ``rows``, uniform draw noise and
+        the sampling settings. Returned tensors may be the backend's own buffers: valid until its
+        next call."""
 
     @property
     def state(self) -> tuple[Tensor, ...]:

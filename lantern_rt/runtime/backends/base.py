@@ -77,9 +77,9 @@ class Drafter(Protocol):
         ...
 
     def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
-        """The ``fresh`` [B] images start over (:meth:`DrafterBackend.prefill`'s arguments: the
-        target's hidden states at all but the prefix's last slot, its condition rows and their
-        visible slots)."""
+        """The ``fresh`` [B] images start over (the arguments of
+        :meth:`~lantern_rt.runtime.drafting.TreeDrafter.prefill`: the target's hidden states at all
+        but the prefix's last slot, its condition rows and their visible slots)."""
         ...
 
     def propose(
@@ -136,28 +136,4 @@ class TargetBackend(Protocol):
         in ``new_k``/``new_v`` (or, None there, the step wrote every node's K/V into the cache's
         scratch slots): ``cache.commit(new_k, new_v, kept, length + 1)`` commits the accepted
         paths. Nothing is read back to the host."""
-        ...
-
-
-class DrafterBackend(Protocol):
-    """Runs the drafter (with the target's LM head) over B images' 2B CFG rows; owns the
-    drafter cache."""
-
-    name: str
-    cache: KVCache
-    vocab_size: int
-
-    def prefill(self, hidden: Tensor, fresh: Tensor, cond: Tensor, prefix: Tensor) -> None:
-        """Restart the ``fresh`` [B] images' caches with the pairs of their condition prefix
-        (:func:`~lantern_rt.runtime.drafting.prefix_pairs`, from the target's hidden states
-        ``hidden`` [2B, T - 1, D] at all but its last slot; nothing for a one-slot prefix).
-        ``cond`` [2B, ...] and ``prefix`` [2B, T] are the target's condition rows and their
-        visible slots: a prompt-token drafter pairs each state with its row's next token and
-        hides the padding."""
-        ...
-
-    def draft(self, tree: StaticTree, rows: CatchUp, noise: Tensor, sampling: FilterInputs) -> DraftOutputs:
-        """``runtime.drafting.draft_tree`` over this backend's cache: catch-up ``rows``, uniform
-        draw noise and the sampling settings. Returned tensors may be the backend's own buffers:
-        valid until its next call."""
         ...

@@ -223,8 +223,8 @@ class BundleTarget:
 
 
 class BundleDrafter(TreeDrafter):
-    """``DrafterBackend``, a :class:`TreeDrafter`, over a bundle's drafting graphs for the batch
-    of ``graphs``, one per exported tree (the drafter's layers and the LM head are inside them);
+    """A :class:`TreeDrafter` over a bundle's drafting graphs for the batch of ``graphs``, one
+    per exported tree (the drafter's layers and the LM head are inside them);
     its cache has the manifest's ``drafter_capacity``, then ``drafter_scratch`` slots the graphs
     write their rows into when exported with the cache written in place (``drafting.Scratch``)."""
 

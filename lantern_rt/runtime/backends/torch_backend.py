@@ -166,8 +166,8 @@ def lm_head(head: torch.nn.Linear, layout: GPTConfig) -> Head:
 
 
 class TorchDrafter(TreeDrafter):
-    """``DrafterBackend``, a :class:`TreeDrafter`, over a torch ``Drafter`` and the target's final
-    LM head: ``draft_tree`` run eagerly with the drafter's own ``step``; its cache keeps which of
+    """A :class:`TreeDrafter` over a torch ``Drafter`` and the target's final LM head:
+    ``draft_tree`` run eagerly with the drafter's own ``step``; its cache keeps which of
     its first ``prefix`` slots (the condition prefix's pairs) each row sees; ``layout`` is the
     target's config when its image layout forces tokens
     (:func:`~lantern_rt.models.target.layout_logits`); the cache holds the run ``shape``'s
