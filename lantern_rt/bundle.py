@@ -34,7 +34,7 @@ from lantern_rt.models.neighbors import load_neighbors_file
 
 FORMAT = "lantern-rt-bundle"
 # what each version added: docs/bundle-format.md, "Bundle versions"
-BUNDLE_VERSION = 15
+BUNDLE_VERSION = 16
 MANIFEST = "manifest.json"
 DIGEST = "manifest_digest"  # sha256 of the manifest's canonical JSON without this key (manifest_digest)
 NULL_CAPTION = "null_caption.npy"

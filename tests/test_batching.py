@@ -112,8 +112,8 @@ def test_each_image_draws_its_step_noise_in_the_documented_order(drafting):
     out here with plain torch.rand calls, not the runtime's helpers."""
     tree, vocab, rows = load_tree("chain-3", 4), 16, 3  # chain-3: 4 nodes, 3 of them draw children
     state = SimpleNamespace(vocab=vocab, device=torch.device("cpu"))
-    slots = [SimpleNamespace(generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
-    draft, noise, bonus = _step_noise([slots[0], None, slots[1]], tree, rows * drafting, SAMPLED, state)
+    slots = [SimpleNamespace(generator=torch.Generator().manual_seed(s), sampling=SAMPLED) for s in (7, 8)]
+    draft, noise, bonus = _step_noise([slots[0], None, slots[1]], tree, rows * drafting, state)
     for got_slot, seed in ((0, 7), (2, 8)):
         g = torch.Generator().manual_seed(seed)
         if drafting:
@@ -128,7 +128,9 @@ def test_each_image_draws_its_step_noise_in_the_documented_order(drafting):
     assert not draft[1].any() and not noise[1].any() and not bonus[1].any()
     assert draft.shape == (3, rows if drafting else 1, vocab)
     before = slots[0].generator.get_state()
-    _step_noise([slots[0]], tree, rows * drafting, GREEDY, state)
+    _step_noise(
+        [SimpleNamespace(generator=slots[0].generator, sampling=GREEDY)], tree, rows * drafting, state
+    )
     assert torch.equal(slots[0].generator.get_state(), before)
 
 

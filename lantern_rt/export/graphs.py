@@ -39,13 +39,28 @@ from lantern_rt.runtime.kv_cache import prefill_mask, written_mask
 from lantern_rt.runtime.sampling import cfg_rows, guided_rows
 from lantern_rt.runtime.tree import StaticTree
 
-# The sampling settings every drafting and verify graph takes (sampling.filter_inputs).
-SAMPLING_SPECS = (
-    TensorSpec("cfg_scale", (1,), "float32"),
-    TensorSpec("temperature", (1,), "float32"),
-    TensorSpec("top_k", (1,), "int64"),
-    TensorSpec("top_p", (1,), "float32"),
+# The sampling settings every drafting and verify graph takes, each image's (sampling.SamplingRows).
+SAMPLING_INPUTS = (
+    ("cfg_scale", "float32"),
+    ("temperature", "float32"),
+    ("top_k", "int64"),
+    ("top_p", "float32"),
 )
+
+
+def sampling_specs(batch: int) -> tuple[TensorSpec, ...]:
+    """The sampling settings of a graph of ``batch`` images: one value per image, [B]."""
+    return tuple(TensorSpec(name, (batch,), dtype) for name, dtype in SAMPLING_INPUTS)
+
+
+def example_sampling(batch: int) -> tuple[Tensor, ...]:
+    """The numerical check's sampling settings: CFG 3 without filtering, for every image."""
+    return (
+        torch.full((batch,), 3.0),
+        torch.ones(batch),
+        torch.zeros(batch, dtype=torch.long),
+        torch.ones(batch),
+    )
 
 
 def cache_capacity(model: Transformer) -> int:
@@ -274,12 +289,12 @@ class TargetVerify(nn.Module):
                 TensorSpec("q", (b, s, v), "float32"),
                 TensorSpec("noise", (b, s), "float32"),
                 TensorSpec("bonus_noise", (b, v), "float32"),
-                *SAMPLING_SPECS,
+                *sampling_specs(b),
                 TensorSpec("neighbors", (v, neighbors_k), "int64"),
                 TensorSpec("k", (1,), "int64"),
                 TensorSpec("cap_a", (1,), "float32"),
                 TensorSpec("cap_b", (1,), "float32"),
-                TensorSpec("greedy", (1,), "bool"),
+                TensorSpec("greedy", (b,), "bool"),
                 *past,
             ),
             (
@@ -359,8 +374,13 @@ class TargetVerify(nn.Module):
         bonus_noise[torch.arange(b), torch.randint(v, (b,), generator=g)] = 1.0 - 2.0**-24
         k = self.spec.inputs[11].shape[1]
         neighbors = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(v)])
-        sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        relax = (torch.tensor([min(k, 10)]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([False]))
+        sampling = example_sampling(b)
+        relax = (
+            torch.tensor([min(k, 10)]),
+            torch.tensor([0.0]),
+            torch.tensor([2.0]),
+            torch.zeros(b, dtype=torch.bool),
+        )
         return (
             tokens,
             length,
@@ -427,7 +447,7 @@ class DrafterTree(nn.Module):
                 TensorSpec("cache_length", (b,), "int64"),
                 *((TensorSpec("prefix", (self.rows, prefix), "bool"),) if prefix else ()),
                 TensorSpec("noise", (b, noise_rows(tree), c.vocab_size), "float32"),
-                *SAMPLING_SPECS,
+                *sampling_specs(b),
                 *(past := _past_specs(kv, self.rows, capacity + scratch, dtype)),
             ),
             (
@@ -483,7 +503,7 @@ class DrafterTree(nn.Module):
     @property
     def _past(self) -> int:
         """The index of the first ``past_*`` input (the sampling settings come before it)."""
-        return self._noise + 1 + len(SAMPLING_SPECS)
+        return self._noise + 1 + len(SAMPLING_INPUTS)
 
     @property
     def _noise(self) -> int:
@@ -518,7 +538,7 @@ class DrafterTree(nn.Module):
         forced = 1.0 - 2.0**-24 * torch.arange(1, self.tree.width + 1, dtype=torch.float32)  # 16.6, 15.9, ...
         for row in noise.flatten(0, 1):
             row[torch.randperm(c.vocab_size, generator=g)[: self.tree.width]] = forced
-        sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+        sampling = example_sampling(b)
         counts = (m, root, length, *((random_prefix(g, self.rows, self.prefix),) if self.prefix else ()))
         past = _random_cache(g, self.spec.inputs[self._past :])
         return (tokens, hidden, *counts, noise, *sampling, *past)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lantern_rt.errors import LanternError
 from lantern_rt.runtime.kv_cache import cache_mask, gather_rows
-from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, cfg_rows, filter_logits
+from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, cfg_rows, filter_logits, per_row
 from lantern_rt.runtime.tree import StaticTree
 
 RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of runtime.method.METHODS
@@ -83,7 +83,7 @@ class RelaxInputs(NamedTuple):
     k: Tensor  # [1] int64: how many of the K columns may be credited (0: none)
     cap_a: Tensor  # [1]: the neighbour mass a token may borrow is at most cap_a + cap_b * r(x)
     cap_b: Tensor  # [1]
-    greedy: Tensor  # [1] bool
+    greedy: Tensor  # [B] bool: each image's (or [1]: every image's; sampling.SamplingRows)
 
 
 @lru_cache(maxsize=8)
@@ -94,7 +94,9 @@ def relax_inputs(
     the same tensors for the same arguments (a CUDA graph reads them where they lie).
     ``neighbors`` [V, k_max] is passed as it is (an exported acceptance graph takes its bundle's
     whole table); it must hold at least k columns when relaxed (:class:`AcceptanceError`
-    otherwise). Without one, a one-column table that nothing reads is passed."""
+    otherwise). Without one, a one-column table that nothing reads is passed. ``greedy`` is
+    every image's flag ([1]); a decode of images sampled each their own way replaces it by
+    their :class:`~lantern_rt.runtime.sampling.SamplingRows` flags [B]."""
     if relax.relaxed:
         if neighbors is None:
             raise AcceptanceError(f"{relax.method} needs a latent-neighbour table; pass neighbors=[V, k_max]")
@@ -196,7 +198,7 @@ class _Tests(NamedTuple):
 def _test(r: Tensor, qq: Tensor, x: Tensor, valid: Tensor, u: Tensor, relax: RelaxInputs) -> _Tests:
     """Tests of tokens ``x`` [M] against running targets ``r`` and drafter distributions ``qq``
     [M, V] (docs/method.md §5.1-5.4): greedy accepts x when it is the argmax of the relaxed
-    target, sampling when u * q(x) < pt."""
+    target, sampling when u * q(x) < pt (``relax.greedy``: each test's [M], or [1] for all)."""
     neighbours = relax.neighbors.index_select(0, x)  # [M, K]; indexing exports as two nodes
     used, s, r_x = _credit(r, x, neighbours, relax)
     pt = r_x + s
@@ -300,9 +302,9 @@ def draw(r: Tensor, u: Tensor, greedy: Tensor) -> Tensor:
     step and the first token after the prefill are drawn so (docs/method.md §2). Unlike
     inverting the CDF, the draw is decided by a gap between two scores, never by a cumulative
     sum whose rounding differs between engines: torch and a graph on onnxruntime or TensorRT
-    draw the same token."""
+    draw the same token. ``greedy``: each row's [B] (r [B, ..., V]), or [1] for all."""
     offsets = torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # minus the Gumbel noise
-    return torch.where(greedy, r, torch.log(r) - offsets).argmax(-1)
+    return torch.where(per_row(greedy, r), r, torch.log(r) - offsets).argmax(-1)
 
 
 def _walk(plan: TreePlan, state: _Parents, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -340,7 +342,7 @@ def accept_tree(
     :func:`tree_plan`; tokens [B, N+1] (tokens[:, 0] the roots), valid [B, N+1] (False: skip
     that drafted child), p and q [B, N+1, V] the target and drafter probabilities at every node
     (q[:, i] is what node i's children were drawn from), ``relax`` the relaxation and greedy
-    flag, ``noise`` [B, N+1] uniform in [0, 1) (noise[:, i] for node i's test; noise[:, 0] is
+    flags (each image's [B], or [1] for all), ``noise`` [B, N+1] uniform in [0, 1) (noise[:, i] for node i's test; noise[:, 0] is
     not read) and ``bonus_noise`` [B, V] uniform, for the bonus draw.
     """
     p, q = p.float(), q.float()
@@ -356,8 +358,10 @@ def accept_tree(
         p.new_zeros(batch, rows, 3),
     )
     width = plan.children.shape[1]
+    # each image's greedy flag at each of its P tests of a slot ([B * P], as _slot flattens them)
+    tests = relax._replace(greedy=relax.greedy[:, None].expand(batch, rows).reshape(-1))
     for slot in range(width):
-        state = _slot(state, slot, slot == width - 1, plan, tokens, valid, relax, noise)
+        state = _slot(state, slot, slot == width - 1, plan, tokens, valid, tests, noise)
     length, path, credit = _walk(plan, state, tokens.shape[1])
     none = torch.zeros_like(path[:, :1])
     kept = torch.cat([none, path], 1)
@@ -375,7 +379,8 @@ def target_probabilities(
 ) -> Tensor:
     """The target distribution acceptance compares against: the CFG rows of ``logits``
     [2B, ..., V] of B ``images`` mixed (-> [B, ..., V]; B rows, guidance off, as they are),
-    then temperature, top-k and top-p (``sampling`` as
+    then temperature, top-k and top-p (``sampling``: each image's settings [B] as
+    :class:`~lantern_rt.runtime.sampling.SamplingRows` holds them, or [1] for all as
     :func:`~lantern_rt.runtime.sampling.filter_inputs` gives them), then a softmax."""
     cfg_scale, temperature, top_k, top_p = sampling
     width = min(logits.shape[-1], TOPK_LIMIT)

@@ -24,14 +24,7 @@ from lantern_rt.runtime.backends.base import Draft, Drafter, FilterInputs, Pendi
 from lantern_rt.runtime.backends.compiled import Compiled
 from lantern_rt.runtime.backends.cuda_graphs import CudaGraphed
 from lantern_rt.runtime.profiling import span
-from lantern_rt.runtime.sampling import (
-    TOPK_LIMIT,
-    SamplingConfig,
-    cfg_rows,
-    check_sort_width,
-    draw_noise,
-    filter_inputs,
-)
+from lantern_rt.runtime.sampling import SamplingConfig, SamplingRows, cfg_rows, check_filterable, draw_noise
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree
 
 
@@ -117,6 +110,12 @@ class StepCache:
     cuda_graphs: bool = False
     compile: bool = False
     steps: dict = field(default_factory=dict)
+    rows: dict = field(default_factory=dict)  # the sampling rows its steps read, by batch and device
+
+    def sampling_rows(self, images: int, device: torch.device) -> SamplingRows:
+        """The :class:`SamplingRows` of ``images`` on ``device`` that every step kept here reads
+        (a decode writes its images' settings into them)."""
+        return self.rows.setdefault((images, device), SamplingRows(images, device))
 
     @property
     def compile_seconds(self) -> float:
@@ -141,8 +140,15 @@ class Condition(NamedTuple):
     prefix: Tensor | None = None
 
 
-# One image to decode: its condition (or just its two condition rows) and its random stream.
-Job = tuple["Condition | Tensor", "torch.Generator | None"]
+class Job(NamedTuple):
+    """One image to decode: its condition (or just its two condition rows), its random stream
+    and how it samples (None: as the decode's ``sampling`` says). A plain (condition, generator)
+    pair is a job too."""
+
+    cond: Condition | Tensor
+    generator: torch.Generator | None
+    sampling: SamplingConfig | None = None
+
 
 IDLE = object()  # JobSource.take: no job waiting now, more may come
 
@@ -189,6 +195,7 @@ class _Slot:
     index: int
     cond: Condition
     generator: torch.Generator | None
+    sampling: SamplingConfig
     tokens: list[int]
     accepted: list[int]
 
@@ -218,7 +225,9 @@ def decode_images(
     step_graphs: StepCache | None = None,
 ) -> Iterator[tuple[int, ImageResult]]:
     """Generate ``num_tokens`` image tokens for each job, B at a time (the target's batch:
-    ``target.cache.images``), yielding (job index, result) as each image finishes.
+    ``target.cache.images``), yielding (job index, result) as each image finishes. Each image
+    samples as its job says (:attr:`Job.sampling`), else as ``sampling`` says: its settings are
+    its slot's in every step's filters, noise and acceptance (:class:`SamplingRows`).
 
     Every image holds one of the B slots of each call from its prefill to its last token: each
     step (:class:`DecodeStep`) drafts, verifies and accepts the trees of all of them and commits
@@ -253,14 +262,14 @@ def decode_images(
                 if job is None:
                     exhausted = True
                 else:
-                    index, (cond, generator) = job
+                    index, (cond, generator, chosen) = job[0], Job(*job[1])
                     cond = cond if isinstance(cond, Condition) else Condition(cond)
-                    slots[b] = _Slot(index, cond, generator, [], [])
+                    slots[b] = _Slot(index, cond, generator, chosen or sampling, [], [])
                     fresh.append(b)
         longest = max((len(slot.tokens) for slot in slots if slot is not None), default=0)
         cache.fit(window_needed(target.cls_token_num, longest, tree.max_depth))
         if fresh:
-            state = _prefill(target, speculation, slots, fresh, sampling, tree, state)
+            state = _prefill(target, speculation, slots, fresh, tree, state, step_graphs)
         finished = [b for b, slot in enumerate(slots) if slot is not None and len(slot.tokens) >= num_tokens]
         for b in finished:
             slot = slots[b]
@@ -273,7 +282,7 @@ def decode_images(
             continue  # the freed slots take the next jobs before the next step
         if all(slot is None for slot in slots):
             return
-        draft_noise, noise, bonus_noise = _step_noise(slots, tree, _draft_rows(speculation), sampling, state)
+        draft_noise, noise, bonus_noise = _step_noise(slots, tree, _draft_rows(speculation), state)
         step = steps.get(cache.window) or steps.setdefault(
             cache.window, _step(target, speculation, tree, state, step_graphs)
         )
@@ -295,16 +304,21 @@ def decode_images(
 @dataclass
 class _State:
     """The batch's device state between steps: each image's pending pairs (see
-    :class:`DecodeStep`), and the settings as tensors."""
+    :class:`DecodeStep`), and the settings as tensors (``relax``'s greedy flags are the
+    ``sampling`` rows')."""
 
     pending: Tensor  # [B, R]
     hidden: Tensor  # [2B, R, D]
     m: Tensor  # [B]
-    filters: FilterInputs
+    sampling: SamplingRows
     relax: RelaxInputs
     vocab: int
     device: torch.device
     _active: tuple[tuple[bool, ...], Tensor] | None = None
+
+    @property
+    def filters(self) -> FilterInputs:
+        return self.sampling.filters
 
     def active(self, slots: list[_Slot | None]) -> Tensor:
         """[B] bool on the device: which slots hold an image (copied when that changes)."""
@@ -319,12 +333,14 @@ def _prefill(
     speculation: Speculation | None,
     slots: list[_Slot | None],
     fresh: list[int],
-    sampling: SamplingConfig,
     tree: StaticTree,
     state: _State | None,
+    step_graphs: StepCache | None,
 ) -> _State:
-    """Prefill the ``fresh`` slots' images (the other slots' caches are kept), draw each one's
-    first token from its generator and make it its pending pair; -> the updated state."""
+    """Prefill the ``fresh`` slots' images (the other slots' caches are kept), write their
+    sampling settings into the state's rows, draw each one's first token from its generator and
+    make it its pending pair; -> the updated state (its sampling rows ``step_graphs``' when
+    given, where its kept steps read them)."""
     some = next(slot for slot in slots if slot is not None)
     conds = [(slot or some).cond for slot in slots]
     batch, rows = len(slots), target.cache.rows
@@ -343,13 +359,17 @@ def _prefill(
             speculation.drafter.prefill(hidden[:, :-1], is_fresh, cond, prefix)
     hidden = hidden[:, -1]
     vocab = logits.shape[-1]
+    for b in fresh:
+        check_filterable(slots[b].sampling, vocab)
     if state is None:
-        check_sort_width(sampling, vocab, min(vocab, TOPK_LIMIT))
+        sampling = (
+            SamplingRows(batch, device) if step_graphs is None else step_graphs.sampling_rows(batch, device)
+        )
         relax = relax_inputs(
             speculation.relax if speculation else EXACT,
             speculation.neighbors if speculation else None,
             vocab,
-            sampling.greedy,
+            False,
             device,
         )
         pending = tree.max_depth + 1
@@ -357,14 +377,15 @@ def _prefill(
             torch.zeros(batch, pending, dtype=torch.long, device=device),
             hidden.new_zeros(rows, pending, hidden.shape[-1]),
             torch.ones(batch, dtype=torch.long, device=device),
-            filter_inputs(sampling, device),
-            relax,
+            sampling,
+            relax._replace(greedy=sampling.greedy),
             vocab,
             device,
         )
+    state.sampling.write(fresh, [slots[b].sampling for b in fresh])
     uniform = torch.stack(
         [
-            _uniform(vocab, sampling, slot.generator, device) if flag else _zeros(vocab, device)
+            _uniform(vocab, slot.sampling.greedy, slot.generator, device) if flag else _zeros(vocab, device)
             for slot, flag in zip(slots, flags, strict=True)
         ]
     )
@@ -387,16 +408,17 @@ def _draft_rows(spec: Speculation | None) -> int:
 
 
 def _step_noise(
-    slots: list[_Slot | None], tree: StaticTree, rows: int, sampling: SamplingConfig, state: _State
+    slots: list[_Slot | None], tree: StaticTree, rows: int, state: _State
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A step's uniform noise: the drafter's [B, ``rows``, V] (drafting methods: ``rows`` > 0),
-    the tests' [B, N+1] and the bonus draws' [B, V], each image's drawn from its own generator in
-    the order one image alone draws them (zeros for an empty slot; greedy: constants, no draw)."""
+    the tests' [B, N+1] and the bonus draws' [B, V], each sampled image's drawn from its own
+    generator in the order one image alone draws them; a greedy image's are constants, no draw
+    (:func:`draw_noise`, :func:`_uniform`); an empty slot's zeros."""
     vocab, device, batch = state.vocab, state.device, len(slots)
     noises = tree.num_nodes + 1
     drafting = rows > 0
     rows = rows or 1
-    if sampling.greedy:
+    if all(slot is None or slot.sampling.greedy for slot in slots):  # nothing drawn: the constants whole
         draft_noise = draw_noise(batch * rows, vocab, True, None, device).view(batch, rows, vocab)
         uniform = _zeros(batch * (noises + vocab), device).view(batch, -1)
         return draft_noise, uniform[:, :noises], uniform[:, noises:]
@@ -406,12 +428,12 @@ def _step_noise(
             drafts.append(
                 _zeros(rows * vocab, device).view(rows, vocab)
                 if slot is None
-                else draw_noise(rows, vocab, False, slot.generator, device)
+                else draw_noise(rows, vocab, slot.sampling.greedy, slot.generator, device)
             )
         uniforms.append(
             _zeros(noises + vocab, device)
             if slot is None
-            else _uniform(noises + vocab, sampling, slot.generator, device)
+            else _uniform(noises + vocab, slot.sampling.greedy, slot.generator, device)
         )
     uniform = torch.stack(uniforms)
     # AR's drafter noise is never read: one zero tensor, no draw
@@ -452,12 +474,10 @@ def _step(
     return cache.steps[key]
 
 
-def _uniform(
-    count: int, sampling: SamplingConfig, generator: torch.Generator | None, device: torch.device
-) -> Tensor:
-    """``count`` uniform values from ``generator`` for a step's tests and draws; in greedy mode
-    zeros, which nothing reads (greedy decisions are argmaxes) and which cost no draw."""
-    if sampling.greedy:
+def _uniform(count: int, greedy: bool, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """``count`` uniform values from ``generator`` for a step's tests and draws; for a ``greedy``
+    image zeros, which nothing reads (greedy decisions are argmaxes) and which cost no draw."""
+    if greedy:
         return _zeros(count, device)
     return torch.rand(count, generator=generator, device=device)
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from lantern_rt.runtime.acceptance import Verified
 from lantern_rt.runtime.backends.base import Draft, FilterInputs, Pending
 from lantern_rt.runtime.method import COUPLINGS
-from lantern_rt.runtime.sampling import gumbel_offsets
+from lantern_rt.runtime.sampling import gumbel_offsets, per_row
 from lantern_rt.runtime.tree import StaticTree, pac_shape
 
 
@@ -200,10 +200,11 @@ class JacobiDrafter:
     ) -> Draft:
         """The window's (``tree``'s) draft below each image's root, the last of its m pending
         tokens (committed since the last call) at cache position ``pending.root_position`` [B],
-        from ``noise`` [B, :meth:`noise_rows`, V], argmax drafts where ``greedy`` (the target's
-        distributions already carry the ``sampling`` settings): the pending tokens are recorded
-        in the history, then each position takes its coupled carried draft where there is one,
-        else its spatial one, and a pac tree's siblings are drawn after it (docs/method.md §11)."""
+        from ``noise`` [B, :meth:`noise_rows`, V], argmax drafts where ``greedy`` (each image's
+        [B], or [1] for all; the target's distributions already carry the ``sampling``
+        settings): the pending tokens are recorded in the history, then each position takes its
+        coupled carried draft where there is one, else its spatial one, and a pac tree's
+        siblings are drawn after it (docs/method.md §11)."""
         pending, m, root_position = pending.tokens, pending.count, pending.root_position
         batch, rows = pending.shape
         offsets = torch.arange(rows, device=pending.device)
@@ -234,9 +235,9 @@ class JacobiDrafter:
             sibling_offsets = gumbel_offsets(noise[:, window : 2 * window])
         else:
             first = (torch.log(p) - first_offsets).argmax(-1)
-        first = torch.where(greedy, p.argmax(-1), first)
+        first = torch.where(per_row(greedy, first), p.argmax(-1), first)
         if self.width > 1:
-            sibling_offsets = torch.where(greedy, 0.0, sibling_offsets)
+            sibling_offsets = torch.where(per_row(greedy, sibling_offsets), 0.0, sibling_offsets)
             candidates, valid = ranked_candidates(p, first, sibling_offsets, self.width)
             node_tokens = candidates.flatten(1).index_select(1, self.candidate)
             node_valid = valid.flatten(1).index_select(1, self.candidate)

@@ -54,15 +54,22 @@ class SamplingConfig:
 def cfg_mix(logits: Tensor, scale: float | Tensor, images: int) -> Tensor:
     """Mix the CFG rows of a batch of ``images`` B: logits [2B, ..., V] (the B images'
     conditional rows, then their unconditional rows: :func:`cfg_rows`) -> [B, ..., V], u + s *
-    (c - u) (written out: ``torch.lerp`` exports as two formulas and a Where); for a scale of at
-    most 1 the conditional rows alone, as LlamaGen guides only above 1 (docs/method.md §2). Logits
+    (c - u) (written out: ``torch.lerp`` exports as two formulas and a Where; a tensor ``scale``
+    is each image's [B], or [1] for all); for a scale of at most 1 the conditional rows alone, as LlamaGen guides only above 1 (docs/method.md §2). Logits
     of B rows (one per image: guidance off, §13) are returned as they are."""
     if logits.shape[0] == images:
         return logits
     cond, uncond = logits.split(images)
     if isinstance(scale, Tensor):
+        scale = per_row(scale, cond)
         return torch.where(scale > 1, uncond + scale * (cond - uncond), cond)
     return uncond + scale * (cond - uncond) if scale > 1 else cond
+
+
+def per_row(setting: Tensor, like: Tensor) -> Tensor:
+    """A per-image setting [B] (or [1]: every image's) shaped to broadcast over ``like``
+    [B, ..., V], whose first axis is the images."""
+    return setting.reshape(-1, *(1,) * (like.dim() - 1))
 
 
 def cfg_rows(per_image: Tensor, rows: int) -> Tensor:
@@ -85,9 +92,9 @@ TOPK_LIMIT = 3840
 def filter_logits(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int
 ) -> Tensor:
-    """Temperature, then top-k (0 = off), then top-p applied to logits [..., V]; removed entries
-    are -inf. The settings are tensors (one element each) so that a fixed-shape graph can take
-    them as inputs.
+    """Temperature, then top-k (0 = off), then top-p applied to logits [B, ..., V]; removed
+    entries are -inf. The settings are tensors, each image's [B] (or [1]: every image's), so
+    that a fixed-shape graph can take them as inputs.
 
     Tokens are kept by value: at least the k-th largest logit, and at least the smallest of the
     fewest largest whose mass reaches ``top_p`` (tokens tied with a threshold all stay). Both
@@ -98,10 +105,11 @@ def filter_logits(
     on: its sort costs more than the rest of a drafter level. Eager code always filters (a
     no-op when both are off), as a CUDA-graph capture needs: ``torch.cond`` would sync.
     """
+    temperature, top_k, top_p = (per_row(t, logits) for t in (temperature, top_k, top_p))
     logits = logits.float() / temperature
     if not torch.compiler.is_exporting():
         return _top_k_top_p(logits, top_k, top_p, sort_width)
-    on = ((top_k > 0) | (top_p < 1.0)).reshape(())
+    on = ((top_k > 0) | (top_p < 1.0)).any()  # any image's filter on: each row filters as it says
     return torch.cond(on, partial(_top_k_top_p, sort_width=sort_width), _unfiltered, (logits, top_k, top_p))
 
 
@@ -141,19 +149,56 @@ def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
         )
 
 
+def row_settings(cfg: SamplingConfig) -> tuple[float, float, int, float, bool]:
+    """One image's (cfg_scale, temperature, top_k, top_p, greedy) as the filter reads them:
+    temperature 1 and no top-k or top-p in greedy mode, where the logits are not filtered."""
+    if cfg.greedy:
+        return cfg.cfg_scale, 1.0, 0, 1.0, True
+    return cfg.cfg_scale, cfg.temperature, cfg.top_k, cfg.top_p, False
+
+
+class SamplingRows:
+    """Each of B images' sampling settings on ``device``: (cfg_scale, temperature, top_k, top_p)
+    [B] as :func:`filter_logits` and :func:`cfg_mix` take them (:attr:`filters`) and the greedy
+    flags [B] (:attr:`greedy`). :meth:`write` sets a slot's in place when it takes an image, so
+    that a step reads them where they lie (a captured CUDA graph, a graph input bound by
+    pointer) and no step reads them back."""
+
+    DTYPES = (torch.float32, torch.float32, torch.int64, torch.float32, torch.bool)
+
+    def __init__(self, images: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.tensors = tuple(torch.zeros(images, dtype=dtype, device=self.device) for dtype in self.DTYPES)
+
+    @property
+    def filters(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.tensors[:4]  # type: ignore[return-value]
+
+    @property
+    def greedy(self) -> Tensor:
+        return self.tensors[4]
+
+    def write(self, slots: list[int], configs: list[SamplingConfig]) -> None:
+        """The images in ``slots`` sample as ``configs`` say (one each)."""
+        index = torch.tensor(slots, device=self.device)
+        columns = zip(*map(row_settings, configs), strict=True)
+        for tensor, values in zip(self.tensors, columns, strict=True):
+            tensor.index_copy_(0, index, torch.tensor(values, dtype=tensor.dtype).to(self.device))
+
+
+def check_filterable(cfg: SamplingConfig, vocab: int) -> None:
+    """:func:`check_sort_width` at the width the runtime sorts a vocabulary of ``vocab`` over:
+    all of it, at most :data:`TOPK_LIMIT`."""
+    check_sort_width(cfg, vocab, min(vocab, TOPK_LIMIT))
+
+
 @lru_cache(maxsize=16)
 def filter_inputs(cfg: SamplingConfig, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(cfg_scale, temperature, top_k, top_p) as one-element tensors for :func:`filter_logits`
-    (temperature 1 in greedy mode, where the logits are not filtered)."""
-    temperature = 1.0 if cfg.greedy else cfg.temperature
-    top_k = 0 if cfg.greedy else cfg.top_k
-    top_p = 1.0 if cfg.greedy else cfg.top_p
-    return (
-        torch.tensor([cfg.cfg_scale], device=device),
-        torch.tensor([temperature], device=device),
-        torch.tensor([top_k], device=device),
-        torch.tensor([top_p], device=device),
-    )
+    """(cfg_scale, temperature, top_k, top_p) of ``cfg`` for every image: one-element tensors
+    for :func:`filter_logits` (:func:`row_settings`)."""
+    rows = SamplingRows(1, device)
+    rows.write([0], [cfg])
+    return rows.filters
 
 
 def draw_noise(

@@ -11,7 +11,8 @@ from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.tree import StaticTree
 
-# The sampling settings as tensors (cfg_scale, temperature, top_k, top_p): sampling.filter_inputs.
+# The sampling settings as tensors (cfg_scale, temperature, top_k, top_p), each image's [B]
+# (sampling.SamplingRows) or [1] for all (sampling.filter_inputs).
 FilterInputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
@@ -87,7 +88,7 @@ class Drafter(Protocol):
     ) -> Draft:
         """B drafts of ``tree`` below each image's root, the last of its ``pending`` tokens, from
         the uniform ``noise`` [B, :meth:`noise_rows`, V] under the ``sampling`` settings
-        (``greedy`` [1] bool: the relaxation's, argmax drafts)."""
+        (``greedy`` [B] bool, or [1] for all: the relaxation's, argmax drafts)."""
         ...
 
     def record(self, verified: Verified, active: Tensor) -> None:

@@ -60,7 +60,7 @@ RunnerFactory = Callable[[Bundle, GraphEntry], GraphRunner]
 
 
 CACHE_INPUTS = ("past_k_", "past_v_")
-SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # sampling.filter_inputs, cached
+SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # each image's: sampling.SamplingRows
 RELAX_INPUTS = ("neighbors", "k", "cap_a", "cap_b", "greedy")  # acceptance.RelaxInputs, per image
 LENGTH_INPUTS = ("cache_length", "root_position")  # the caches' own length tensors, updated in place
 
