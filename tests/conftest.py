@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import socket
+import sys
+import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from lantern_rt.fileio import held
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.config import GPTConfig, VQConfig, to_dict
 from lantern_rt.models.model_dir import ModelDir
@@ -168,6 +171,96 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
 
 
+@pytest.fixture(scope="session", autouse=True)
+def graph_store(shared_folder: Path) -> Iterator[None]:
+    """Every graph the exporter writes in this process (``exporter.export_graph``) is exported
+    once per run: bundles that differ in their trees, windows or batch sizes share their other
+    graphs (prefill, AR step, VQ decoder), keyed by everything the graph module holds (weights,
+    tree, shapes) and the export's opset. A test that patches any ``lantern_rt`` function (to
+    make an export fail, say) exports for itself: the store is bypassed while any module
+    attribute differs from the session's start."""
+    from lantern_rt.export import exporter
+
+    real = exporter.export_graph
+    store = shared_folder / "graphs"
+    store.mkdir(exist_ok=True)
+
+    def export_graph(module, reference, folder: Path, opset: int = 18, threads: int = 0) -> dict[str, Any]:
+        if _lantern_attributes(start) != start:
+            return real(module, reference, folder, opset, threads)
+        key = hashlib.sha256(
+            repr((_fingerprint(module), _fingerprint(reference), opset)).encode()
+        ).hexdigest()
+        kept = store / key[:24]
+        with held(store / f".{kept.name}.lock", create=True):
+            if not kept.is_dir():
+                entry = real(module, reference, folder, opset, threads)
+                tmp = store / f".{kept.name}.tmp"
+                tmp.mkdir()
+                for name in (entry["file"], entry["file"] + ".data"):  # .data: its weights, if any
+                    if (folder / name).exists():
+                        shutil.copy2(folder / name, tmp / name)
+                (tmp / "entry.json").write_text(json.dumps(entry))
+                tmp.rename(kept)
+                return entry
+        entry = json.loads((kept / "entry.json").read_text())
+        for name in (entry["file"], entry["file"] + ".data"):
+            if (kept / name).exists():
+                shutil.copy2(kept / name, folder / name)
+        return entry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(exporter, "export_graph", export_graph)
+        start = _lantern_attributes()
+        yield
+
+
+def _lantern_attributes(like: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
+    """id of every attribute of every imported ``lantern_rt`` module (of those in ``like``)."""
+    names = like.keys() if like is not None else [n for n in sys.modules if n.startswith("lantern_rt")]
+    return {
+        n: {
+            k: id(v)
+            for k, v in vars(sys.modules[n]).items()
+            if not k.startswith("__") and (like is None or k in like[n])
+        }
+        for n in names
+    }
+
+
+def _fingerprint(obj: Any, seen: set[int] | None = None) -> Any:
+    """A value equal for objects that export the same graph: tensors by content, modules and
+    other objects by their type and attributes, recursively."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, (str, int, float, bool, type(None))):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        data = obj.detach().contiguous().cpu()
+        raw = data.view(torch.uint8) if data.dtype != torch.bool and data.numel() else data.to(torch.uint8)
+        return ("tensor", str(obj.dtype), tuple(obj.shape), hashlib.sha256(raw.numpy().tobytes()).hexdigest())
+    if id(obj) in seen:
+        return ("seen", type(obj).__qualname__)
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, *(_fingerprint(x, seen) for x in obj))
+    if isinstance(obj, dict):
+        return ("dict", *((repr(k), _fingerprint(v, seen)) for k, v in obj.items()))
+    if isinstance(obj, (set, frozenset)):
+        return ("set", *sorted(repr(_fingerprint(x, seen)) for x in obj))
+    if isinstance(obj, (types.FunctionType, types.MethodType)):
+        function = getattr(obj, "__func__", obj)
+        closure = [c.cell_contents for c in function.__closure__ or ()]
+        bound = getattr(obj, "__self__", None)
+        return ("function", function.__module__, function.__qualname__, _fingerprint([closure, bound], seen))
+    if isinstance(obj, (type, torch.dtype, torch.device, types.BuiltinFunctionType)):
+        return repr(obj)
+    if hasattr(obj, "__dict__"):
+        return (type(obj).__module__, type(obj).__qualname__, _fingerprint(vars(obj), seen))
+    if hasattr(obj, "__slots__"):
+        return (type(obj).__qualname__, *(_fingerprint(getattr(obj, s, None), seen) for s in obj.__slots__))
+    return repr(obj)
+
+
 def shared_cache() -> Path:
     """The run's export cache (``$LANTERN_CACHE`` of the tests that set none of their own)."""
     return Path(os.environ[SHARED]) / "cache"
@@ -179,7 +272,6 @@ def exported(md: ModelDir, out: Path, trees: Sequence[Any] = (), **options: Any)
     (under a lock, across test workers), and copied to ``out``, a folder of the caller's own."""
     from lantern_rt.export.exporter import export_bundle
     from lantern_rt.export_cache import model_fingerprint
-    from lantern_rt.fileio import held
     from lantern_rt.runtime.tree import tree_to_json
 
     call = inspect.signature(export_bundle).bind(md, out, trees, **options)
