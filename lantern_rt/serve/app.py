@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import io
 import json
-import math
 import re
 import secrets
 import time
@@ -27,11 +25,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lantern_rt.api import Generator
 from lantern_rt.errors import LanternError, first_line, flag
 from lantern_rt.images import pil_image
 from lantern_rt.run_options import option_types
-from lantern_rt.serve.engine import Closed, Engine, ImageRequest, QueueFull, TooManyImages
+from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.serve.engine import (
+    SAMPLING_FIELDS,
+    BadSetting,
+    Closed,
+    EngineClient,
+    ImageRequest,
+    QueueFull,
+    TooManyImages,
+)
 from lantern_rt.serve.limits import READ_TIMEOUT
 from lantern_rt.settings import MAX_SEED
 
@@ -152,9 +158,10 @@ class RequestIds:
             self.metrics.request_seconds.observe(time.monotonic() - t0)
 
 
-def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServeSettings) -> FastAPI:
     """The app over ``engine`` (started with the app, closed when it stops: the requests in
-    flight finish first, as uvicorn waits for them)."""
+    flight finish first, as uvicorn waits for them); it speaks to the engine through
+    :class:`~lantern_rt.serve.engine.EngineClient` alone."""
     metrics = engine.metrics
 
     @asynccontextmanager
@@ -206,14 +213,14 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
             raise ApiError(
                 503, engine.failed or "loading: exporting or warming up the model (GET /health/ready)"
             )
-        labels, seed = _labels(engine, settings, body)
+        labels, seed, sampling = _request(engine, settings, body)
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
 
         def on_done() -> None:
             loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
 
-        job = ImageRequest(labels, seed, on_done, arrived=arrived)
+        job = ImageRequest(labels, seed, sampling, on_done, arrived=arrived)
         try:
             engine.submit(job)
         except TooManyImages as exc:
@@ -234,14 +241,14 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
                 return Response(status_code=499)
         if job.error is not None:
             raise ApiError(500, job.error)
-        gen = engine.generator
-        data = await asyncio.to_thread(_png_data, gen, job.tokens)  # off the decode loop's thread
+        served = engine.served
+        data = await asyncio.to_thread(_png_data, engine, job.tokens)  # off the decode loop's thread
         return {
             "created": int(time.time()),
             "data": data,
             "lantern": {
-                "method": gen.method.method,
-                "tree": gen.tree,
+                "method": served.method,
+                "tree": served.tree,
                 "seed": seed,
                 "queue_seconds": job.started - arrived,
                 "seconds": time.monotonic() - arrived,
@@ -340,46 +347,42 @@ def _unrecognized(name: str) -> str:
     return message
 
 
-def _labels(engine: Engine, settings: ServeSettings, body: GenerationBody) -> tuple[list[int | str], int]:
-    """The request's image conditions (``n`` of its one class or prompt) and seed (a random one
-    when not given); :class:`ApiError` 400 for what this server cannot make."""
-    gen = engine.generator
-    info = gen.info
+def _request(
+    engine: EngineClient, settings: ServeSettings, body: GenerationBody
+) -> tuple[list[int | str], int, SamplingConfig]:
+    """The request's image conditions (``n`` of its one class or prompt), seed (a random one
+    when not given) and sampling (the server's for the fields not given); :class:`ApiError` 400
+    for what this server cannot make, naming the field."""
+    served = engine.served
     if body.model not in (None, settings.model):
         raise ApiError(400, f"this server runs model {settings.model!r}, not {quoted(body.model)}", "model")
     if body.response_format not in (None, "b64_json"):
         raise ApiError(
             400, "response_format must be b64_json (PNG): this server keeps no image URLs", "response_format"
         )
-    size = f"{info.image_size}x{info.image_size}"
+    size = f"{served.image_size}x{served.image_size}"
     if body.size not in (None, "auto", size):
         raise ApiError(400, f"size must be {size} (the model's), not {quoted(body.size)}", "size")
-    running = gen.sampling
-    for name in (f.name for f in dataclasses.fields(running)):  # the running decode's, set by flags
-        asked, runs = getattr(body, name), getattr(running, name)
-        if asked is not None and not math.isclose(asked, runs, rel_tol=1e-9, abs_tol=1e-12):
-            raise ApiError(
-                400,
-                f"{name} {asked:g} differs from the running decode's {runs:g}: "
-                f"start lantern serve with {flag(name, f'{asked:g}')}",
-                name,
-            )
+    try:
+        sampling = engine.sampling({name: getattr(body, name) for name in SAMPLING_FIELDS})
+    except BadSetting as exc:
+        raise ApiError(400, f"{exc.field}: {exc}", exc.field) from None
     prompt = str(body.prompt)
-    if not info.gpt.takes_prompts and (not prompt.strip() or "," in prompt):
+    if not served.takes_prompts and (not prompt.strip() or "," in prompt):
         raise ApiError(400, "prompt names one class: its id or its name", "prompt")
     try:
-        (condition,) = gen.conditions(prompt)
+        (condition,) = engine.conditions(prompt)
     except LanternError as exc:  # it may quote the prompt: clipped
         text = prompt.strip()
         raise ApiError(400, first_line(exc).replace(repr(text), quoted(text)), "prompt") from None
     seed = secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed
-    return [condition] * body.n, seed
+    return [condition] * body.n, seed, sampling
 
 
-def _png_data(generator: Generator, tokens: torch.Tensor) -> list[dict]:
+def _png_data(engine: EngineClient, tokens: torch.Tensor) -> list[dict]:
     """OpenAI's ``data``: the images of ``tokens`` [n, T] (the VQ decoder), each a base64 PNG."""
     data = []
-    for array in generator.to_uint8(tokens):
+    for array in engine.to_uint8(tokens):
         buffer = io.BytesIO()
         pil_image(array).save(buffer, format="PNG")
         data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode()})

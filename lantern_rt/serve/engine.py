@@ -10,19 +10,26 @@ queue and its images free their slots after the step that is running.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from lantern_rt.api import Generator
 from lantern_rt.errors import LanternError, first_line
 from lantern_rt.runtime.decode import IDLE, ImageResult, Job
+from lantern_rt.runtime.sampling import SamplingConfig, check_filterable
 from lantern_rt.serve.metrics import Metrics
+from lantern_rt.settings import check_guidance
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))  # a request may set each
 
 
 class QueueFull(LanternError):
@@ -41,14 +48,62 @@ class Closed(LanternError):
     """The engine takes no more requests (it is stopping, or its model failed to load)."""
 
 
+class BadSetting(LanternError):
+    """A request's sampling setting ``field`` that this engine cannot decode with."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the engine makes, as a client sees it: images of ``image_size`` pixels a side from
+    prompts (``takes_prompts``) or class ids, by ``method`` (its draft ``tree``; None for AR)."""
+
+    image_size: int
+    takes_prompts: bool
+    method: str
+    tree: str | None
+
+
+class EngineClient(Protocol):
+    """What the HTTP app asks of the engine (vLLM's ``EngineClient``): health and readiness, what
+    it serves, a request's conditions and sampling checked, its images submitted or cancelled,
+    and its tokens as images. The app holds nothing else of the model."""
+
+    metrics: Metrics
+    ready: threading.Event
+    failed: str | None
+
+    @property
+    def served(self) -> Served: ...
+
+    def start(self) -> None: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+    def conditions(self, prompt: str) -> list[int | str]: ...
+
+    def sampling(self, asked: Mapping[str, float | int | None]) -> SamplingConfig: ...
+
+    def submit(self, request: ImageRequest) -> None: ...
+
+    def cancel(self, request: ImageRequest) -> None: ...
+
+    def to_uint8(self, tokens: torch.Tensor) -> np.ndarray: ...
+
+
 @dataclass(eq=False)
 class ImageRequest:
-    """One request's images: condition ``labels`` (one per image) drawn under ``seed`` as
-    ``lantern generate`` draws them (image i from the stream (seed, i)). ``on_done`` is called
-    (in the engine's thread) once the images, an error or a cancellation end it."""
+    """One request's images: condition ``labels`` (one per image) drawn under ``seed`` with
+    ``sampling`` (:meth:`Engine.sampling`) as ``lantern generate`` draws them (image i from the
+    stream (seed, i)). ``on_done`` is called (in the engine's thread) once the images, an error
+    or a cancellation end it."""
 
     labels: list[int | str]
     seed: int
+    sampling: SamplingConfig
     on_done: Callable[[], None] = lambda: None
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None  # its first image entered a slot
@@ -104,6 +159,46 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def served(self) -> Served:
+        gen = self._loaded
+        return Served(gen.info.image_size, gen.info.gpt.takes_prompts, gen.method.method, gen.tree)
+
+    def conditions(self, prompt: str) -> list[int | str]:
+        """The condition ``prompt`` names: a class id (from its id or name) or the prompt;
+        :class:`LanternError` for one the model does not take."""
+        return self._loaded.conditions(prompt)
+
+    def sampling(self, asked: Mapping[str, float | int | None]) -> SamplingConfig:
+        """The sampling of a request that ``asked`` for these settings (by
+        :data:`SAMPLING_FIELDS`; None or absent: the server's, from its flags);
+        :class:`BadSetting` naming the first this engine cannot decode with: out of range, a top-k
+        or top-p the runtime cannot filter at its vocabulary, or a CFG scale that needs the
+        unconditional rows a server without guidance does not run."""
+        gen = self._loaded
+        chosen = gen.sampling
+        for name in SAMPLING_FIELDS:
+            value = asked.get(name)
+            if value is None:
+                continue
+            try:
+                chosen = dataclasses.replace(chosen, **{name: value})
+                check_filterable(chosen, gen.info.gpt.vocab_size)
+                check_guidance(chosen, gen.pipeline.guided, "this server")
+            except LanternError as exc:
+                raise BadSetting(first_line(exc), name) from None
+        return chosen
+
+    def to_uint8(self, tokens: torch.Tensor) -> np.ndarray:
+        """Tokens [N, T] -> uint8 images [N, H, W, C] (the VQ decoder)."""
+        return self._loaded.to_uint8(tokens)
+
+    @property
+    def _loaded(self) -> Generator:
+        if self.generator is None:
+            raise Closed(self.failed or "loading: exporting or warming up the model")
+        return self.generator
 
     def submit(self, request: ImageRequest) -> None:
         """Queue ``request``'s images; :class:`TooManyImages` when they could never fit,
@@ -172,7 +267,8 @@ class Engine:
             self._busy[request, index] = now
             self.metrics.images_waiting.set(self._queued)
             self.metrics.slots_busy.set(len(self._busy))
-        return (request, index), self.generator.job(request.labels[index], request.seed, index)
+        job = self.generator.job(request.labels[index], request.seed, index)
+        return (request, index), Job(*job, request.sampling)
 
     def keep(self, key: tuple[ImageRequest, int], tokens: int) -> bool:
         if not key[0].cancelled:
