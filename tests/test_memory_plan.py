@@ -202,7 +202,7 @@ def test_info_reads_the_plans_built_beside_a_bundle(tmp_path_factory, tmp_path):
 
 
 @pytest.mark.slow  # the demo's bundles and their plans, made once per run (tests/trt_rtx_cases.py)
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8", "w4a16", "w8a16"])
 def test_predicted_plans_are_within_5_percent_of_the_built_ones(precision, tmp_path):
     """Every graph of the demo's bundle (chain-5, naive_extend_57, pac-2-2-7; the target's steps,
     drafting, verify and VQ graphs) built by TensorRT for RTX: the predicted plan is within 5%

@@ -24,7 +24,9 @@ from lantern_rt.engines.plans import PlanBuilder
 from lantern_rt.fileio import held
 
 DEMO_TREES = ("chain-5", "naive_extend_57", "pac-2-2-7")
-DEMO_PRECISIONS = ("fp32", "fp16", "int8")  # int8: lantern calibrate's Q/DQ copy of the fp32 bundle
+# int8: lantern calibrate's Q/DQ copy of the fp32 bundle; w4a16 and w8a16: its weight-only copies
+# of the fp16 bundle (``lantern calibrate --weights int4|int8 --block-size 32``, TensorRT's form)
+DEMO_PRECISIONS = ("fp32", "fp16", "int8", "w4a16", "w8a16")
 
 
 def shared_dir(name: str) -> Path:
@@ -49,24 +51,28 @@ def once_per_run(name: str, make: Callable[[Path], Any], out: Path) -> Path:
 def demo_bundle(out: Path, precision: str) -> Path:
     """The demo's bundle of :data:`DEMO_TREES` at ``precision`` (:data:`DEMO_PRECISIONS`), copied
     to ``out``: ``lantern export --dtype`` for fp32 and fp16, ``lantern calibrate`` of the fp32
-    one for int8 (one image to calibrate, one to compare)."""
+    one for int8 and of the fp16 one with ``--weights int4|int8`` for w4a16 and w8a16 (one image
+    to calibrate, one to compare)."""
     from lantern_rt.families.loading import open_model_dir
     from lantern_rt.models.model_dir import DEMO_DIR
     from lantern_rt.runtime.tree import load_tree
     from tests.conftest import exported
 
-    if precision != "int8":
+    if precision in ("fp32", "fp16"):
         trees = [load_tree(name) for name in DEMO_TREES]
         return exported(open_model_dir(DEMO_DIR), out, trees, dtype=precision, windows=1)
+    bits = {"w4a16": 4, "w8a16": 8}.get(precision)
 
     def calibrate(dest: Path) -> None:
         from lantern_rt.calibration.calibrate import calibrate_bundle
+        from lantern_rt.calibration.weight_only import WeightOnly
 
-        source = demo_bundle(dest.with_name(f"{dest.name}.fp32"), "fp32")
-        calibrate_bundle(Bundle.open(source), dest, samples=1, validate=1, threads=1)
+        source = demo_bundle(dest.with_name(f"{dest.name}.source"), "fp32" if bits is None else "fp16")
+        weight_only = None if bits is None else WeightOnly(bits, block=32)  # 32 divides the demo's widths
+        calibrate_bundle(Bundle.open(source), dest, samples=1, validate=1, threads=1, weight_only=weight_only)
         shutil.rmtree(source)
 
-    return once_per_run("demo-int8", calibrate, out)
+    return once_per_run(f"demo-{precision}", calibrate, out)
 
 
 def build_every_graph(bundle: Bundle) -> list[dict[str, Any]]:
