@@ -571,24 +571,3 @@ def test_checks_catch_each_rule(tmp_path):
     assert lint(tmp_path, cond, inputs, [io("o", TensorProto.FLOAT, [4])]) == [
         "ScatterND node o has a 'reduction' attribute"
     ]
-
-
-def test_the_exports_of_a_process_share_one_torchlib_registry(tmp_path):
-    """torch.onnx builds its ATen -> ONNX table for every export; the exporter builds it once per
-    opset and process, leaves torch's method as it found it, and the graphs keep their nodes."""
-    cls = exporter._registry_class()
-    assert cls is not None, "this torch has no ONNXRegistry.from_torchlib: the cache does nothing"
-    original = vars(cls)["from_torchlib"]
-    module, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval(), torch.ones(1, 4)
-
-    def nodes(path: Path, context) -> list[str]:
-        with context:
-            torch.onnx.export(module, (x,), str(path), dynamo=True, opset_version=18, verbose=False)
-        return [n.op_type for n in onnx.load(str(path)).graph.node]
-
-    plain = nodes(tmp_path / "plain.onnx", exporter._quiet_exporter())
-    exporter._torchlib_registry.cache_clear()
-    shared = [nodes(tmp_path / f"{i}.onnx", exporter._one_torchlib_registry()) for i in range(2)]
-    assert exporter._torchlib_registry.cache_info()[:2] == (1, 1)  # (hits, misses): built once
-    assert vars(cls)["from_torchlib"] is original
-    assert shared == [plain, plain]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -352,7 +351,7 @@ def export_graph(
     spec = module.spec
     path = folder / f"{spec.name}.onnx"
     try:
-        with _quiet_exporter(), _one_torchlib_registry():
+        with _quiet_exporter():
             torch.onnx.export(
                 module.eval(),
                 module.example_inputs(torch.Generator().manual_seed(0)),
@@ -396,47 +395,6 @@ def _quiet_exporter() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-
-
-def _registry_class() -> Any:
-    """torch.onnx's private class of its ATen -> ONNX function table (None in a torch without it)."""
-    try:
-        from torch.onnx._internal.exporter import _registration
-    except ImportError:
-        return None
-    found = getattr(_registration, "ONNXRegistry", None)
-    return found if isinstance(vars(found).get("from_torchlib") if found else None, classmethod) else None
-
-
-@functools.cache
-def _original_from_torchlib() -> Any:
-    """The exporter's own ``ONNXRegistry.from_torchlib`` (a classmethod), read before any patch."""
-    return vars(_registry_class())["from_torchlib"]
-
-
-@functools.cache
-def _torchlib_registry(opset: int) -> Any:
-    """torch.onnx's table of ATen -> ONNX functions for ``opset``, built once per process."""
-    return _original_from_torchlib().__func__(_registry_class(), opset_version=opset)
-
-
-@contextlib.contextmanager
-def _one_torchlib_registry() -> Iterator[None]:
-    """Every export of this process reads one table of ATen -> ONNX functions per opset: the
-    exporter (torch 2.9-2.13) builds it anew for each graph, 0.8-1.3 s on this CPU, a third of a
-    tiny graph's export. The exporter only reads the table unless given a custom translation
-    table, which :func:`export_graph` never passes. In a torch without that private class: the
-    exporter's own behaviour."""
-    cls = _registry_class()
-    if cls is None:
-        yield
-        return
-    original = _original_from_torchlib()
-    cls.from_torchlib = classmethod(lambda _, opset_version=18: _torchlib_registry(opset_version))
-    try:
-        yield
-    finally:
-        cls.from_torchlib = original
 
 
 def compare_with_torch(
