@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lantern_rt.eval.kernel_count import eager_kernels
-from lantern_rt.models.config import gpt_config
+from lantern_rt.models.config import GPT_PRESETS, gpt_config
 from lantern_rt.models.target import Transformer
 
 CACHE = 128  # committed entries before the step (half of LlamaGen's 256 image tokens)
@@ -87,9 +87,14 @@ def onnx_nodes(path: Path, ops: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path, help="an exported bundle whose graphs are counted")
-    parser.add_argument("--preset", default="GPT-B")
+    parser.add_argument(
+        "--preset",
+        default="GPT-B",
+        choices=list(GPT_PRESETS),
+        help="the LlamaGen shape whose torch step is counted",
+    )
     parser.add_argument("--ops", action="store_true", help="ONNX nodes by operator type too")
-    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-torch", action="store_true", help="count the bundle's graphs alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not args.no_torch:
