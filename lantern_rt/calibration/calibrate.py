@@ -26,6 +26,7 @@ the CPU) is quantized the same way and stays in place: its copy is an onnxruntim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -425,24 +426,38 @@ def _outputs(node: onnx.NodeProto, weight: onnx.TensorProto) -> int:
 def _quantize(
     src: Path, dst: Path, samples: list[dict[str, np.ndarray]], nodes: list[str], external: bool
 ) -> None:
-    quantize_static(
-        str(src),
-        str(dst),
-        _Samples(samples),
-        quant_format=QuantFormat.QDQ,
-        activation_type=QuantType.QInt8,
-        weight_type=QuantType.QInt8,
-        per_channel=True,
-        op_types_to_quantize=list(QUANTIZED_OPS),
-        nodes_to_quantize=nodes,
-        use_external_data_format=external,
-        calibration_providers=["CPUExecutionProvider"],
-        extra_options={
-            "ActivationSymmetric": True,
-            "WeightSymmetric": True,
-            "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),  # logits stay full precision
-        },
-    )
+    with _errors_only():
+        quantize_static(
+            str(src),
+            str(dst),
+            _Samples(samples),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            op_types_to_quantize=list(QUANTIZED_OPS),
+            nodes_to_quantize=nodes,
+            use_external_data_format=external,
+            calibration_providers=["CPUExecutionProvider"],
+            extra_options={
+                "ActivationSymmetric": True,
+                "WeightSymmetric": True,
+                "OpTypesToExcludeOutputQuantization": list(QUANTIZED_OPS),  # logits stay full precision
+            },
+        )
+
+
+@contextlib.contextmanager
+def _errors_only() -> Iterator[None]:
+    """onnxruntime logs errors only while the block runs: its quantizer's calibration sessions
+    take the process's default severity, and an in-place graph (a ``TensorScatter`` it cannot
+    write in place) logs a warning per call, thousands over a calibration at LlamaGen's sizes.
+    After the block: onnxruntime's default, warnings (it has no getter to restore from)."""
+    ort.set_default_logger_severity(3)
+    try:
+        yield
+    finally:
+        ort.set_default_logger_severity(2)
 
 
 def _restore_order(path: Path, external: bool) -> None:
