@@ -18,7 +18,7 @@ from lantern_rt.families.loading import bundle_info, load_drafter, load_target, 
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.kv_cache import prefill_mask
 from lantern_rt.runtime.run_shape import RunShape
-from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.sampling import FilterInputs, SamplingConfig
 from lantern_rt.settings import MethodConfig
 
 pytest.importorskip("transformers")
@@ -304,7 +304,7 @@ def test_drafter_prefill_feeds_the_prompt_as_the_authors_do(hf, md):
         backend.cache.length,
         backend.cache.prefix,
     )
-    sampling = (torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+    sampling = FilterInputs(torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
     _, _, q, _, _ = backend.draft(tree, pending, torch.rand(1, noise_rows(tree), 32), sampling)
 
     state = authors_drafter_state(hf)

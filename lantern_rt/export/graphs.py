@@ -36,31 +36,22 @@ from lantern_rt.runtime.drafting import (
     scratch_rows,
 )
 from lantern_rt.runtime.kv_cache import prefill_mask, written_mask
-from lantern_rt.runtime.sampling import cfg_rows, guided_rows
+from lantern_rt.runtime.sampling import FilterInputs, SamplingConfig, SamplingRows, cfg_rows, guided_rows
 from lantern_rt.runtime.tree import StaticTree
-
-# The sampling settings every drafting and verify graph takes, each image's (sampling.SamplingRows).
-SAMPLING_INPUTS = (
-    ("cfg_scale", "float32"),
-    ("temperature", "float32"),
-    ("top_k", "int64"),
-    ("top_p", "float32"),
-)
 
 
 def sampling_specs(batch: int) -> tuple[TensorSpec, ...]:
-    """The sampling settings of a graph of ``batch`` images: one value per image, [B]."""
-    return tuple(TensorSpec(name, (batch,), dtype) for name, dtype in SAMPLING_INPUTS)
+    """The sampling settings every drafting and verify graph of ``batch`` images takes: each
+    image's :class:`~lantern_rt.runtime.sampling.FilterInputs` [B] (sampling.SamplingRows)."""
+    settings = example_sampling(batch)._asdict().items()
+    return tuple(TensorSpec(name, (batch,), dtype_name(t.dtype)) for name, t in settings)
 
 
-def example_sampling(batch: int) -> tuple[Tensor, ...]:
+def example_sampling(batch: int) -> FilterInputs:
     """The numerical check's sampling settings: CFG 3 without filtering, for every image."""
-    return (
-        torch.full((batch,), 3.0),
-        torch.ones(batch),
-        torch.zeros(batch, dtype=torch.long),
-        torch.ones(batch),
-    )
+    rows = SamplingRows(batch, torch.device("cpu"))
+    rows.write(list(range(batch)), [SamplingConfig(cfg_scale=3.0)] * batch)
+    return rows.filters
 
 
 def cache_capacity(model: Transformer) -> int:
@@ -347,7 +338,7 @@ class TargetVerify(nn.Module):
     def _accept(self, logits: Tensor, hidden: Tensor, k, v, inputs) -> tuple[Tensor, ...]:
         """The graph's outputs: :func:`verify_tree`'s, then (in place) the written caches."""
         tokens, valid, q, noise, bonus_noise = inputs[0], *inputs[3:7]
-        sampling, relax = inputs[7:11], RelaxInputs(*inputs[11:16])
+        sampling, relax = FilterInputs(*inputs[7:11]), RelaxInputs(*inputs[11:16])
         if self.scratch:
             out = verify_tree(
                 self.plan, logits, hidden, None, None, tokens, valid, q, noise, bonus_noise, sampling, relax
@@ -503,7 +494,7 @@ class DrafterTree(nn.Module):
     @property
     def _past(self) -> int:
         """The index of the first ``past_*`` input (the sampling settings come before it)."""
-        return self._noise + 1 + len(SAMPLING_INPUTS)
+        return self._noise + 1 + len(FilterInputs._fields)
 
     @property
     def _noise(self) -> int:
@@ -515,7 +506,7 @@ class DrafterTree(nn.Module):
     ) -> tuple[Tensor, ...]:
         first = self._noise
         rows = CatchUp(*inputs[:5], inputs[5] if self.prefix else None)
-        noise, sampling = inputs[first], inputs[first + 1 : self._past]
+        noise, sampling = inputs[first], FilterInputs(*inputs[first + 1 : self._past])
         if context is None:
             context = Context.of_cache(*_split_past(inputs[self._past :]))
         return draft_tree(step, lm_head(self.head, self.layout), self.plan, rows, context, noise, sampling)

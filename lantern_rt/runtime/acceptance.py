@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lantern_rt.errors import LanternError
 from lantern_rt.runtime.kv_cache import cache_mask, gather_rows
-from lantern_rt.runtime.sampling import TOPK_LIMIT, cfg_mix, cfg_rows, filter_logits, per_row
+from lantern_rt.runtime.sampling import FilterInputs, cfg_mix, cfg_rows, filtered_softmax, per_row
 from lantern_rt.runtime.tree import StaticTree
 
 RELAXATIONS = ("exact", "lantern", "lantern++")  # the speculative methods of runtime.method.METHODS
@@ -374,19 +374,13 @@ def accept_tree(
     return Accepted(length, kept, out, credit)
 
 
-def target_probabilities(
-    logits: Tensor, sampling: tuple[Tensor, Tensor, Tensor, Tensor], images: int
-) -> Tensor:
+def target_probabilities(logits: Tensor, sampling: FilterInputs, images: int) -> Tensor:
     """The target distribution acceptance compares against: the CFG rows of ``logits``
     [2B, ..., V] of B ``images`` mixed (-> [B, ..., V]; B rows, guidance off, as they are),
     then temperature, top-k and top-p (``sampling``: each image's settings [B] as
     :class:`~lantern_rt.runtime.sampling.SamplingRows` holds them, or [1] for all as
     :func:`~lantern_rt.runtime.sampling.filter_inputs` gives them), then a softmax."""
-    cfg_scale, temperature, top_k, top_p = sampling
-    width = min(logits.shape[-1], TOPK_LIMIT)
-    return torch.softmax(
-        filter_logits(cfg_mix(logits, cfg_scale, images), temperature, top_k, top_p, width), dim=-1
-    )
+    return filtered_softmax(cfg_mix(logits, sampling.cfg_scale, images), sampling)
 
 
 def tree_step_inputs(
@@ -429,7 +423,7 @@ def verify_tree(
     q: Tensor,
     noise: Tensor,
     bonus_noise: Tensor,
-    sampling: tuple[Tensor, Tensor, Tensor, Tensor],
+    sampling: FilterInputs,
     relax: RelaxInputs,
 ) -> Verified:
     """Acceptance of B trees from the target's outputs over them (``logits`` [2B, N+1, V],

@@ -28,14 +28,7 @@ from torch import Tensor
 from lantern_rt.runtime.acceptance import Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs, Pending
 from lantern_rt.runtime.kv_cache import KVCache, cache_mask, gather_rows
-from lantern_rt.runtime.sampling import (
-    TOPK_LIMIT,
-    cfg_mix,
-    cfg_rows,
-    filter_logits,
-    gumbel_offsets,
-    top_distinct,
-)
+from lantern_rt.runtime.sampling import cfg_mix, cfg_rows, filtered_softmax, gumbel_offsets, top_distinct
 from lantern_rt.runtime.tree import StaticTree
 
 # Most distinct children drafted per node: tree ranks must stay below it (the authors' TOPK).
@@ -289,7 +282,6 @@ def draft_tree(
     (:meth:`Context.to_commit`, :meth:`Scratch.to_commit`).
     """
     tokens, hidden, positions, mask = catch_up_inputs(rows, cache.slots)
-    cfg_scale, temperature, top_k, top_p = sampling
     out, catch_k, catch_v = step(tokens, hidden, positions, mask, cache)
     level_hidden = out[:, -1:]
 
@@ -298,10 +290,8 @@ def draft_tree(
     def probabilities(level_hidden: Tensor, level_positions: Tensor) -> Tensor:
         # The head is affine and CFG weights sum to one: mixing the hidden states first gives
         # the mixed logits with half the head's work.
-        mixed = cfg_mix(level_hidden, cfg_scale, batch).to(level_hidden.dtype)
-        logits = head(mixed, level_positions[:batch])
-        width = min(logits.shape[-1], TOPK_LIMIT)
-        return torch.softmax(filter_logits(logits, temperature, top_k, top_p, width), dim=-1)
+        mixed = cfg_mix(level_hidden, sampling.cfg_scale, batch).to(level_hidden.dtype)
+        return filtered_softmax(head(mixed, level_positions[:batch]), sampling)
 
     seen = mask[:, :, -1:]  # what each root sees: committed slots and catch-up rows
     context = cache.plus(catch_k, catch_v)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -128,7 +129,7 @@ def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int) 
     return logits.masked_fill(logits < smallest, float("-inf"))
 
 
-def _unfiltered(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def _unfiltered(logits: Tensor, *filters: Tensor) -> Tensor:
     return logits.clone()  # a cond branch may not return its input
 
 
@@ -149,18 +150,35 @@ def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
         )
 
 
+class FilterInputs(NamedTuple):
+    """The sampling settings as tensors, :class:`SamplingConfig`'s fields by name: each image's
+    [B] (:class:`SamplingRows`), or [1] for every image (:func:`filter_inputs`). The graphs take
+    them as inputs of these names."""
+
+    cfg_scale: Tensor
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+
+
+def filtered_softmax(logits: Tensor, sampling: FilterInputs) -> Tensor:
+    """The distribution of mixed ``logits`` [B, ..., V] under ``sampling``'s filter
+    (:func:`filter_logits` over at most :data:`TOPK_LIMIT` of the largest), then a softmax."""
+    width = min(logits.shape[-1], TOPK_LIMIT)
+    return torch.softmax(filter_logits(logits, *sampling[1:], width), dim=-1)
+
+
 def row_settings(cfg: SamplingConfig) -> tuple[float, float, int, float, bool]:
-    """One image's (cfg_scale, temperature, top_k, top_p, greedy) as the filter reads them:
-    temperature 1 and no top-k or top-p in greedy mode, where the logits are not filtered."""
+    """One image's :class:`FilterInputs` values and greedy flag as the filter reads them: no
+    temperature, top-k or top-p in greedy mode, where the logits are not filtered."""
     if cfg.greedy:
         return cfg.cfg_scale, 1.0, 0, 1.0, True
     return cfg.cfg_scale, cfg.temperature, cfg.top_k, cfg.top_p, False
 
 
 class SamplingRows:
-    """Each of B images' sampling settings on ``device``: (cfg_scale, temperature, top_k, top_p)
-    [B] as :func:`filter_logits` and :func:`cfg_mix` take them (:attr:`filters`) and the greedy
-    flags [B] (:attr:`greedy`). :meth:`write` sets a slot's in place when it takes an image, so
+    """Each of B images' sampling settings on ``device``: :class:`FilterInputs` [B] (:attr:`filters`)
+    and the greedy flags [B] (:attr:`greedy`). :meth:`write` sets a slot's in place when it takes an image, so
     that a step reads them where they lie (a captured CUDA graph, a graph input bound by
     pointer) and no step reads them back."""
 
@@ -171,8 +189,8 @@ class SamplingRows:
         self.tensors = tuple(torch.zeros(images, dtype=dtype, device=self.device) for dtype in self.DTYPES)
 
     @property
-    def filters(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return self.tensors[:4]  # type: ignore[return-value]
+    def filters(self) -> FilterInputs:
+        return FilterInputs(*self.tensors[:4])
 
     @property
     def greedy(self) -> Tensor:
@@ -193,9 +211,8 @@ def check_filterable(cfg: SamplingConfig, vocab: int) -> None:
 
 
 @lru_cache(maxsize=16)
-def filter_inputs(cfg: SamplingConfig, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(cfg_scale, temperature, top_k, top_p) of ``cfg`` for every image: one-element tensors
-    for :func:`filter_logits` (:func:`row_settings`)."""
+def filter_inputs(cfg: SamplingConfig, device: torch.device) -> FilterInputs:
+    """``cfg`` for every image: :class:`FilterInputs` of one element each (:func:`row_settings`)."""
     rows = SamplingRows(1, device)
     rows.write([0], [cfg])
     return rows.filters

@@ -9,11 +9,8 @@ from torch import Tensor
 
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.sampling import FilterInputs
 from lantern_rt.runtime.tree import StaticTree
-
-# The sampling settings as tensors (cfg_scale, temperature, top_k, top_p), each image's [B]
-# (sampling.SamplingRows) or [1] for all (sampling.filter_inputs).
-FilterInputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 class CatchUp(NamedTuple):

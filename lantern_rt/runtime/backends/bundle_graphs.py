@@ -29,11 +29,12 @@ from lantern_rt.bundle import (
 from lantern_rt.errors import option
 from lantern_rt.graph_spec import TensorSpec, dtype_name
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
-from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs, FilterInputs
+from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs
 from lantern_rt.runtime.drafting import TreeDrafter
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.run_shape import RunShape
+from lantern_rt.runtime.sampling import FilterInputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
 
 
@@ -60,7 +61,7 @@ RunnerFactory = Callable[[Bundle, GraphEntry], GraphRunner]
 
 
 CACHE_INPUTS = ("past_k_", "past_v_")
-SAMPLING_INPUTS = ("cfg_scale", "temperature", "top_k", "top_p")  # each image's: sampling.SamplingRows
+SAMPLING_INPUTS = FilterInputs._fields  # each image's: sampling.SamplingRows
 RELAX_INPUTS = ("neighbors", "k", "cap_a", "cap_b", "greedy")  # acceptance.RelaxInputs, per image
 LENGTH_INPUTS = ("cache_length", "root_position")  # the caches' own length tensors, updated in place
 
@@ -205,7 +206,7 @@ class BundleTarget:
             q=draft.q,
             noise=noise,
             bonus_noise=bonus_noise,
-            **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
+            **sampling._asdict(),
             **relax._asdict(),
             **cache_inputs(cache),
         )
@@ -271,7 +272,7 @@ class BundleDrafter(TreeDrafter):
         out = graph(
             **catch_up,
             noise=noise,
-            **dict(zip(SAMPLING_INPUTS, sampling, strict=True)),
+            **sampling._asdict(),
             **cache_inputs(self.cache),
         )
         # written in place (scratch slots): no new_k/new_v
