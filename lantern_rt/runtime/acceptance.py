@@ -358,8 +358,12 @@ def accept_tree(
         p.new_zeros(batch, rows, 3),
     )
     width = plan.children.shape[1]
-    # each image's greedy flag at each of its P tests of a slot ([B * P], as _slot flattens them)
-    tests = relax._replace(greedy=relax.greedy[:, None].expand(batch, rows).reshape(-1))
+    # each image's greedy flag at each of its P tests of a slot ([B * P], as _slot flattens them;
+    # one flag for every image ([1]) broadcasts as it is)
+    greedy = relax.greedy
+    tests = relax._replace(
+        greedy=greedy if greedy.shape[0] == 1 else greedy[:, None].expand(batch, rows).reshape(-1)
+    )
     for slot in range(width):
         state = _slot(state, slot, slot == width - 1, plan, tokens, valid, tests, noise)
     length, path, credit = _walk(plan, state, tokens.shape[1])

@@ -69,8 +69,9 @@ def cfg_mix(logits: Tensor, scale: float | Tensor, images: int) -> Tensor:
 
 def per_row(setting: Tensor, like: Tensor) -> Tensor:
     """A per-image setting [B] (or [1]: every image's) shaped to broadcast over ``like``
-    [B, ..., V], whose first axis is the images."""
-    return setting.reshape(-1, *(1,) * (like.dim() - 1))
+    [B, ..., V], whose first axis is the images; a [1] setting broadcasts as it is (no
+    reshape in a one-image graph)."""
+    return setting if setting.shape[0] == 1 else setting.reshape(-1, *(1,) * (like.dim() - 1))
 
 
 def cfg_rows(per_image: Tensor, rows: int) -> Tensor:
