@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -447,12 +447,7 @@ class Tuner:
                 "streams": 1,
                 "cache_windows": 1,
                 "device": self.options.device,
-                "sampling": {
-                    "cfg_scale": self.sampling.cfg_scale,
-                    "temperature": self.sampling.temperature,
-                    "top_k": self.sampling.top_k,
-                    "top_p": self.sampling.top_p,
-                },
+                "sampling": asdict(self.sampling),
                 "methods": [{"method": m.method, **m.params()} for m in self.options.methods],
             },
             "acceptance": {label: table.to_json() for label, table in tables.items()},
