@@ -93,13 +93,15 @@ def test_eight_settings_in_one_batch_give_each_request_its_images_alone(backend:
 @pytest.fixture(scope="module")
 def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, testclient.TestClient]]:
     """Clients of AR servers on a tiny model with a vocabulary above the filter's sort width:
-    ``guided`` (its CFG scale 2) and ``unguided`` (CFG scale 1: one row per image)."""
+    ``guided`` (its CFG scale 2), ``unguided`` (CFG scale 1: one row per image) and ``filtered``
+    (top-k 40 and top-p 0.9)."""
     folder = tmp_path_factory.mktemp("serve-sampling")
     vq = VQModel(VQConfig(**{**TINY_VQ, "codebook_size": 4096})).eval()
     model = write_model_dir(folder / "tiny", tiny_gpt(vocab_size=4096), vq)
     clients = {}
-    for name, scale in (("guided", None), ("unguided", 1.0)):
-        engine = Engine(lambda s=scale: load(model, backend="torch", method="ar", cfg_scale=s), 8, Metrics())
+    servers = {"guided": {}, "unguided": {"cfg_scale": 1.0}, "filtered": {"top_k": 40, "top_p": 0.9}}
+    for name, flags in servers.items():
+        engine = Engine(lambda f=flags: load(model, backend="torch", method="ar", **f), 8, Metrics())
         clients[name] = client_of(engine).__enter__()
         assert engine.ready.wait(60), engine.failed
     yield clients
@@ -138,3 +140,13 @@ def test_guidance_a_server_does_not_run_is_a_400_and_other_settings_decode(tiny_
     response = unguided.post(GEN, json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "cfg_scale", response.text
     assert "unconditional row" in response.json()["error"]["message"]
+
+
+def test_settings_are_checked_together(tiny_engines) -> None:
+    """A request may turn top-k off as it turns top-p off too (each alone would leave top-p
+    without the top-k this vocabulary needs); top-k off alone is a 400 naming top_k."""
+    filtered = tiny_engines["filtered"]
+    assert filtered.post(GEN, json={"prompt": "1", "top_k": 0, "top_p": 1.0}).status_code == 200
+    response = filtered.post(GEN, json={"prompt": "1", "top_k": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_k", response.text
+    assert "needs a top-k" in response.json()["error"]["message"]

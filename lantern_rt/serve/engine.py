@@ -175,19 +175,26 @@ class Engine:
         :data:`SAMPLING_FIELDS`; None or absent: the server's, from its flags);
         :class:`BadSetting` naming the first this engine cannot decode with: out of range, a top-k
         or top-p the runtime cannot filter at its vocabulary, or a CFG scale that needs the
-        unconditional rows a server without guidance does not run."""
+        unconditional rows a server without guidance does not run. The settings are checked
+        together once all are set (a request may turn one filter off as it turns another on);
+        a combination is blamed on the first of its fields the request set."""
         gen = self._loaded
+        given = {name: asked[name] for name in SAMPLING_FIELDS if asked.get(name) is not None}
         chosen = gen.sampling
-        for name in SAMPLING_FIELDS:
-            value = asked.get(name)
-            if value is None:
-                continue
+        for name, value in given.items():
             try:
                 chosen = dataclasses.replace(chosen, **{name: value})
-                check_filterable(chosen, gen.info.gpt.vocab_size)
-                check_guidance(chosen, gen.pipeline.guided, "this server")
             except LanternError as exc:
                 raise BadSetting(first_line(exc), name) from None
+        combined = (
+            (lambda: check_filterable(chosen, gen.info.gpt.vocab_size), ("top_k", "top_p", "temperature")),
+            (lambda: check_guidance(chosen, gen.pipeline.guided, "this server"), ("cfg_scale",)),
+        )
+        for check, fields in combined:  # the server's own settings pass both: a field given fails
+            try:
+                check()
+            except LanternError as exc:
+                raise BadSetting(first_line(exc), next(f for f in fields if f in given)) from None
         return chosen
 
     def to_uint8(self, tokens: torch.Tensor) -> np.ndarray:
