@@ -180,12 +180,15 @@ def graph_store(shared_folder: Path) -> Iterator[None]:
     make an export fail, say) exports for itself: the store is bypassed while any module
     attribute differs from the session's start."""
     from lantern_rt.export import exporter
+    from lantern_rt.settings import DEFAULT_OPSET
 
     real = exporter.export_graph
     store = shared_folder / "graphs"
     store.mkdir(exist_ok=True)
 
-    def export_graph(module, reference, folder: Path, opset: int = 18, threads: int = 0) -> dict[str, Any]:
+    def export_graph(
+        module, reference, folder: Path, opset: int = DEFAULT_OPSET, threads: int = 0
+    ) -> dict[str, Any]:
         if _lantern_attributes(start) != start:
             return real(module, reference, folder, opset, threads)
         key = hashlib.sha256(
