@@ -342,8 +342,9 @@ def accept_tree(
     :func:`tree_plan`; tokens [B, N+1] (tokens[:, 0] the roots), valid [B, N+1] (False: skip
     that drafted child), p and q [B, N+1, V] the target and drafter probabilities at every node
     (q[:, i] is what node i's children were drawn from), ``relax`` the relaxation and greedy
-    flags (each image's [B], or [1] for all), ``noise`` [B, N+1] uniform in [0, 1) (noise[:, i] for node i's test; noise[:, 0] is
-    not read) and ``bonus_noise`` [B, V] uniform, for the bonus draw.
+    flags (each image's [B], or [1] for all), ``noise`` [B, N+1] uniform in [0, 1)
+    (noise[:, i] for node i's test; noise[:, 0] is not read) and ``bonus_noise`` [B, V]
+    uniform, for the bonus draw.
     """
     p, q = p.float(), q.float()
     batch, rows = p.shape[0], plan.children.shape[0]

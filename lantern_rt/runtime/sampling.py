@@ -56,8 +56,9 @@ def cfg_mix(logits: Tensor, scale: float | Tensor, images: int) -> Tensor:
     """Mix the CFG rows of a batch of ``images`` B: logits [2B, ..., V] (the B images'
     conditional rows, then their unconditional rows: :func:`cfg_rows`) -> [B, ..., V], u + s *
     (c - u) (written out: ``torch.lerp`` exports as two formulas and a Where; a tensor ``scale``
-    is each image's [B], or [1] for all); for a scale of at most 1 the conditional rows alone, as LlamaGen guides only above 1 (docs/method.md §2). Logits
-    of B rows (one per image: guidance off, §13) are returned as they are."""
+    is each image's [B], or [1] for all); for a scale of at most 1 the conditional rows alone,
+    as LlamaGen guides only above 1 (docs/method.md §2). Logits of B rows (one per image:
+    guidance off, §13) are returned as they are."""
     if logits.shape[0] == images:
         return logits
     cond, uncond = logits.split(images)
@@ -178,10 +179,10 @@ def row_settings(cfg: SamplingConfig) -> tuple[float, float, int, float, bool]:
 
 
 class SamplingRows:
-    """Each of B images' sampling settings on ``device``: :class:`FilterInputs` [B] (:attr:`filters`)
-    and the greedy flags [B] (:attr:`greedy`). :meth:`write` sets a slot's in place when it takes an image, so
-    that a step reads them where they lie (a captured CUDA graph, a graph input bound by
-    pointer) and no step reads them back."""
+    """Each of B images' sampling settings on ``device``: :class:`FilterInputs` [B]
+    (:attr:`filters`) and the greedy flags [B] (:attr:`greedy`). :meth:`write` sets a slot's in
+    place when it takes an image, so that a step reads them where they lie (a captured CUDA
+    graph, a graph input bound by pointer) and no step reads them back."""
 
     DTYPES = (torch.float32, torch.float32, torch.int64, torch.float32, torch.bool)
 
