@@ -70,7 +70,10 @@ def demo_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_eight_settings_in_one_batch_give_each_request_its_images_alone(backend: str, request) -> None:
     source = request.getfixturevalue("demo_bundle") if backend == "onnxruntime" else None
-    options = {"backend": backend, "method": "lantern++", "tree": TREE}
+    # one thread for the server and the images made alone, so that each engine's kernels split
+    # their work alike however loaded the CPU is: with the default threads one sampled image
+    # differed once in a full `make test` (passing alone), the likely cause
+    options = {"backend": backend, "method": "lantern++", "tree": TREE, "threads": 1}
     engine = Engine(lambda: load(source, batch_size=8, **options), 16, Metrics())
     busy = []  # slots decoding after each step, seen from the loop's keep()
     keep = engine.keep
