@@ -670,12 +670,16 @@ def check_bundle_out(out: Path) -> None:
             "remove it yourself or choose another folder"
         )
     parent = next(p for p in out.absolute().parents if p.exists())
+    probe = None
     try:
         if not parent.is_dir():
             raise NotADirectoryError(f"{parent} is not a folder")
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent))  # a probe
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
     except OSError as err:
         raise BundleError(f"cannot write bundle {out}: {err.strerror or err}") from None
+    finally:  # a signal arriving here still removes the probe
+        if probe is not None:
+            os.rmdir(probe)
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

@@ -125,15 +125,23 @@ def test_a_features_file_interrupted_still_interrupts(tiny_model_dir, tmp_path):
 
 
 def stop_when(proc: subprocess.Popen, folder: Path, pattern: str, sig: int, but: Path | None = None) -> str:
-    """Send ``sig`` to ``proc`` once something matching ``pattern`` in ``folder`` (other than
-    ``but``) appears; its stderr once it has exited."""
+    """Send ``sig`` to ``proc`` once a folder matching ``pattern`` in ``folder`` (other than
+    ``but``) holds something: a staged export, not the empty probe of whether the folder is
+    writable; its stderr once it has exited."""
     deadline = time.monotonic() + 60
-    while not (folder.is_dir() and any(p != but for p in folder.glob(pattern))):
+    while not (folder.is_dir() and any(p != but and _holds_something(p) for p in folder.glob(pattern))):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no temporary folder appeared"
         time.sleep(0.05)
     proc.send_signal(sig)
     return proc.communicate(timeout=60)[1]
+
+
+def _holds_something(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):  # gone since it was listed
+        return False
 
 
 def stopped_by(sig: int, err: str, proc: subprocess.Popen) -> None:
