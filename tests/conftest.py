@@ -231,10 +231,20 @@ def _lantern_attributes(like: dict[str, dict[str, int]] | None = None) -> dict[s
     }
 
 
-def _fingerprint(obj: Any, seen: set[int] | None = None) -> Any:
+_STATE_DICT_HOOKS = frozenset(
+    (
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    )
+)
+
+
+def _fingerprint(obj: Any, seen: dict[int, Any] | None = None) -> Any:
     """A value equal for objects that export the same graph: tensors by content, modules and
     other objects by their type and attributes, recursively."""
-    seen = set() if seen is None else seen
+    seen = {} if seen is None else seen
     if isinstance(obj, (str, int, float, bool, type(None))):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -243,7 +253,7 @@ def _fingerprint(obj: Any, seen: set[int] | None = None) -> Any:
         return ("tensor", str(obj.dtype), tuple(obj.shape), hashlib.sha256(raw.numpy().tobytes()).hexdigest())
     if id(obj) in seen:
         return ("seen", type(obj).__qualname__)
-    seen.add(id(obj))
+    seen[id(obj)] = obj  # held, so that no later temporary takes its id
     if isinstance(obj, (list, tuple)):
         return (type(obj).__name__, *(_fingerprint(x, seen) for x in obj))
     if isinstance(obj, dict):
@@ -257,6 +267,11 @@ def _fingerprint(obj: Any, seen: set[int] | None = None) -> Any:
         return ("function", function.__module__, function.__qualname__, _fingerprint([closure, bound], seen))
     if isinstance(obj, (type, torch.dtype, torch.device, types.BuiltinFunctionType)):
         return repr(obj)
+    if isinstance(
+        obj, torch.nn.Module
+    ):  # its state-dict hooks only (de)serialize it, keyed by a global count
+        kept = {k: v for k, v in vars(obj).items() if k not in _STATE_DICT_HOOKS}
+        return (type(obj).__module__, type(obj).__qualname__, _fingerprint(kept, seen))
     if hasattr(obj, "__dict__"):
         return (type(obj).__module__, type(obj).__qualname__, _fingerprint(vars(obj), seen))
     if hasattr(obj, "__slots__"):
