@@ -17,7 +17,7 @@ from lantern_rt.run_options import RunOptions
 from lantern_rt.runtime.tree import build_tree, load_tree
 from lantern_rt.settings import MethodConfig, resolve
 from lantern_rt.tune import record as records
-from lantern_rt.tune.costs import MAX_ROUNDS, MIN_ROUNDS, CostModel, StepCost, batch_drain, measure
+from lantern_rt.tune.costs import MAX_ROUNDS, MIN_ROUNDS, CostModel, CostRounds, StepCost, batch_drain
 from lantern_rt.tune.record import (
     RecordError,
     named_tree,
@@ -27,6 +27,7 @@ from lantern_rt.tune.record import (
     write_record,
 )
 from lantern_rt.tune.session import Candidate, DecodeRun
+from lantern_rt.tune.tuner import SEED, Progress, TuneOptions, Tuner
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle
 
@@ -197,13 +198,58 @@ def test_cost_rounds_stop_once_settled() -> None:
         return run
 
     rounds = []
-    costs = measure(
-        [Candidate(MethodConfig("ar")), Candidate(MethodConfig("exact"), load_tree("chain-2"))],
-        decode,
-        lambda: rounds.append(1),
+    cost_rounds = CostRounds(
+        1, [Candidate(MethodConfig("ar")), Candidate(MethodConfig("exact"), load_tree("chain-2"))], decode
     )
+    cost_rounds.settle(lambda: rounds.append(1))
+    costs = cost_rounds.model().measured
     assert [c.rounds for c in costs] == [MIN_ROUNDS, MAX_ROUNDS]
     assert len(rounds) == MAX_ROUNDS and costs[0].step == pytest.approx(1.0)
+
+
+class _SlowingMachine:
+    """A session whose decodes take twice as long once a decode of seed ``slow_at`` starts (a
+    load that arrives during a tune): each image of 255 steps of one token, its calls' seconds
+    planted."""
+
+    def __init__(self, slow_at: int) -> None:
+        self.decodes, self.slow_at, self.slow = 0, slow_at, False
+
+    def decode(self, candidate: Candidate, batch: int, images: int, seed: int) -> DecodeRun:
+        self.decodes += 1
+        self.slow = self.slow or seed == self.slow_at
+        pace = 2.0 if self.slow else 1.0
+        nodes = candidate.tree.num_nodes if candidate.tree else 0
+        verify, draft, host, prefill = (
+            0.001 * (1 + nodes) * pace,
+            0.001 * nodes * pace,
+            0.0005 * pace,
+            0.01 * pace,
+        )
+        run = DecodeRun(images, images * (255 * (verify + draft + host) + prefill))
+        run.calls["verify"].extend([verify] * 255 * images)
+        run.calls["draft"].extend([draft] * 255 * images if nodes else [])
+        run.calls["prefill"].extend([prefill] * images)
+        run.committed.extend([1] * 255 * images)
+        run.image_steps.extend([255] * images)
+        return run
+
+
+def test_predictions_follow_a_machine_that_slows_down_during_the_measurement(monkeypatch) -> None:
+    monkeypatch.setattr(Progress, "tick", lambda self, what: None)
+    tuner = Tuner(open_model_dir(None), TuneOptions((MethodConfig("lantern++"),)))
+    lantern = MethodConfig("lantern++")
+    named = [Candidate(MethodConfig("ar")), Candidate(lantern, load_tree("chain-3"))]
+    machine = _SlowingMachine(slow_at=SEED + 3000 + 4)  # half speed from the fifth of 8 slices on
+    rounds = CostRounds(1, named, lambda candidate, round_: machine.decode(candidate, 1, 1, round_))
+    rounds.settle(lambda: None)
+    rows = tuner._measure([(c, machine, None, False) for c in named], 1, rounds, 8)
+    for row in rows:
+        assert row.seconds_per_image == pytest.approx(row.measured_seconds_per_image, rel=0.15)
+        assert row.seconds_per_image_at_search < 0.7 * row.measured_seconds_per_image  # the old clock
+        assert row.to_json()["predicted_s_per_image_at_search"] == row.seconds_per_image_at_search
+    assert machine.decodes == len(named) * (MIN_ROUNDS + 8 * 2)  # a cost round after each slice
+    assert [c.rounds for c in rounds.model().measured] == [MIN_ROUNDS + 8] * len(named)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """What a decode step costs on this machine, per batch size: an AR step, a drafting call, a
 verify call of n tokens and the host's share of a step (noise, commit, the loop), measured by
-timing the calls of real decodes in rounds until their means settle (:func:`measure`), and
+timing the calls of real decodes in rounds until their means settle (:class:`CostRounds`), and
 the cost model the tree search reads (:class:`CostModel`).
 
 The verify curve over n = 1..N tokens runs through the verify calls measured (AR's one token and
@@ -72,24 +72,45 @@ def step_cost(candidate: Candidate, runs: Sequence[DecodeRun]) -> StepCost:
     )
 
 
-def measure(
-    candidates: Sequence[Candidate],
-    decode: Callable[[Candidate, int], DecodeRun],
-    after_round: Callable[[], None],
-) -> list[StepCost]:
-    """Each candidate's costs from rounds of ``decode(candidate, round)`` (one batch each), the
-    candidates in turn, each until its mean step settles (:data:`SETTLED`), between
-    :data:`MIN_ROUNDS` and :data:`MAX_ROUNDS` rounds; ``after_round()`` after each round."""
-    runs: list[list[DecodeRun]] = [[] for _ in candidates]
-    steps: list[list[float]] = [[] for _ in candidates]
-    for round_ in range(MAX_ROUNDS):
-        for candidate, done, seen in zip(candidates, runs, steps, strict=True):
-            if len(seen) >= MIN_ROUNDS and abs(seen[-1] - seen[-2]) <= SETTLED * seen[-2]:
-                continue
-            done.append(decode(candidate, round_))
-            seen.append(step_cost(candidate, done).step)
-        after_round()
-    return [step_cost(c, done) for c, done in zip(candidates, runs, strict=True)]
+class CostRounds:
+    """The rounds of one batch size's cost candidates: :meth:`settle` before the tree search,
+    :meth:`round` between the measured slices after it (one clock for the cost rounds and the
+    candidates' measurements), and :meth:`model`, fitted to every round so far."""
+
+    def __init__(
+        self, batch_size: int, candidates: Sequence[Candidate], decode: Callable[[Candidate, int], DecodeRun]
+    ) -> None:
+        """``decode(candidate, round)`` decodes one batch of ``candidate``, its ``round``-th."""
+        self.batch_size, self.candidates, self.decode = batch_size, list(candidates), decode
+        self.runs: list[list[DecodeRun]] = [[] for _ in self.candidates]
+
+    def _add(self, index: int) -> None:
+        done = self.runs[index]
+        done.append(self.decode(self.candidates[index], len(done)))
+
+    def settle(self, after_round: Callable[[], None]) -> None:
+        """Rounds of the candidates in turn, each until its mean step settles (:data:`SETTLED`),
+        between :data:`MIN_ROUNDS` and :data:`MAX_ROUNDS` rounds; ``after_round()`` after each."""
+        for _ in range(MAX_ROUNDS):
+            for index, (candidate, done) in enumerate(zip(self.candidates, self.runs, strict=True)):
+                if len(done) >= MIN_ROUNDS:
+                    last, before = step_cost(candidate, done).step, step_cost(candidate, done[:-1]).step
+                    if abs(last - before) <= SETTLED * before:
+                        continue
+                self._add(index)
+            after_round()
+
+    def round(self) -> None:
+        """One more round: a batch of every candidate, in turn."""
+        for index in range(len(self.candidates)):
+            self._add(index)
+
+    def model(self) -> CostModel:
+        """The cost model of every round measured so far."""
+        return CostModel(
+            self.batch_size,
+            tuple(step_cost(c, done) for c, done in zip(self.candidates, self.runs, strict=True)),
+        )
 
 
 def batch_drain(batch: int) -> float:

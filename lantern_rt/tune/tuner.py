@@ -2,7 +2,10 @@
 bundle's, count each method's acceptance per tree position in calibration decodes, measure the
 step costs per batch size, search the fastest tree (Sequoia's program for a drafter, the best
 window for a Jacobi method), export it, then measure every candidate (the tuned trees, every
-named tree, AR) and keep the fastest in the tuning record.
+named tree, AR) and keep the fastest in the tuning record. A cost round runs after each slice of
+the candidates' measurement, and their rows are predicted from the rounds of before and during
+it: a machine whose speed moves over the minutes of a tune weighs on the predictions as on the
+measurements.
 
 Every measurement runs one decode stream with the graphs reading the whole KV cache (one cache
 window), so that a call's cost does not depend on where in an image it runs.
@@ -30,7 +33,7 @@ from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
 from lantern_rt.runtime.tree import MAX_PAC_WIDTH, StaticTree, TreeError, chain_tree, load_tree, pac_tree
 from lantern_rt.settings import MethodConfig, default_sampling
 from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree
-from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, measure
+from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, CostRounds
 from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree
 from lantern_rt.tune.record import TUNED_TREE, record_path, this_machine, write_record
 from lantern_rt.tune.session import Candidate, DecodeRun, TuneSession
@@ -64,7 +67,9 @@ class TuneOptions:
 @dataclass
 class Row:
     """One candidate at one batch size: predicted and measured tokens per step and s/image, or
-    why it was skipped."""
+    why it was skipped. The s/image predicted is the cost model's of every round (those before
+    the search and those between the measured slices); ``seconds_per_image_at_search`` is the
+    search's (the rounds before it)."""
 
     batch_size: int
     label: str
@@ -76,6 +81,7 @@ class Row:
     measured_seconds_per_image: float | None = None
     skipped: str | None = None
     tuned: bool = False
+    seconds_per_image_at_search: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         tree = (
@@ -90,6 +96,7 @@ class Row:
             "tuned": self.tuned,
             "predicted_tokens_per_step": self.tokens_per_step,
             "predicted_s_per_image": self.seconds_per_image,
+            "predicted_s_per_image_at_search": self.seconds_per_image_at_search,
             "measured_tokens_per_step": self.measured_tokens_per_step,
             "measured_s_per_image": self.measured_seconds_per_image,
             "skipped": self.skipped,
@@ -246,21 +253,22 @@ class Tuner:
                 specs = [t.name for t in self._bundle_trees(jacobi)]
             named[jacobi], skipped[jacobi] = _named(specs, self.fits(jacobi))
         slices = {b: -(-max(opts.images, 4 * b if b > 1 else 1) // b) for b in self.batch_sizes}
-        self.progress.start(
-            len(opts.methods) + len(self.batch_sizes) * (MAX_ROUNDS + 1) + sum(slices.values())
+        self.progress.start(  # a cost round after each measured slice
+            len(opts.methods) + len(self.batch_sizes) * (MAX_ROUNDS + 1) + 2 * sum(slices.values())
         )
         session = self._session(
             [*(t for ts in calibration.values() for t in ts), *(t for ts in named.values() for t in ts)]
         )
         tables = {rule_label(m): self._acceptance(session, m, calibration[m.jacobi]) for m in opts.methods}
-        costs: dict[int, CostModel] = {}
+        costs: dict[int, tuple[CostModel, CostModel]] = {}  # at the search, after the slices
         tuned_trees: dict[tuple, StaticTree] = {}  # by paths, named tuned, tuned-2, ...
         rows: list[Row] = []
         notes: list[str] = []
         for b in self.batch_sizes:  # costs, search and candidates of one size close together in time
-            costs[b] = self._costs(session, b, named)
+            rounds = self._costs(session, b, named)
+            searched = rounds.model()
             tuned = {
-                m: self._tuned(self._search(costs[b], tables[rule_label(m)], m.jacobi), m.jacobi, tuned_trees)
+                m: self._tuned(self._search(searched, tables[rule_label(m)], m.jacobi), m.jacobi, tuned_trees)
                 for m in opts.methods
             }
             tuned_session, note = self._tuned_session(
@@ -275,7 +283,8 @@ class Tuner:
                 if (tree := tuned[m]) is not None:
                     candidates.append((Candidate(m, tree), tuned_session, table, True))
                 candidates += [(Candidate(m, tree), session, table, False) for tree in named[m.jacobi]]
-            rows += self._measure(candidates, b, costs[b], slices[b])
+            rows += self._measure(candidates, b, rounds, slices[b])
+            costs[b] = (searched, rounds.model())
             for m in opts.methods:
                 rows += [
                     Row(b, f"{m.method} {name}", m.method, None, skipped=why)
@@ -330,19 +339,20 @@ class Tuner:
             session.decode(Candidate(method, tree), 1, self.options.calibration_images, SEED + 1000, watch)
         return counts.table(rule_label(method))
 
-    def _costs(self, session: TuneSession, batch: int, named: dict[bool, list[StaticTree]]) -> CostModel:
-        """The cost model of ``batch``: AR and every named tree measured (each tree once per
-        drafting kind, with the first method of that kind), in rounds of one batch each."""
+    def _costs(self, session: TuneSession, batch: int, named: dict[bool, list[StaticTree]]) -> CostRounds:
+        """The cost rounds of ``batch``, settled: AR and every named tree measured (each tree once
+        per drafting kind, with the first method of that kind), in rounds of one batch each."""
         candidates = [Candidate(MethodConfig("ar"))]
         for jacobi, trees in named.items():
             method = next(m for m in self.options.methods if m.jacobi == jacobi)
             candidates += [Candidate(method, t) for t in trees]
-        costs = measure(
+        rounds = CostRounds(
+            batch,
             candidates,
             lambda candidate, round_: session.decode(candidate, batch, batch, SEED + 2000 + round_),
-            lambda: self.progress.tick(f"step costs at B={batch}"),
         )
-        return CostModel(batch, tuple(costs))
+        rounds.settle(lambda: self.progress.tick(f"step costs at B={batch}"))
+        return rounds
 
     def _search(self, model: CostModel, table: AcceptanceTable, jacobi: bool) -> Choice | None:
         """The tree of the most predicted tokens per second for a method at one batch size,
@@ -391,27 +401,31 @@ class Tuner:
         self,
         candidates: Sequence[tuple[Candidate, TuneSession | None, AcceptanceTable | None, bool]],
         batch: int,
-        model: CostModel,
+        rounds: CostRounds,
         slices: int,
     ) -> list[Row]:
         """Each candidate's row at ``batch`` (with its session, acceptance table and whether it
-        is tuned): predicted from the model and the table, then measured over ``slices``
-        batches, one batch of each candidate in turn."""
+        is tuned): measured over ``slices`` batches, one batch of each candidate in turn, then a
+        cost round of ``rounds``; predicted from the table and the cost model of every round,
+        and at the search from the rounds before it."""
         rows = []
+        searched = rounds.model()
         for candidate, _, table, tuned in candidates:
-            tree, jacobi = candidate.tree, candidate.method.jacobi
+            tree = candidate.tree
             tau = 1.0 if tree is None or table is None else expected_tokens(tree, table.probabilities())
-            predicted = model.seconds_per_image(tree, tau, self.tokens, jacobi)
-            rows.append(
-                Row(batch, candidate.label, candidate.method.method, tree, tau, predicted, tuned=tuned)
-            )
+            rows.append(Row(batch, candidate.label, candidate.method.method, tree, tau, tuned=tuned))
+            rows[-1].seconds_per_image_at_search = self._predicted(searched, rows[-1], candidate)
         runs: list[list[DecodeRun]] = [[] for _ in candidates]
         for slice_ in range(slices):
             for (candidate, session, _, _), done in zip(candidates, runs, strict=True):
                 if session is not None:
                     done.append(session.decode(candidate, batch, batch, SEED + 3000 + slice_))
             self.progress.tick(f"candidates at B={batch}")
-        for row, done in zip(rows, runs, strict=True):
+            rounds.round()
+            self.progress.tick(f"step costs at B={batch}")
+        model = rounds.model()
+        for row, (candidate, *_), done in zip(rows, candidates, runs, strict=True):
+            row.seconds_per_image = self._predicted(model, row, candidate)
             if not done:
                 row.skipped = "no graphs for it in the bundle"
                 continue
@@ -422,11 +436,15 @@ class Tuner:
             )
         return rows
 
+    def _predicted(self, model: CostModel, row: Row, candidate: Candidate) -> float:
+        """``row``'s s/image as ``model`` predicts it at the row's tokens per step."""
+        return model.seconds_per_image(row.tree, row.tokens_per_step, self.tokens, candidate.method.jacobi)
+
     def _record(
         self,
         session: TuneSession,
         tables: dict[str, AcceptanceTable],
-        costs: dict[int, CostModel],
+        costs: dict[int, tuple[CostModel, CostModel]],
         rows: list[Row],
         choices: dict[int, Row],
         tuned: dict[tuple, StaticTree],
@@ -453,7 +471,8 @@ class Tuner:
             "acceptance": {label: table.to_json() for label, table in tables.items()},
             "batch_sizes": {
                 str(b): {
-                    "costs": costs[b].to_json() | costs[b].curves(),
+                    "costs": costs[b][1].to_json() | costs[b][1].curves(),
+                    "costs_at_search": costs[b][0].to_json() | costs[b][0].curves(),
                     "candidates": [r.to_json() for r in rows if r.batch_size == b],
                     "choice": choices[b].to_json(),
                 }
