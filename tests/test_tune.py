@@ -17,7 +17,9 @@ from lantern_rt.run_options import RunOptions
 from lantern_rt.runtime.tree import build_tree, load_tree
 from lantern_rt.settings import MethodConfig, resolve
 from lantern_rt.tune import record as records
+from lantern_rt.tune.acceptance import AcceptanceTable
 from lantern_rt.tune.costs import MAX_ROUNDS, MIN_ROUNDS, CostModel, CostRounds, StepCost, batch_drain
+from lantern_rt.tune.dp import fastest_tree
 from lantern_rt.tune.record import (
     RecordError,
     named_tree,
@@ -27,7 +29,7 @@ from lantern_rt.tune.record import (
     write_record,
 )
 from lantern_rt.tune.session import Candidate, DecodeRun
-from lantern_rt.tune.tuner import SEED, Progress, TuneOptions, Tuner
+from lantern_rt.tune.tuner import DRAFTER_TREES, SEED, WINDOW_TREES, Progress, TuneOptions, Tuner
 from tests.conftest import tiny_vq
 from tests.test_export import make_bundle
 
@@ -250,6 +252,48 @@ def test_predictions_follow_a_machine_that_slows_down_during_the_measurement(mon
         assert row.to_json()["predicted_s_per_image_at_search"] == row.seconds_per_image_at_search
     assert machine.decodes == len(named) * (MIN_ROUNDS + 8 * 2)  # a cost round after each slice
     assert [c.rounds for c in rounds.model().measured] == [MIN_ROUNDS + 8] * len(named)
+
+
+@pytest.mark.parametrize(
+    ("jacobi", "trees"),
+    [(False, list(DRAFTER_TREES)), (True, list(WINDOW_TREES))],
+)
+def test_the_search_keeps_to_the_shapes_the_cost_rounds_measured(jacobi: bool, trees: list[str]) -> None:
+    """Drafting and host costs that rise steeply with the depth: the plane fitted over the named
+    trees runs to 0 below depth 3, which would make a one- or two-node tree the fastest."""
+
+    def cost(name: str) -> StepCost:
+        t = load_tree(name)
+        overhead = 0.004 * t.max_depth - 0.008
+        return StepCost(
+            name,
+            t.num_nodes,
+            t.max_depth,
+            jacobi,
+            0.004,
+            0.0 if jacobi else overhead,
+            overhead,
+            0.01,
+            1.0,
+            0.0,
+            3,
+        )
+
+    model = CostModel(
+        1, (StepCost("ar", 0, 0, False, 0.004, 0.0, 0.001, 0.01, 1.0, 0.0, 3), *map(cost, trees))
+    )
+    depths = [load_tree(name).max_depth for name in trees]
+    nodes = [load_tree(name).num_nodes for name in trees]
+    table = AcceptanceTable("planted", [[100] * 4] * 8, [[50, 20, 10, 5]] * 8)
+    method = MethodConfig("sjd" if jacobi else "lantern++")
+    tuner = Tuner(open_model_dir(None), TuneOptions((method,)))
+    tree = tuner._search(model, table, jacobi).tree
+    assert min(depths) <= tree.max_depth <= max(depths) and min(nodes) <= tree.num_nodes <= max(nodes)
+    assert model.covers(tree, jacobi) and not model.covers(load_tree("chain-1"), jacobi)
+    if not jacobi:  # extrapolated, the plane would have favoured a shallower tree
+        free = fastest_tree(table.probabilities(), model.step, 63, 8, 4)
+        assert free.tree.max_depth < min(depths)
+    assert set(model.curves()["draft_seconds_per_depth"]) == (set() if jacobi else set(range(3, 9)))
 
 
 @pytest.mark.parametrize(

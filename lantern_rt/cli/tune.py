@@ -160,7 +160,7 @@ def report(result) -> list[str]:
         cells = []
         for r in rows:
             if r.skipped:
-                cells.append([r.label, "", "", "", "", "", "", f"skipped: {r.skipped}"])
+                cells.append([r.label, "", "", "", "", "", "", "", f"skipped: {r.skipped}"])
                 continue
             shape = "" if r.tree is None else f"{r.tree.num_nodes}/{r.tree.max_depth}"
             error = (r.seconds_per_image / r.measured_seconds_per_image - 1) * 100
@@ -183,6 +183,7 @@ def report(result) -> list[str]:
                     f"{r.tokens_per_step:.2f}",
                     f"{r.measured_tokens_per_step:.2f}",
                     f"{r.seconds_per_image:.4f}",
+                    f"{r.seconds_per_image_at_search:.4f}",
                     f"{r.measured_seconds_per_image:.4f}",
                     f"{error:+.0f}%",
                     f"{speed:.2f}x",
@@ -194,6 +195,7 @@ def report(result) -> list[str]:
             "tau pred",
             "tau meas",
             "s/img pred",
+            "at search",
             "s/img meas",
             "pred err",
             "vs AR",

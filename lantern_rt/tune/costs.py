@@ -7,7 +7,9 @@ The verify curve over n = 1..N tokens runs through the verify calls measured (AR
 each measured tree's N + 1), linear between them; drafting and the host's share are a measured
 tree's own, and for a tree of another shape fitted linearly in its depth and nodes over the
 trees measured. A step's prediction for a tree
-of n nodes and depth d is verify(n + 1) + draft(d, n) + host(d, n).
+of n nodes and depth d is verify(n + 1) + draft(d, n) + host(d, n), and holds for the trees
+the model covers (:meth:`CostModel.covers`): depth and nodes within those of the trees measured,
+where the fit interpolates rather than extrapolates.
 """
 
 from __future__ import annotations
@@ -150,6 +152,16 @@ class CostModel:
         points = sorted({c.nodes + 1: c.verify for c in self.measured}.items())
         return float(np.interp(tokens, [n for n, _ in points], [s for _, s in points]))
 
+    def covers(self, tree: StaticTree, jacobi: bool = False) -> bool:
+        """Whether ``tree``'s depth and its nodes each lie within those of the measured trees of
+        its drafting kind (the plane's range): outside it a step's drafting and host costs would
+        be extrapolated."""
+        shapes = [(c.depth, c.nodes) for c in self.measured if c.nodes and c.jacobi == jacobi]
+        if not shapes:
+            return False
+        depths, nodes = zip(*shapes, strict=True)
+        return min(depths) <= tree.max_depth <= max(depths) and min(nodes) <= tree.num_nodes <= max(nodes)
+
     def _fitted(self, field_name: str, tree: StaticTree, jacobi: bool) -> float:
         """``field_name`` (draft or host) of a step over ``tree``: a measured tree's of its shape
         (nodes and depth), else the plane fitted over the measured trees."""
@@ -203,10 +215,12 @@ class CostModel:
         return {"batch_size": self.batch_size, "measured": [asdict(c) for c in self.measured]}
 
     def curves(self) -> dict[str, Any]:
-        """The verify curve at n = 1..N tokens and the drafting call per depth (of a chain), as
-        the tree search reads them, for the record."""
+        """The verify curve at n = 1..N tokens and the drafting call per depth of the chains the
+        model covers, as the tree search reads them, for the record."""
         chains = [chain_tree(d) for d in range(1, 1 + max(c.depth for c in self.measured))]
         return {
             "verify_seconds": [self.verify(n) for n in range(1, self.max_nodes + 2)],
-            "draft_seconds_per_depth": [self._fitted("draft", t, False) for t in chains],
+            "draft_seconds_per_depth": {
+                t.max_depth: self._fitted("draft", t, False) for t in chains if self.covers(t)
+            },
         }

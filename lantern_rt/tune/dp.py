@@ -108,13 +108,15 @@ def fastest_tree(
     max_nodes: int,
     max_depth: int,
     max_width: int,
+    costed: Callable[[StaticTree], bool] = lambda tree: True,
 ) -> Choice | None:
     """The tree of the most expected tokens per second: the best tree of every budget of nodes
-    and depth (:func:`best_trees`), each costed by ``step_seconds(tree)`` (a verify step's
-    seconds: drafting, verify and the host's share); None when no position is ever accepted."""
+    and depth (:func:`best_trees`) that ``costed(tree)`` says ``step_seconds`` holds for, each
+    costed by ``step_seconds(tree)`` (a verify step's seconds: drafting, verify and the host's
+    share); None when no such tree accepts a position."""
     found: dict[tuple, Choice] = {}
     for depth in range(1, max_depth + 1):
         for choice in best_trees(p, max_nodes, depth, max_width):
-            if choice.tree.paths not in found:
+            if choice.tree.paths not in found and costed(choice.tree):
                 found[choice.tree.paths] = Choice(choice.tree, choice.tokens, step_seconds(choice.tree))
     return max(found.values(), key=lambda c: c.rate, default=None)

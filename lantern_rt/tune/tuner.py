@@ -271,6 +271,12 @@ class Tuner:
                 m: self._tuned(self._search(searched, tables[rule_label(m)], m.jacobi), m.jacobi, tuned_trees)
                 for m in opts.methods
             }
+            notes += [
+                f"B = {b}: no tuned tree for {rule_label(m)}: no position accepted within the depths and "
+                "nodes the cost rounds measured"
+                for m, tree in tuned.items()
+                if tree is None
+            ]
             tuned_session, note = self._tuned_session(
                 session, [t for t in tuned.values() if t is not None], b
             )
@@ -356,16 +362,21 @@ class Tuner:
 
     def _search(self, model: CostModel, table: AcceptanceTable, jacobi: bool) -> Choice | None:
         """The tree of the most predicted tokens per second for a method at one batch size,
-        within the positions its acceptance table holds."""
+        within the positions its acceptance table holds and the shapes ``model`` covers (its
+        costs measured or interpolated, never extrapolated: :meth:`CostModel.covers`)."""
         p = table.probabilities()
         depth, width = table.shape
         depth = min(depth, self.tokens - 2)
         nodes = min(model.max_nodes, self.tokens - 2)
         if jacobi:
             windows = _window_candidates(nodes, depth, width)
-            found = [Choice(t, expected_tokens(t, p), model.step(t, True)) for t in windows]
+            found = [
+                Choice(t, expected_tokens(t, p), model.step(t, True))
+                for t in windows
+                if model.covers(t, True)
+            ]
             return max(found, key=lambda c: c.rate, default=None)
-        return fastest_tree(p, model.step, nodes, depth, min(width, MAX_DRAFT_WIDTH))
+        return fastest_tree(p, model.step, nodes, depth, min(width, MAX_DRAFT_WIDTH), model.covers)
 
     def _tuned(
         self, choice: Choice | None, jacobi: bool, names: dict[tuple, StaticTree]
