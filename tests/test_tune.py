@@ -254,6 +254,22 @@ def test_predictions_follow_a_machine_that_slows_down_during_the_measurement(mon
     assert [c.rounds for c in rounds.model().measured] == [MIN_ROUNDS + 8] * len(named)
 
 
+def test_a_chain_between_the_measured_ones_is_costed_between_them() -> None:
+    """Costs measured on the demo (ms, B = 1, 73d7972's run): naive_extend_57's drafting and host
+    far above a plane through the others; chain-6 must cost between chain-5 and chain-8."""
+    measured = [
+        _cost("ar", None, 1.004e-3, 0.0, 0.184e-3),
+        _cost("chain-3", "chain-3", 2.089e-3, 1.197e-3, 0.289e-3),
+        _cost("chain-5", "chain-5", 2.277e-3, 1.457e-3, 0.316e-3),
+        _cost("chain-8", "chain-8", 2.823e-3, 1.990e-3, 0.385e-3),
+        _cost("mc_sim_7b_63", "mc_sim_7b_63", 6.334e-3, 2.513e-3, 0.742e-3),
+        _cost("naive_extend_57", "naive_extend_57", 24.311e-3, 11.278e-3, 5.797e-3),
+    ]
+    model = CostModel(1, tuple(measured))
+    five, six, eight = (model.step(load_tree(f"chain-{d}")) for d in (5, 6, 8))
+    assert five < six < eight and six == pytest.approx(five + (eight - five) / 3, rel=0.05)
+
+
 @pytest.mark.parametrize(
     ("jacobi", "trees"),
     [(False, list(DRAFTER_TREES)), (True, list(WINDOW_TREES))],

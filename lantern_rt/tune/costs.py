@@ -125,10 +125,13 @@ def batch_drain(batch: int) -> float:
 
 
 def _linear_fit(points: Sequence[tuple[int, int, float]]) -> np.ndarray:
-    """Least squares (a, b, c) of seconds = a + b * depth + c * nodes over (depth, nodes, seconds)."""
+    """(a, b, c) of seconds = a + b * depth + c * nodes over (depth, nodes, seconds), least squares
+    of the relative errors (a cost under a microsecond counts as one): the costs of the largest
+    trees, far above a line through the small ones, do not pull the plane off the small ones."""
     design = np.array([[1.0, d, n] for d, n, _ in points])
     values = np.array([s for _, _, s in points])
-    return np.linalg.lstsq(design, values, rcond=None)[0]
+    weights = 1.0 / np.maximum(values, 1e-6)
+    return np.linalg.lstsq(design * weights[:, None], values * weights, rcond=None)[0]
 
 
 @dataclass(frozen=True)
