@@ -674,12 +674,13 @@ def check_bundle_out(out: Path) -> None:
     try:
         if not parent.is_dir():
             raise NotADirectoryError(f"{parent} is not a folder")
-        probe = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
+        try:
+            probe = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
+        finally:  # a signal arriving here still removes the probe
+            if probe is not None:
+                os.rmdir(probe)
     except OSError as err:
         raise BundleError(f"cannot write bundle {out}: {err.strerror or err}") from None
-    finally:  # a signal arriving here still removes the probe
-        if probe is not None:
-            os.rmdir(probe)
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
