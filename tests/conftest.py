@@ -267,9 +267,8 @@ def _fingerprint(obj: Any, seen: dict[int, Any] | None = None) -> Any:
         return ("function", function.__module__, function.__qualname__, _fingerprint([closure, bound], seen))
     if isinstance(obj, (type, torch.dtype, torch.device, types.BuiltinFunctionType)):
         return repr(obj)
-    if isinstance(
-        obj, torch.nn.Module
-    ):  # its state-dict hooks only (de)serialize it, keyed by a global count
+    if isinstance(obj, torch.nn.Module):
+        # its state-dict hooks only (de)serialize it, and are keyed by a process-wide count
         kept = {k: v for k, v in vars(obj).items() if k not in _STATE_DICT_HOOKS}
         return (type(obj).__module__, type(obj).__qualname__, _fingerprint(kept, seen))
     if hasattr(obj, "__dict__"):

@@ -424,8 +424,9 @@ class Tuner:
         for candidate, _, table, tuned in candidates:
             tree = candidate.tree
             tau = 1.0 if tree is None or table is None else expected_tokens(tree, table.probabilities())
-            rows.append(Row(batch, candidate.label, candidate.method.method, tree, tau, tuned=tuned))
-            rows[-1].seconds_per_image_at_search = self._predicted(searched, rows[-1], candidate)
+            row = Row(batch, candidate.label, candidate.method.method, tree, tau, tuned=tuned)
+            row.seconds_per_image_at_search = self._predicted(searched, row, candidate)
+            rows.append(row)
         runs: list[list[DecodeRun]] = [[] for _ in candidates]
         for slice_ in range(slices):
             for (candidate, session, _, _), done in zip(candidates, runs, strict=True):
