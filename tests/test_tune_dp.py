@@ -1,6 +1,7 @@
 """lantern tune's model: Sequoia's dynamic program against brute force over small trees, the
-expected tokens of a tree against a simulated acceptance, the acceptance estimates from counted
-sibling tests against a known synthetic acceptance model, and exactness on a tuned tree."""
+expected tokens of a tree (per step, and per step over an image of a few tokens) against a
+simulated acceptance, the acceptance estimates from counted sibling tests against a known
+synthetic acceptance model, and exactness on a tuned tree."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from lantern_rt.tune.acceptance import (
     AcceptanceTable,
     calibration_tree,
 )
-from lantern_rt.tune.dp import best_trees, expected_tokens, fastest_tree
+from lantern_rt.tune.dp import best_trees, expected_tokens, fastest_tree, image_tokens_per_step
 from tests.test_acceptance import SAMPLES, _chi_square, _markov_sequences
 
 Z = 4.0  # a statistical check's bound in standard errors (false alarms about 6e-5 per check)
@@ -100,6 +101,23 @@ def test_expected_tokens_match_simulated_steps() -> None:
         committed = np.array([len(path) for path in _simulate(tree, p, 20_000, rng)], float)
         error = Z * committed.std() / math.sqrt(len(committed))
         assert abs(committed.mean() - expected_tokens(tree, p)) < error, tree.name
+
+
+def test_an_images_last_step_keeps_only_the_tokens_it_lacks() -> None:
+    p = _random_p(5, depth=5, width=4)
+    rng = np.random.default_rng(2)
+    tokens = 12  # few tokens a step: the last step's cut weighs
+    for tree in (load_tree("chain-4"), load_tree("mc_sim_7b_63")):
+        steps = []
+        for _ in range(4000):
+            left, taken = tokens, 0
+            while left > 0:
+                left -= len(next(_simulate(tree, p, 1, rng)))
+                taken += 1
+            steps.append(taken)
+        error = Z * np.std(steps) / math.sqrt(len(steps))
+        assert abs(np.mean(steps) - tokens / image_tokens_per_step(tree, p, tokens)) < error, tree.name
+        assert np.mean(steps) - tokens / expected_tokens(tree, p) > 3 * error, tree.name  # the cut
 
 
 def test_acceptance_estimates_recover_a_synthetic_model() -> None:

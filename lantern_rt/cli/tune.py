@@ -48,9 +48,10 @@ SPECULATIVE = tuple(m for m in METHODS if m != "ar")
 @click.option(
     "--calibration-images",
     type=click.IntRange(min=1, max=10_000),
-    default=8,
+    default=20,
     show_default=True,
-    help="Images decoded per method to count how often each tree position is accepted.",
+    help="Images decoded per method and calibration tree (classes in turn) to count how often each "
+    "tree position is accepted.",
 )
 @click.option("--lantern-k", "k", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("--lantern-delta", "delta", type=float, default=0.1, show_default=True)

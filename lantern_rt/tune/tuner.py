@@ -32,9 +32,9 @@ from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
 from lantern_rt.runtime.tree import MAX_PAC_WIDTH, StaticTree, TreeError, chain_tree, load_tree, pac_tree
 from lantern_rt.settings import MethodConfig, default_sampling
-from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree
+from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree, pooled_counts
 from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, CostRounds
-from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree
+from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree, image_tokens_per_step
 from lantern_rt.tune.record import TUNED_TREE, record_path, this_machine, write_record
 from lantern_rt.tune.session import Candidate, DecodeRun, TuneSession
 
@@ -43,7 +43,10 @@ DRAFTER_TREES = ("chain-3", "chain-5", "chain-8", "mc_sim_7b_63", "naive_extend_
 WINDOW_TREES = ("chain-5", "chain-16", "pac-2-1-33")
 # The calibration tree's children per spine node and depth (a Jacobi window's: pac-W-1-...)
 CALIBRATION_WIDTH, CALIBRATION_DEPTH = 4, 8
-CALIBRATION_IMAGES = 8
+# Calibration images per tree, classes in turn from the seed: two of each of the demo's ten.
+# Acceptance differs by class (chain-8's tau 4.8-6.7 across the demo's); eight images left its
+# two hardest out and predicted chain-8's tau 6% over 64 images' estimate
+CALIBRATION_IMAGES = 20
 SEED = 0
 
 
@@ -66,10 +69,11 @@ class TuneOptions:
 
 @dataclass
 class Row:
-    """One candidate at one batch size: predicted and measured tokens per step and s/image, or
-    why it was skipped. The s/image predicted is the cost model's of every round (those before
-    the search and those between the measured slices); ``seconds_per_image_at_search`` is the
-    search's (the rounds before it)."""
+    """One candidate at one batch size: predicted and measured tokens per step (over whole
+    images: an image's last step keeps only the tokens it lacks) and s/image, or why it was
+    skipped. The s/image predicted is the cost model's of every round (those before the search
+    and those between the measured slices); ``seconds_per_image_at_search`` is the search's
+    (the rounds before it)."""
 
     batch_size: int
     label: str
@@ -198,9 +202,9 @@ class Tuner:
         """The trees a method's acceptance is counted over, within the image's tokens: a drafter's
         spine (every rank below the rank-0 path) and the chain of its depth, pooled; a Jacobi
         window's pac tree; a bundle's largest tree the method runs and its deepest chain. A step
-        starts where its tree's last step ended, so the spine alone (a wide tree, past hard
-        places in fewer steps) sees easier starts than a chain does: the pooled counts sit
-        between the two."""
+        starts where its tree's last step ended, so the spine (a wide tree, past hard places in
+        fewer steps) sees easier starts than a chain does: rank 0 is counted in the chain's
+        steps, the other ranks in the spine's (:func:`pooled_counts`)."""
         if self.is_bundle:
             usable = self._bundle_trees(jacobi)
             if not usable:
@@ -334,16 +338,19 @@ class Tuner:
         self, session: TuneSession, method: MethodConfig, trees: Sequence[StaticTree]
     ) -> AcceptanceTable:
         """``method``'s acceptance per position, counted over each of ``trees`` in calibration
-        decodes (B = 1), pooled."""
-        counts = AcceptanceCounts(max(t.max_depth for t in trees), max(t.width for t in trees))
-
-        def watch(verified_tree: StaticTree, out: Any) -> None:
-            counts.count_step(verified_tree, out.kept[0].tolist(), int(out.length[0]))
-
+        decodes (B = 1), pooled (:func:`pooled_counts`)."""
+        shape = max(t.max_depth for t in trees), max(t.width for t in trees)
         self.progress.tick(f"acceptance of {rule_label(method)}")
+        counted = []
         for tree in trees:
+            counts = AcceptanceCounts(*shape)
+
+            def watch(verified_tree: StaticTree, out: Any, counts: AcceptanceCounts = counts) -> None:
+                counts.count_step(verified_tree, out.kept[0].tolist(), int(out.length[0]))
+
             session.decode(Candidate(method, tree), 1, self.options.calibration_images, SEED + 1000, watch)
-        return counts.table(rule_label(method))
+            counted.append((tree, counts))
+        return pooled_counts(counted).table(rule_label(method))
 
     def _costs(self, session: TuneSession, batch: int, named: dict[bool, list[StaticTree]]) -> CostRounds:
         """The cost rounds of ``batch``, settled: AR and every named tree measured (each tree once
@@ -423,7 +430,11 @@ class Tuner:
         searched = rounds.model()
         for candidate, _, table, tuned in candidates:
             tree = candidate.tree
-            tau = 1.0 if tree is None or table is None else expected_tokens(tree, table.probabilities())
+            tau = (
+                1.0
+                if tree is None or table is None
+                else image_tokens_per_step(tree, table.probabilities(), self.tokens - 1)
+            )
             row = Row(batch, candidate.label, candidate.method.method, tree, tau, tuned=tuned)
             row.seconds_per_image_at_search = self._predicted(searched, row, candidate)
             rows.append(row)
