@@ -1,6 +1,7 @@
 """lantern tune's record and command: the record round-trips, a corrupt one or one from another
 machine is refused in one line, Ctrl-C while it is written leaves none half-written, the tuned
-tree is found by name, and the command on a bundle prints its table and writes its record."""
+tree is found by name, the measured images take the classes in turn, and the command on a bundle
+prints its table and writes its record."""
 
 from __future__ import annotations
 
@@ -252,6 +253,30 @@ def test_predictions_follow_a_machine_that_slows_down_during_the_measurement(mon
         assert row.to_json()["predicted_s_per_image_at_search"] == row.seconds_per_image_at_search
     assert machine.decodes == len(named) * (MIN_ROUNDS + 8 * 2)  # a cost round after each slice
     assert [c.rounds for c in rounds.model().measured] == [MIN_ROUNDS + 8] * len(named)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_the_measured_images_take_the_classes_in_turn(batch: int, monkeypatch) -> None:
+    """Each candidate's measured images at B > 1 are the run's images 0, 1, ... (each class of
+    the demo once at the default 10), not images 0..B-1 from a new seed per slice (classes
+    0, 1, 1, 2, ... at B = 2)."""
+    monkeypatch.setattr(Progress, "tick", lambda self, what: None)
+    tuner = Tuner(open_model_dir(None), TuneOptions((MethodConfig("lantern++"),)))
+    classes = tuner.info.gpt.num_classes
+    machine, decoded = _SlowingMachine(slow_at=-1), []
+
+    def decode(candidate: Candidate, batch: int, images: int, seed: int) -> DecodeRun:
+        decoded.extend((seed + i) % classes for i in range(images))  # session.decode's classes
+        return _SlowingMachine.decode(machine, candidate, batch, images, seed)
+
+    machine.decode = decode  # type: ignore[method-assign]
+    ar = [Candidate(MethodConfig("ar"))]
+    rounds = CostRounds(
+        batch, ar, lambda candidate, round_: _SlowingMachine(-1).decode(candidate, batch, batch, 0)
+    )
+    rounds.settle(lambda: None)
+    tuner._measure([(ar[0], machine, None, False)], batch, rounds, TuneOptions(()).images // batch)
+    assert sorted(decoded) == list(range(classes))
 
 
 def test_a_chain_between_the_measured_ones_is_costed_between_them() -> None:

@@ -41,9 +41,9 @@ SPECULATIVE = tuple(m for m in METHODS if m != "ar")
 @click.option(
     "--images",
     type=click.IntRange(min=1, max=10_000),
-    default=8,
+    default=10,
     show_default=True,
-    help="Images measured per candidate and batch size (at least four batches above B = 1).",
+    help="Images measured per candidate and batch size, classes in turn (at least four batches above B = 1).",
 )
 @click.option(
     "--calibration-images",
