@@ -103,9 +103,10 @@ def toy_registered(monkeypatch):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
-    """The same random weights as a toy model directory and as a LlamaGen one."""
+    """The same random weights as a toy model directory and as a LlamaGen one: conftest's tiny
+    model (tiny_model_dir's), whose graphs other modules export too."""
     root = tmp_path_factory.mktemp("families")
-    gpt, vq = tiny_gpt(5), tiny_vq(5)
+    gpt, vq = tiny_gpt(), tiny_vq()
     llamagen = write_model_dir(root / "llamagen", gpt, vq)
     toy = root / "toy"
     toy.mkdir()
@@ -145,11 +146,13 @@ def test_a_registered_family_opens_loads_and_decodes_like_llamagen(toy_registere
 
 @pytest.fixture(scope="module")
 def toy_bundle(pair, tmp_path_factory) -> Path:
-    """The toy model exported (its family registered for the export only), one cache window."""
+    """The toy model exported (its family registered for the export only), one cache window:
+    the graphs of ``lantern export --cache-windows 1`` of tiny_model_dir on a CPU (its default
+    tree, chain-5; tests/test_faults_output.py), exported once a run."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(FAMILIES, ToyFamily.name, ToyFamily())
         out = tmp_path_factory.mktemp("toy-bundle") / "bundle"
-        return export_bundle(open_model_dir(pair[0]), out, [load_tree("chain-2")], threads=1, windows=1)
+        return export_bundle(open_model_dir(pair[0]), out, [load_tree("chain-5")], threads=1, windows=1)
 
 
 @pytest.mark.slow
