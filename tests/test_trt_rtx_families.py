@@ -48,7 +48,8 @@ def test_every_graph_of_a_chameleon_bundle_builds(tmp_path):
     root = tmp_path / "anole"
     write_authors_drafter(root / "drafter", model)
     md = open_model_dir(write_model_dir(root, model, root / "drafter"))
-    bundle = Bundle.open(exported(md, tmp_path / "bundle", [load_tree("chain-3")], windows=1))
+    # test_chameleon_runtime.py's trees and windows: its export serves this bundle's graphs
+    bundle = Bundle.open(exported(md, tmp_path / "bundle", [load_tree("chain-5")], windows=1))
     assert bundle.gpt.model_type == "chameleon" and bundle.has_drafter
     assert {"drafter_prefill", "draft_tree_0", "target_verify_0"} <= set(bundle.graphs)
     assert_every_graph_builds(bundle)
