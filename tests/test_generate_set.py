@@ -26,7 +26,9 @@ def cli(*args: str):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny", tiny_gpt(3), tiny_vq(3))
+    """conftest's tiny model (tiny_model_dir's files), whose graphs other modules export too
+    (tests/test_openvino.py's in-place bundle its steps): the run's graph store exports them once."""
+    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny", tiny_gpt(), tiny_vq())
 
 
 def same_images(tiny_dir: Path) -> list[str]:
