@@ -281,6 +281,12 @@ def test_calibration_quantizes_the_graphs_of_every_batch_size(batched_bundle, tm
     assert (int8.path / WEIGHTS).is_file() and not any(p.suffix == ".data" for p in int8.path.iterdir())
 
 
+# The tree of the B = 2 exports below (on first use: in place, the default cache windows; `lantern
+# export`: standard graphs, one cache window): tests/test_cache_in_place.py's first tree, at its
+# batch size, windows and scratch slots, so that the run exports each of these graphs once.
+FRESH_TREE = "mc_sim_7b_63"
+
+
 @pytest.mark.slow
 def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair, tmp_path, monkeypatch):
     """`--batch-size 2` on a model directory exports what B = 2 needs (generate, bench and
@@ -292,7 +298,7 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
     model = write_model_dir(tmp_path / "model", target, tiny_vq())
     add_drafter(model, drafter)
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
-    images = ["--classes", "0,3", "-n", "2", "-q", "--tree", "chain-5"]
+    images = ["--classes", "0,3", "-n", "2", "-q", "--tree", FRESH_TREE]
 
     def generate(source: list[str], name: str, *extra: str) -> np.ndarray:
         out = tmp_path / f"{name}.npy"
@@ -312,7 +318,7 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
 
     want = generate(["--model", str(model)], "torch", "--backend", "torch")
     assert np.array_equal(generate(["--model", str(model)], "cached", "--batch-size", "2"), want)
-    bench = ["bench", "--model", str(model), "--tree", "chain-5", "--config", "ar", "--config", "lantern++"]
+    bench = ["bench", "--model", str(model), "--tree", FRESH_TREE, "--config", "ar", "--config", "lantern++"]
     r = CliRunner().invoke(
         main, [*bench, "--batch-size", "2", "-n", "1", "--no-quality", "--out", str(tmp_path / "bench")]
     )
@@ -340,7 +346,7 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
             "--model",
             str(model),
             "--tree",
-            "chain-5",
+            FRESH_TREE,
             "--batch-size",
             "2",
             "--cache-windows",
