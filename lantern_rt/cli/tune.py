@@ -9,6 +9,7 @@ import click
 from lantern_rt.cli.options import parse_batch_sizes, run_option_type, threads_option
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.settings import COUPLINGS, METHODS
+from lantern_rt.tune import CALIBRATION_IMAGES, MEASURED_IMAGES
 
 SPECULATIVE = tuple(m for m in METHODS if m != "ar")
 
@@ -41,14 +42,14 @@ SPECULATIVE = tuple(m for m in METHODS if m != "ar")
 @click.option(
     "--images",
     type=click.IntRange(min=1, max=10_000),
-    default=10,
+    default=MEASURED_IMAGES,
     show_default=True,
     help="Images measured per candidate and batch size, classes in turn (at least four batches above B = 1).",
 )
 @click.option(
     "--calibration-images",
     type=click.IntRange(min=1, max=10_000),
-    default=20,
+    default=CALIBRATION_IMAGES,
     show_default=True,
     help="Images decoded per method and calibration tree (classes in turn) to count how often each "
     "tree position is accepted.",

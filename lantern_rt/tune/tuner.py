@@ -32,6 +32,7 @@ from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
 from lantern_rt.runtime.tree import MAX_PAC_WIDTH, StaticTree, TreeError, chain_tree, load_tree, pac_tree
 from lantern_rt.settings import MethodConfig, default_sampling
+from lantern_rt.tune import CALIBRATION_IMAGES, MEASURED_IMAGES
 from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree, pooled_counts
 from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, CostRounds
 from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree, image_tokens_per_step
@@ -43,14 +44,6 @@ DRAFTER_TREES = ("chain-3", "chain-5", "chain-8", "mc_sim_7b_63", "naive_extend_
 WINDOW_TREES = ("chain-5", "chain-16", "pac-2-1-33")
 # The calibration tree's children per spine node and depth (a Jacobi window's: pac-W-1-...)
 CALIBRATION_WIDTH, CALIBRATION_DEPTH = 4, 8
-# Calibration images per tree, classes in turn from the seed: two of each of the demo's ten.
-# Acceptance differs by class (chain-8's tau 4.8-6.7 across the demo's); eight images left its
-# two hardest out and predicted chain-8's tau 6% over 64 images' estimate
-CALIBRATION_IMAGES = 20
-# Images measured per candidate and batch size: each of the demo's ten classes once, as the
-# calibration covers them (eight left classes 8 and 9 out: chain-8's tau 6.2 on classes 0-7,
-# 5.9 on all ten)
-MEASURED_IMAGES = 10
 SEED = 0
 
 
