@@ -31,6 +31,7 @@ from lantern_rt.graph_spec import TensorSpec
 from lantern_rt.models.config import ConfigError, GPTConfig, config_from_dict
 from lantern_rt.models.model_dir import check_sampling_defaults
 from lantern_rt.models.neighbors import load_neighbors_file
+from lantern_rt.models.sampling_config import setting_types
 
 FORMAT = "lantern-rt-bundle"
 # what each version added: docs/bundle-format.md, "Bundle versions"
@@ -57,9 +58,10 @@ RUNTIME_DTYPES = {
     **dict.fromkeys(
         ("node_tokens", "tokens", "cache_length", "root_position", "count", "length", "kept"), "int64"
     ),
-    **dict.fromkeys(("top_k", "neighbors", "k", "codes", "ids", "mask"), "int64"),
+    **dict.fromkeys(("neighbors", "k", "codes", "ids", "mask"), "int64"),
     **dict.fromkeys(("prefix", "valid", "greedy"), "bool"),
-    **dict.fromkeys(("q", "noise", "bonus_noise", "cfg_scale", "temperature", "top_p"), "float32"),
+    **dict.fromkeys(("q", "noise", "bonus_noise"), "float32"),
+    **{name: "int64" if kind is int else "float32" for name, kind in setting_types().items()},
     **dict.fromkeys(("cap_a", "cap_b", "logits", "probs", "images", "features"), "float32"),
 }
 # ``cond`` by the model's kind (gpt.model_type): class ids, T5 caption features (fp32 at every precision),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lantern_rt.backends import MODEL, Backend, EngineOptions, backend_named, default_backend
 from lantern_rt.errors import option, warn
 from lantern_rt.models.config import ConfigError
+from lantern_rt.models.sampling_config import DRAW_SETTINGS, SamplingConfig
 from lantern_rt.run_options import AUTO, DEFAULT_WINDOW, RunOptions, option_types
 from lantern_rt.runtime.method import (
     COUPLINGS as COUPLINGS,  # the commands' choices and the tests read the methods here too
@@ -41,9 +42,7 @@ from lantern_rt.runtime.run_shape import RunShape, available_cores
 if TYPE_CHECKING:  # torch-free at import: the command line reads the lists above for its --help
     from lantern_rt.bundle import Bundle
     from lantern_rt.models.model_dir import ModelDir
-    from lantern_rt.runtime.sampling import SamplingConfig
 
-SAMPLED = ("temperature", "top_k", "top_p")  # the sampling options a model's sampling_defaults may set
 DEFAULT_OPSET = 18  # torch.onnx's dynamo exporter authors its ops at opset 18
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED (numpy's SeedSequence takes no negative entropy)
 MAX_IMAGES_PER_CLASS = 1_000_000
@@ -171,7 +170,7 @@ def tuned_method(
 
     method = None if options.method == AUTO else options.method
     if options.tree == TUNED_TREE:
-        return method, tuned_tree_spec(source)
+        return method, tuned_tree_spec(source, record.name)
     if method is None and options.tree is None and options.window is None and drafter is None:
         choice = tuned_choice(source, record.name, record.package, options.batch_size)
         if choice is not None:
@@ -350,15 +349,14 @@ def default_sampling(info: ModelDir, options: RunOptions = RunOptions()) -> Samp
     :func:`~lantern_rt.families.loading.bundle_info`, which carries the model's defaults) with
     ``options``: each sampling option given (not None), else the model's ``sampling_defaults``,
     else the library's (the CFG scale: :func:`default_cfg_scale`; temperature 1, top-k 0 (off),
-    top-p 1); temperature 0 when ``greedy``. :class:`~lantern_rt.runtime.sampling.SamplingError`
+    top-p 1); temperature 0 when ``greedy``. :class:`~lantern_rt.models.sampling_config.SamplingError`
     for a value out of range."""
-    from lantern_rt.runtime.sampling import SamplingConfig
 
     model = info.raw.get("sampling_defaults", {})
     chosen = {
         key: kind(model[key]) if value is None else value  # JSON's 1 is a temperature of 1.0
         for key, (kind, _) in option_types().items()
-        if key in SAMPLED and ((value := getattr(options, key)) is not None or key in model)
+        if key in DRAW_SETTINGS and ((value := getattr(options, key)) is not None or key in model)
     }
     if options.greedy:
         chosen["temperature"] = 0.0

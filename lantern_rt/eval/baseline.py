@@ -48,7 +48,7 @@ def filtered(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     them (:func:`~lantern_rt.runtime.sampling.filter_logits`: ties at a threshold all stay, where
     LlamaGen's sort may split them). As LlamaGen's ``sample``, no filter runs when both are off;
     the filter sorts the top-k largest logits when top-k is on (which is exact), else all of them."""
-    if sampling.top_k == 0 and sampling.top_p == 1.0:
+    if not sampling.filters:
         return logits / sampling.temperature
     settings = filter_inputs(sampling, logits.device)[1:]  # temperature, top-k, top-p
     width = min(sampling.top_k, logits.shape[-1]) if sampling.top_k > 0 else logits.shape[-1]

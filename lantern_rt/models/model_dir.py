@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lantern_rt.models.config import ConfigError, GPTConfig, relative_path
+from lantern_rt.models.sampling_config import setting_types
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 FORMAT_VERSION = 1
@@ -87,24 +88,22 @@ def files_section(file: Path, files: dict[str, Any]) -> dict[str, str]:
     return {key: relative_path(file, f"files.{key}", name) for key, name in files.items()}
 
 
-SAMPLING_KEYS = {"cfg_scale", "temperature", "top_k", "top_p"}
-
-
 def check_sampling_defaults(file: Path | str, raw: dict[str, Any]) -> None:
-    """The optional ``sampling_defaults``: an object of finite numbers under SAMPLING_KEYS (top_k
-    an integer); their ranges are :class:`~lantern_rt.runtime.sampling.SamplingConfig`'s."""
+    """The optional ``sampling_defaults``: an object of finite numbers, each named by a setting of
+    :class:`~lantern_rt.models.sampling_config.SamplingConfig` and an integer where that is one;
+    their ranges are the config's."""
     values = raw.get("sampling_defaults", {})
     if not isinstance(values, dict):
         raise ConfigError(f"{file}: sampling_defaults must be an object, got {values!r}"[:300])
     for key, value in values.items():
-        if key not in SAMPLING_KEYS:
+        if key not in setting_types():
             raise ConfigError(
-                f"{file}: sampling_defaults.{key} is unknown; use {', '.join(sorted(SAMPLING_KEYS))}"
+                f"{file}: sampling_defaults.{key} is unknown; use {', '.join(sorted(setting_types()))}"
             )
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ConfigError(f"{file}: sampling_defaults.{key} must be a finite number, got {value!r}"[:300])
-        if key == "top_k" and not is_int(value):
-            raise ConfigError(f"{file}: sampling_defaults.top_k must be an integer, got {value!r}"[:300])
+        if setting_types()[key] is int and not is_int(value):
+            raise ConfigError(f"{file}: sampling_defaults.{key} must be an integer, got {value!r}"[:300])
 
 
 def class_names_section(file: Path, raw: dict[str, Any], gpt: GPTConfig) -> list[str]:

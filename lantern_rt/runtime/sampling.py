@@ -8,48 +8,15 @@ only from an explicit ``torch.Generator`` so that a seed fixes every token.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple
 from functools import lru_cache, partial
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from lantern_rt.errors import LanternError, option
-
-
-class SamplingError(LanternError, ValueError):
-    """Sampling settings are out of range."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How the next token is chosen from the mixed logits. ``temperature == 0`` means greedy."""
-
-    cfg_scale: float  # no default: see lantern_rt.settings.default_cfg_scale
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.cfg_scale) or self.cfg_scale < 0:
-            raise SamplingError(f"CFG scale must be a finite number >= 0, got {self.cfg_scale}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise SamplingError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0 < self.top_p <= 1) or math.isnan(self.top_p):
-            raise SamplingError(f"top-p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def guided(self) -> bool:
-        """Whether the unconditional rows matter: a CFG scale above 1 (at most 1, the
-        conditional rows alone decide, :func:`cfg_mix`; docs/method.md §13)."""
-        return self.cfg_scale > 1
+from lantern_rt.errors import option
+from lantern_rt.models.sampling_config import SamplingConfig, SamplingError, setting_types
 
 
 def cfg_mix(logits: Tensor, scale: float | Tensor, images: int) -> Tensor:
@@ -152,15 +119,10 @@ def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
         )
 
 
-class FilterInputs(NamedTuple):
-    """The sampling settings as tensors, :class:`SamplingConfig`'s fields by name: each image's
-    [B] (:class:`SamplingRows`), or [1] for every image (:func:`filter_inputs`). The graphs take
-    them as inputs of these names."""
-
-    cfg_scale: Tensor
-    temperature: Tensor
-    top_k: Tensor
-    top_p: Tensor
+# The sampling settings as tensors, :class:`SamplingConfig`'s fields by name: each image's [B]
+# (:class:`SamplingRows`), or [1] for every image (:func:`filter_inputs`). The graphs take them as
+# inputs of these names.
+FilterInputs = NamedTuple("FilterInputs", [(name, Tensor) for name in setting_types()])  # type: ignore[misc]
 
 
 def filtered_softmax(logits: Tensor, sampling: FilterInputs) -> Tensor:
@@ -170,12 +132,12 @@ def filtered_softmax(logits: Tensor, sampling: FilterInputs) -> Tensor:
     return torch.softmax(filter_logits(logits, *sampling[1:], width), dim=-1)
 
 
-def row_settings(cfg: SamplingConfig) -> tuple[float, float, int, float, bool]:
-    """One image's :class:`FilterInputs` values and greedy flag as the filter reads them: no
-    temperature, top-k or top-p in greedy mode, where the logits are not filtered."""
-    if cfg.greedy:
-        return cfg.cfg_scale, 1.0, 0, 1.0, True
-    return cfg.cfg_scale, cfg.temperature, cfg.top_k, cfg.top_p, False
+def row_settings(cfg: SamplingConfig) -> tuple[float | int | bool, ...]:
+    """One image's :class:`FilterInputs` values and greedy flag as the filter reads them; in
+    greedy mode, where the logits are not filtered, the defaults' (no temperature, top-k or
+    top-p)."""
+    kept = SamplingConfig(cfg.cfg_scale) if cfg.greedy else cfg
+    return (*astuple(kept), cfg.greedy)
 
 
 class SamplingRows:
@@ -184,7 +146,10 @@ class SamplingRows:
     place when it takes an image, so that a step reads them where they lie (a captured CUDA
     graph, a graph input bound by pointer) and no step reads them back."""
 
-    DTYPES = (torch.float32, torch.float32, torch.int64, torch.float32, torch.bool)
+    DTYPES = (
+        *(torch.int64 if kind is int else torch.float32 for kind in setting_types().values()),
+        torch.bool,
+    )
 
     def __init__(self, images: int, device: torch.device | str) -> None:
         self.device = torch.device(device)

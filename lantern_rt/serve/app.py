@@ -21,12 +21,13 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lantern_rt.errors import LanternError, first_line, flag
 from lantern_rt.images import pil_image
+from lantern_rt.models.sampling_config import setting_types
 from lantern_rt.run_options import option_types
 from lantern_rt.runtime.sampling import SamplingConfig
 from lantern_rt.serve.engine import (
@@ -80,11 +81,10 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-class GenerationBody(BaseModel):
-    """``POST /v1/images/generations``: OpenAI's fields and lantern's sampling fields, strictly
-    typed (a JSON ``true`` is not a class id, a number is not a string); any other field is an
-    error but OpenAI's that do not change what this server makes, which are accepted and
-    ignored."""
+class _OpenAIBody(BaseModel):
+    """``POST /v1/images/generations``: OpenAI's fields, strictly typed (a JSON ``true`` is not a
+    class id, a number is not a string); any other field is an error but OpenAI's that do not
+    change what this server makes, which are accepted and ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -94,10 +94,6 @@ class GenerationBody(BaseModel):
     response_format: str | None = "b64_json"
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     model: str | None = None
-    cfg_scale: float | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
     # OpenAI's, accepted and ignored
     quality: str | None = None
     style: str | None = None
@@ -110,6 +106,14 @@ class GenerationBody(BaseModel):
         if isinstance(value, bool) or not isinstance(value, str | int):
             raise PydanticCustomError("prompt_type", "must be a string or an integer (a class id)")
         return value
+
+
+# OpenAI's fields and each sampling setting (None or absent: the server's)
+GenerationBody = create_model(
+    "GenerationBody",
+    __base__=_OpenAIBody,
+    **{name: (kind | None, None) for name, kind in setting_types().items()},  # type: ignore[call-overload]
+)
 
 
 @dataclass(frozen=True)

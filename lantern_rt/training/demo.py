@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from lantern_rt.models.checkpoint import save_safetensors
 from lantern_rt.models.config import GPTConfig, VQConfig, to_dict
 from lantern_rt.models.neighbors import latent_neighbors, save_neighbors
+from lantern_rt.models.sampling_config import SamplingConfig
 from lantern_rt.models.target import Transformer
 from lantern_rt.models.vq import VQModel
 from lantern_rt.training.data import CLASS_NAMES, load_fashion_mnist, to_model_range
@@ -202,7 +204,7 @@ def package(vq: VQModel, gpt: Transformer, out: Path = PACKAGE_DIR) -> None:
             },
             "class_names": list(CLASS_NAMES),
             "image_size": 32,
-            "sampling_defaults": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+            "sampling_defaults": asdict(SamplingConfig(cfg_scale=3.0)),
         }
     )
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
