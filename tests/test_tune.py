@@ -111,12 +111,12 @@ def test_ctrl_c_while_writing_leaves_no_half_written_record(tmp_path: Path, monk
 def test_the_tuned_tree_is_found_by_name(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))  # the record stays this test's
     md = open_model_dir(tiny_model_dir)
-    with pytest.raises(RecordError, match="no tuning record for .*run 'lantern tune"):
-        named_tree("tuned", md)
-    assert named_tree("chain-3", md).paths == load_tree("chain-3").paths
-    write_record(record_path(md), RECORD)
-    assert named_tree("tuned", md).paths == ((0,), (1,), (0, 0))
-    assert named_tree("tuned", md).name == "tuned"
+    with pytest.raises(RecordError, match="no onnxruntime tuning record for .*run 'lantern tune"):
+        named_tree("tuned", md, "onnxruntime")
+    assert named_tree("chain-3", md, "onnxruntime").paths == load_tree("chain-3").paths
+    write_record(record_path(md, "onnxruntime"), RECORD)
+    assert named_tree("tuned", md, "onnxruntime").paths == ((0,), (1,), (0, 0))
+    assert named_tree("tuned", md, "onnxruntime").name == "tuned"
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,9 @@ def test_export_of_the_tuned_tree_without_a_record_is_one_line_exit_2(
     args = ["export", "--model", str(tiny_model_dir), "--tree", "tuned", "--out", str(out), "-q"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
-    assert result.output.startswith("error: no tuning record for") and result.output.count("\n") == 1
+    assert (
+        result.output.startswith("error: no onnxruntime tuning record for") and result.output.count("\n") == 1
+    )
     assert not out.exists()
 
 
@@ -345,7 +347,6 @@ def test_the_search_keeps_to_the_shapes_the_cost_rounds_measured(jacobi: bool, t
         (["{model}", "--method", "exact"], "--method exact drafts with a drafter"),
         (["{model}", "--method", "sjd++", "--lantern-lambda", "0.5"], "lambda must be"),
         (["{model}", "--method", "lantern++", "--coupling", "gumbel"], "--coupling sets how"),
-        (["{model}", "--backend", "torch"], "measures a backend that runs bundles"),
     ],
 )
 def test_bad_input_to_tune_is_one_line_exit_2(
@@ -377,7 +378,7 @@ def demo(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
     md = open_model_dir(None)
     record = {"machine": HERE, "batch_sizes": CHOICES, "tuned_trees": {"tuned": TUNED_PATHS}}
-    write_record(record_path(md), record)
+    write_record(record_path(md, "onnxruntime"), record)
     return md
 
 
@@ -439,7 +440,7 @@ def test_a_run_that_names_no_method_follows_the_record_of_this_machine(demo, cap
     ],
 )
 def test_a_record_of_another_machine_or_corrupt_is_ignored_in_one_line(demo, capsys, spoil, says) -> None:
-    spoil(record_path(demo))
+    spoil(record_path(demo, "onnxruntime"))
     method, tree, said = _resolved(demo, capsys)
     assert (method, tree) == ("lantern++", "chain-5")  # today's defaults
     assert said.startswith("warning: ignored:") and says in said and said.count("\n") == 1

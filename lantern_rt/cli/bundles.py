@@ -104,12 +104,10 @@ def export_cmd(
     t0 = time.perf_counter()
     default_tree = export_tree(device)  # checks --device, given or not a --tree
     md = open_model_dir(model_path)
-    parsed = [named_tree(t, md) for t in trees]
+    runner = backend_named(default_backend(device or machine_device(), bundle=True, drafter_override=False))
+    parsed = [named_tree(t, md, runner.name) for t in trees]
     if not parsed:  # the trees this machine's tuning record chose, else the device's default
-        runner = backend_named(
-            default_backend(device or machine_device(), bundle=True, drafter_override=False)
-        )
-        parsed = export_trees(md, runner.name, runner.package) or [named_tree(default_tree, md)]
+        parsed = export_trees(md, runner.name, runner.package) or [named_tree(default_tree, md, runner.name)]
     trees = [t.name for t in parsed]
     sizes = parse_batch_sizes(batch_sizes)
     export_bundle(

@@ -62,6 +62,12 @@ SPECULATIVE = tuple(m for m in METHODS if m != "ar")
     "--backend", type=run_option_type("backend"), default=None, help="Backend to tune. Default: the run's."
 )
 @click.option("--device", default="cpu", show_default=True, help="Where the backend computes.")
+@click.option(
+    "--cuda-graphs/--no-cuda-graphs",
+    default=True,
+    show_default=True,
+    help="Replay each step from a captured CUDA graph, as the runs to come will (torch on a CUDA device).",
+)
 @threads_option("CPU threads (0: the engine's choice), as the runs to come will use.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @reports_errors
@@ -78,13 +84,16 @@ def tune_cmd(
     coupling,
     backend,
     device,
+    cuda_graphs,
     threads,
     quiet,
 ):
     """Measure this machine's step costs and the model's acceptance per tree position, find the
     fastest static tree (Sequoia's dynamic program), measure it beside every named tree and AR,
-    and keep the fastest per batch size in a tuning record (beside a bundle, or in the export
-    cache for a model directory; the built-in demo by default)."""
+    and keep the fastest per batch size in a tuning record of the backend (beside a bundle, or in
+    the export cache for a model directory; the built-in demo by default). The torch backend
+    tunes a model directory as it is (no export)."""
+    from lantern_rt.backends import backend_named
     from lantern_rt.bundle import MANIFEST
     from lantern_rt.families.loading import open_bundle, open_model_dir
     from lantern_rt.settings import MethodConfig, check_device
@@ -92,6 +101,8 @@ def tune_cmd(
 
     check_device(device)
     is_bundle = source is not None and (source / MANIFEST).is_file()
+    if is_bundle and backend is not None:
+        backend_named(backend).check_bundle()  # before the bundle is read
     opened = open_bundle(source) if is_bundle else open_model_dir(source)
     has_drafter = opened.has_drafter if is_bundle else "drafter" in opened.files
     methods = methods or (("lantern++",) if has_drafter else ("sjd",))
@@ -112,6 +123,7 @@ def tune_cmd(
         threads or 0,
         backend,
         device,
+        cuda_graphs,
     )
     with _Bar(quiet) as bar:
         result = tune(opened, options, bar)

@@ -4,9 +4,11 @@ previous record or none, never a part). A record holds the machine it was measur
 cores, GPU, backend and versions, :func:`this_machine`); one from another machine or version is
 refused by :func:`read_record` with one line saying what differs.
 
-Where it lives (:func:`record_path`): beside a bundle (``BUNDLE/tuning.json``), or for a model
-directory in the cache folder's ``tuning/``, by the model's name and fingerprint; each tuned tree
-also in a file of its own beside it (:func:`tree_file`). What reads it: a run that names no
+Where it lives (:func:`record_path`): one file per backend, beside a bundle
+(``BUNDLE/tuning.json``), or for a model directory in the cache folder's ``tuning/``, by the
+model's name and fingerprint, the backend's name before ``.json`` for every backend but
+onnxruntime (whose records were the only ones before); each tuned tree also in a file of its own
+beside it (:func:`tree_file`). What reads it: a run that names no
 method and no tree (:func:`tuned_choice`, the run's ``auto`` method), ``--tree tuned``
 (:func:`tuned_tree_spec`, :func:`named_tree`) and ``lantern export`` with no ``--tree``
 (:func:`export_trees`).
@@ -37,6 +39,9 @@ from lantern_rt.version import package_version
 FORMAT = "lantern-rt-tuning"
 VERSION = 1
 BUNDLE_RECORD = "tuning.json"  # beside a bundle's manifest
+# The backend whose record's name holds no backend: onnxruntime's records are where they were
+# before records were kept per backend
+UNKEYED_BACKEND = "onnxruntime"
 TUNED_TREE = "tuned"  # the name `lantern export --tree` and the record give the tuned tree
 MAX_RECORD_BYTES = 16 << 20
 
@@ -45,12 +50,15 @@ class RecordError(LanternError, ValueError):
     """A tuning record that is corrupt, of another format, or from another machine or version."""
 
 
-def record_path(source: ModelDir | Bundle) -> Path:
-    """Where ``source``'s tuning record lives: ``BUNDLE/tuning.json`` beside a bundle's manifest,
-    or ``tuning/NAME-FINGERPRINT16.json`` in the cache folder for a model directory."""
+def record_path(source: ModelDir | Bundle, backend: str) -> Path:
+    """Where ``source``'s tuning record of ``backend`` lives: ``BUNDLE/tuning.json`` beside a
+    bundle's manifest, or ``tuning/NAME-FINGERPRINT16.json`` in the cache folder for a model
+    directory; ``tuning.BACKEND.json`` and ``NAME-FINGERPRINT16.BACKEND.json`` for a backend
+    other than :data:`UNKEYED_BACKEND` (a tune of one backend leaves another's record be)."""
+    key = "" if backend == UNKEYED_BACKEND else f".{backend}"
     if isinstance(source, Bundle):
-        return source.path / BUNDLE_RECORD
-    return cache_folder() / "tuning" / f"{source.name}-{model_fingerprint(source)[:16]}.json"
+        return source.path / f"{Path(BUNDLE_RECORD).stem}{key}.json"
+    return cache_folder() / "tuning" / f"{source.name}-{model_fingerprint(source)[:16]}{key}.json"
 
 
 def cpu_name() -> str:
@@ -180,24 +188,27 @@ def record_tree(record: dict[str, Any], path: Path | str, name: str = TUNED_TREE
         raise RecordError(f"{path}: its tuned tree {name!r} is corrupt: {err}") from None
 
 
-def tuned_tree_spec(source: ModelDir | Bundle) -> str:
-    """What ``--tree tuned`` stands for in a run of ``source``: the tuned tree's file beside its
-    record (whichever machine measured it: the tree was asked for by name); :class:`RecordError`
-    in one line without a record or a tuned tree."""
-    path = record_path(source)
+def tuned_tree_spec(source: ModelDir | Bundle, backend: str) -> str:
+    """What ``--tree tuned`` stands for in a run of ``source`` on ``backend``: the tuned tree's
+    file beside that backend's record (whichever machine measured it: the tree was asked for by
+    name); :class:`RecordError` in one line without a record or a tuned tree."""
+    path = record_path(source, backend)
     if not path.is_file():
         name = source.path if isinstance(source, Bundle) else source.root
-        raise RecordError(f"no tuning record for {name} (looked for {path}): run 'lantern tune {name}' first")
+        raise RecordError(
+            f"no {backend} tuning record for {name} (looked for {path}): run "
+            f"'lantern tune {name} --backend {backend}' first"
+        )
     record_tree(read_record(path), path)  # it holds one, whole
     return str(tree_file(path))
 
 
-def named_tree(spec: str, source: ModelDir | Bundle) -> StaticTree:
-    """The tree ``spec`` names for ``source``: :data:`TUNED_TREE` (its record's, see
-    :func:`tuned_tree_spec`), else :func:`~lantern_rt.runtime.tree.load_tree`'s (a preset,
+def named_tree(spec: str, source: ModelDir | Bundle, backend: str) -> StaticTree:
+    """The tree ``spec`` names for ``source`` on ``backend``: :data:`TUNED_TREE` (its record's,
+    see :func:`tuned_tree_spec`), else :func:`~lantern_rt.runtime.tree.load_tree`'s (a preset,
     chain-N, pac-K-D-N or a JSON file of paths)."""
     if spec == TUNED_TREE:
-        return load_tree(tuned_tree_spec(source), MAX_DRAFT_WIDTH)
+        return load_tree(tuned_tree_spec(source, backend), MAX_DRAFT_WIDTH)
     return load_tree(spec, MAX_DRAFT_WIDTH)
 
 
@@ -214,7 +225,7 @@ class TunedChoice:
 def _here_record(source: ModelDir | Bundle, backend: str, package: str) -> tuple[Path, dict[str, Any]] | None:
     """``source``'s record when it was measured here on ``backend``; None without one, or (with
     a one-line note) for one from another machine or version, or a corrupt one."""
-    path = record_path(source)
+    path = record_path(source, backend)
     if not path.is_file():
         return None
     try:

@@ -1,7 +1,8 @@
-"""``lantern tune``'s run: export the candidates' graphs once (a model directory) or take a
-bundle's, count each method's acceptance per tree position in calibration decodes, measure the
+"""``lantern tune``'s run: export the candidates' graphs once (a model directory on a backend
+that runs bundles) or take a bundle's, or run the model directory itself (torch, which verifies
+any static tree), count each method's acceptance per tree position in calibration decodes, measure the
 step costs per batch size, search the fastest tree (Sequoia's program for a drafter, the best
-window for a Jacobi method), export it, then measure every candidate (the tuned trees, every
+window for a Jacobi method), export it (a backend of bundles), then measure every candidate (the tuned trees, every
 named tree, AR) and keep the fastest in the tuning record. A cost round runs after each slice of
 the candidates' measurement, and their rows are predicted from the rounds of before and during
 it: a machine whose speed moves over the minutes of a tune weighs on the predictions as on the
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lantern_rt.backends import BUNDLE, backend_named, default_backend
+from lantern_rt.backends import MODEL, backend_named, default_backend
 from lantern_rt.bundle import Bundle
 from lantern_rt.export_cache import cached_bundle
 from lantern_rt.families.loading import bundle_info, open_bundle
@@ -52,7 +53,8 @@ class TuneOptions:
     """What ``lantern tune`` measures: the speculative ``methods`` (their k, lambda and coupling;
     their tree is chosen here), the batch sizes, the named trees (empty: :data:`DRAFTER_TREES`
     and :data:`WINDOW_TREES`), images per candidate and batch size (at least four batches),
-    calibration images, CPU threads, the backend (None: the run's default) and the device."""
+    calibration images, CPU threads, the backend (None: the run's default), the device and
+    whether steps are replayed from CUDA graphs there (torch on a CUDA device, as its runs do)."""
 
     methods: tuple[MethodConfig, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -62,6 +64,7 @@ class TuneOptions:
     threads: int = 0
     backend: str | None = None
     device: str = "cpu"
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -178,10 +181,9 @@ class Tuner:
         self.backend = options.backend or default_backend(options.device, self.is_bundle, False)
         record = backend_named(self.backend)
         record.check_available()
-        if BUNDLE not in record.runs:
-            raise ConfigError(
-                f"lantern tune measures a backend that runs bundles, not {self.backend}: use --backend onnxruntime"
-            )
+        if self.is_bundle:
+            record.check_bundle()
+        self.runs_model = not self.is_bundle and MODEL in record.runs  # no export: the model directory
         self.package = record.package
         self.in_place = record.exports_in_place(options.device)
         self.batch_sizes = check_batch_sizes(list(options.batch_sizes))
@@ -306,18 +308,30 @@ class Tuner:
         }
         seconds = time.perf_counter() - start
         record = self._record(session, tables, costs, rows, choices, tuned_trees, seconds)
-        path = record_path(self.source)
+        path = record_path(self.source, self.backend)
         write_record(path, record)
         return TuneResult(rows, choices, record, path, seconds, notes)
 
     def _session(self, trees: Sequence[StaticTree], batch_sizes: Sequence[int] | None = None) -> TuneSession:
-        """The session over the source bundle, or over the cached export of ``trees`` (repeats
-        dropped, by name) for ``batch_sizes`` (None: every batch size tuned)."""
+        """The session over the source bundle, over the model directory verifying ``trees`` on a
+        backend that runs it, or over the cached export of ``trees`` (repeats dropped, by name)
+        for ``batch_sizes`` (None: every batch size tuned)."""
         bundle = self.source
+        opts = self.options
         if not isinstance(bundle, Bundle):
             unique: dict[tuple, StaticTree] = {}
             for tree in trees:
                 unique.setdefault(tree.paths, tree)
+            if self.runs_model:
+                return TuneSession(
+                    bundle,
+                    self.backend,
+                    opts.device,
+                    opts.threads,
+                    self.sampling,
+                    tuple(unique.values()),
+                    opts.cuda_graphs,
+                )
             sizes = list(batch_sizes or self.batch_sizes)
             shape = RunShape(sizes[0], self.sampling.guided, cache_windows=1)
             path = cached_bundle(
@@ -329,7 +343,9 @@ class Tuner:
                 trees=sorted(unique.values(), key=lambda t: t.name),  # one export whatever the order
             )
             bundle = open_bundle(path)
-        return TuneSession(bundle, self.backend, self.options.device, self.options.threads, self.sampling)
+        return TuneSession(
+            bundle, self.backend, opts.device, opts.threads, self.sampling, (), opts.cuda_graphs
+        )
 
     def _acceptance(
         self, session: TuneSession, method: MethodConfig, trees: Sequence[StaticTree]
@@ -398,12 +414,11 @@ class Tuner:
     def _tuned_session(
         self, session: TuneSession, trees: Sequence[StaticTree], batch: int
     ) -> tuple[TuneSession | None, list[str]]:
-        """A session that holds the graphs of the tuned ``trees`` at ``batch``: the bundle when it
-        has them all, else the cached export of them at that batch size (a model directory), else
-        None with a note."""
-        held = {t.paths for t in session.bundle.trees.values()}
-        if all(tree.paths in held for tree in trees):
-            self.progress.tick(f"the tuned trees at B={batch} are among the exported ones")
+        """A session that verifies the tuned ``trees`` at ``batch``: ``session`` when it does (a
+        bundle holding their graphs, a model directory's target as large), else the cached
+        export of them at that batch size (a model directory), else None with a note."""
+        if all(session.verifies(tree) for tree in trees):
+            self.progress.tick(f"the tuned trees at B={batch} run on the pipelines measured")
             return session, []
         if self.is_bundle:
             return None, [
@@ -479,13 +494,14 @@ class Tuner:
             "model": {
                 "name": self.info.name,
                 "bundle": str(source.path) if isinstance(source, Bundle) else None,
-                "tuning_bundle": str(session.bundle.path),
+                "tuning_bundle": None if session.bundle is None else str(session.bundle.path),
             },
             "settings": {
                 "threads": self.options.threads,
                 "streams": 1,
                 "cache_windows": 1,
                 "device": self.options.device,
+                "cuda_graphs": self.options.cuda_graphs,
                 "sampling": asdict(self.sampling),
                 "methods": [{"method": m.method, **m.params()} for m in self.options.methods],
             },
