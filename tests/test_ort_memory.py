@@ -5,6 +5,7 @@ opened and run through :func:`ort_runner`, fp32, fp16 and int8 Q/DQ weights."""
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,8 +116,8 @@ def test_shared_weights_compute_what_the_file_does(tmp_path, monkeypatch, kind):
         plain = ort.InferenceSession(str(tmp_path / entry.file), providers=[CPU])
         want = plain.run(None, {"x": x.numpy()})[0]
         np.testing.assert_allclose(got.numpy(), want, rtol=tolerance, atol=tolerance)
-    shared = make(bundle, entries[0])._weights
-    arrays = [array for array, _ in shared._values.values()]
+    shared = make(bundle, entries[0])._opened.weights
+    arrays = [] if shared is None else [array for array, _ in shared._values.values()]
     if kind != "fp32":
         assert not arrays
         return
@@ -134,10 +135,31 @@ def test_the_prepacking_budget_is_the_process_s(tmp_path, monkeypatch):
     bundle = SimpleNamespace(file=lambda entry: tmp_path / entry.file)
     gc.collect()
     first = ort_runner(threads=1, providers=[CPU])(bundle, entries[0])
-    assert not first._weights._values  # prepacked: its own copy
+    assert first._opened.weights is None  # prepacked: its own copy
     second = ort_runner(threads=1, providers=[CPU])(bundle, entries[1])
-    assert second._weights._values  # past the budget: the one shared copy
+    assert second._opened.weights._values  # past the budget: the one shared copy
     del first
     gc.collect()
-    third = ort_runner(threads=1, providers=[CPU])(bundle, entries[1])
-    assert not third._weights._values
+    third = ort_runner(threads=1, providers=[CPU])(bundle, entries[0])
+    assert third._opened.weights is None
+
+
+def test_factories_share_a_graphs_session_while_a_runner_holds_it(tmp_path):
+    """Two factories (a bench's pipelines) open a graph once: their runners share the session and
+    its weights; other settings, a rewritten file, or a graph no runner holds any more get a
+    session of their own."""
+    entries = shared_bundle(tmp_path, graphs=1, tensors=2)
+    bundle = SimpleNamespace(file=lambda entry: tmp_path / entry.file)
+    first = ort_runner(threads=1, providers=[CPU])(bundle, entries[0])
+    second = ort_runner(threads=1, providers=[CPU])(bundle, entries[0])
+    assert second.session is first.session
+    assert ort_runner(threads=2, providers=[CPU])(bundle, entries[0]).session is not first.session
+    x = torch.randn(ROWS, DIM)
+    torch.testing.assert_close(second(x=x)["y"], first(x=x)["y"], rtol=0, atol=0)
+    path = tmp_path / entries[0].file
+    path.write_bytes(path.read_bytes())  # the same graph written again: another file
+    assert ort_runner(threads=1, providers=[CPU])(bundle, entries[0]).session is not first.session
+    held = weakref.ref(first.session)
+    del first, second
+    gc.collect()
+    assert held() is None

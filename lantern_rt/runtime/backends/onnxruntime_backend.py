@@ -12,6 +12,7 @@ import functools
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -207,20 +208,19 @@ def _nbytes(tensor: onnx.TensorProto) -> int:
 
 class OrtGraph:
     """One bundle graph in an onnxruntime session (a :class:`GraphRunner`), with bindings of
-    its own: several runners may share a session and run it at once (decode streams).
+    its own: several runners may share a session and run it at once (decode streams, a bench's
+    pipelines).
 
     Small inputs are copied into buffers bound once; cache inputs (``past_*``), too large to
     copy, are bound where they lie and rebound only when a call passes other memory. A graph's
     ``present_*`` output is bound to its ``past_*`` input's memory: the graph writes the cache in
-    place (onnxruntime's TensorScatter on the CPU). ``weights``: the :class:`SharedInitializers`
-    the session was given, if any, kept alive with it.
+    place (onnxruntime's TensorScatter on the CPU). ``opened``: the session and the
+    :class:`SharedInitializers` it was given, if any, kept alive with the runner.
     """
 
-    def __init__(
-        self, session: ort.InferenceSession, entry: GraphEntry, weights: SharedInitializers | None = None
-    ):
-        self.session = session
-        self._weights = weights  # the shared weights the session reads: alive as long as it is
+    def __init__(self, opened: _Opened, entry: GraphEntry):
+        self._opened = opened  # the session and the shared weights it reads: alive as long as it is
+        self.session = opened.session
         on_gpu = self.session.get_providers()[0] == CUDA
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         self.inputs, self.outputs = entry.inputs, entry.outputs
@@ -292,32 +292,60 @@ def ort_runner(
     """A :data:`RunnerFactory` making onnxruntime sessions (default providers: see above;
     ``config`` and ``spin``: see :func:`session_options`). Drafting graphs get one
     thread whatever ``threads`` says: their ops are too small to split, and waking a second
-    thread per op made LANTERN++ 8% slower on two cores. The factory opens each graph file once:
-    runners it makes for the same graph (one per decode stream) share its session. On the CPU,
+    thread per op made LANTERN++ 8% slower on two cores. A graph file is opened once per process
+    and settings: runners of the same graph (one per decode stream, one per pipeline of a bench or
+    a calibration) share its session while one of them lives (:data:`_OPEN`). On the CPU,
     sessions prepack their weights, each its own copy, while the process's live copies stay within
     :data:`PREPACK_BUDGET`; the sessions opened past it share one copy of the bundle's weights
     (:class:`SharedInitializers`), unpacked."""
     chosen = providers or default_providers()
-    sessions: dict[Path, ort.InferenceSession] = {}
     shared = SharedInitializers()
 
     def make(bundle: Bundle, entry: GraphEntry) -> OrtGraph:
         path = bundle.file(entry)
-        if path not in sessions:
+        pool = 1 if entry.drafting else threads
+        key = (*_file_key(path), pool, tuple(chosen), tuple(sorted((config or {}).items())), spin)
+        with _budget_lock:
+            opened = _OPEN.get(key)
+        if opened is None:
             tensors = shareable_initializers(path) if chosen[0] == CPU else []
             size = sum(map(_nbytes, tensors))
             with _budget_lock:  # the budget is the process's: a bench holds several pipelines
                 share = bool(tensors) and _prepacked[0] + size > PREPACK_BUDGET
                 _prepacked[0] += 0 if share else size
-            options = session_options(1 if entry.drafting else threads, config, spin, prepack=not share)
+            options = session_options(pool, config, spin, prepack=not share)
             if share:
                 shared.add_to(options, path.parent, tensors)
-            sessions[path] = session = ort.InferenceSession(str(path), options, providers=chosen)
+            session = ort.InferenceSession(str(path), options, providers=chosen)
             if not share and size:
                 weakref.finalize(session, _release_prepacked, size)
-        return OrtGraph(sessions[path], entry, shared)
+            opened = _Opened(session, shared if share else None)
+            with _budget_lock:
+                opened = _OPEN.setdefault(key, opened)
+        return OrtGraph(opened, entry)
 
     return make
+
+
+@dataclass(eq=False)
+class _Opened:
+    """A session and the shared weights it was given (None: its own), alive while a runner
+    holds it."""
+
+    session: ort.InferenceSession
+    weights: SharedInitializers | None
+
+
+# The sessions this process holds, by graph file (its path and version) and session settings:
+# every factory's runners of one graph share one session and one copy of its weights (a bench's
+# pipelines, a calibration's recording and comparison); a session is closed when no runner holds it
+_OPEN: weakref.WeakValueDictionary[tuple, _Opened] = weakref.WeakValueDictionary()
+
+
+def _file_key(path: Path) -> tuple:
+    """``path`` and the version of the file there (a bundle rewritten in place is another)."""
+    stat = path.stat()
+    return str(path.resolve()), stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
 def _release_prepacked(size: int) -> None:
