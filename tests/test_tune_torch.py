@@ -1,10 +1,12 @@
 """lantern tune on the torch backend: a model directory tuned as it is (no export), its record
 kept beside onnxruntime's (one per backend) and followed by torch runs only, as onnxruntime's is
 by onnxruntime runs only; a bundle refused in one line; calls and replayed steps timed after a
-device synchronisation, each candidate's step captured once, in a decode that is not timed."""
+device synchronisation, each candidate's step captured once, in a decode that is not timed; the
+GPU check's tune of a sized model in its JSON and report."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.cli import main
+from lantern_rt.eval import gpu_check
 from lantern_rt.families.loading import open_model_dir
 from lantern_rt.models.drafter import Drafter, DrafterConfig
 from lantern_rt.run_options import RunOptions
@@ -195,3 +198,15 @@ def test_each_candidate_is_captured_once_in_a_decode_not_timed(model: Path, monk
     seen: list = []
     session.decode(Candidate(method, chain_tree(2)), 1, 1, 0, lambda tree, out: seen.append(tree))
     assert seen and len(_Capture.made) == 2  # a watched decode runs eagerly
+
+
+def test_the_gpu_check_reports_the_tune_of_a_sized_model(model: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gpu_check, "sized_model_dir", lambda size: model)  # the tiny model for a size
+    row = json.loads(json.dumps(gpu_check.tune_size("tiny", "cpu", quick=True)))  # as gpu_check.json holds it
+    labels = {r["label"] for r in row["rows"] if r["measured_s_per_image"] is not None}
+    assert labels >= {"ar", "lantern++ chain-2", "lantern++ chain-4"} and row["chosen"] in labels
+    assert row["speedup_vs_ar"] == pytest.approx(row["ar_s_per_image"] / row["chosen_s_per_image"])
+    assert row["record"].endswith(".torch.json")
+    text = "\n".join(gpu_check.tune_report_lines([row]))
+    assert f"| tiny | {row['chosen']} |" in text and "| B = 1 |" in text

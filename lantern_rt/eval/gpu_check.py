@@ -29,10 +29,15 @@
    cost, so s/image at XL is measured, not projected. Torch eager and CUDA graphs (fp32, B = 1),
    AR against LANTERN++ on ``GPU_DEFAULT_TREE`` and on chain-5, each with its memory floor and
    whether its greedy tokens are the demo's; the fastest against LlamaGen's loop (4.).
+7. ``lantern tune --backend torch`` on each sized model of 6. (issue 61; on a GPU with CUDA
+   graphs, as its runs go): the tuned tree and the few named ones of :data:`TUNE_TREES` against
+   AR at B = 1, few images each (:func:`tune_size`): the chosen configuration, its measured
+   s/image against AR's and the tune's table; the records land in the cache's ``tuning/``.
 
 Order and budget: the demo, then the sized models (the first built in another process while the
-demo runs), LlamaGen's loops, then the step costs; a run stays under 8 minutes on an H100 by
-skipping a second size past ``--sizes-budget`` and compiled modes past ``--compile-budget``.
+demo runs), their tunes, LlamaGen's loops, then the step costs; a run stays under 8 minutes on
+an H100 by skipping a second size past ``--sizes-budget``, a second tune past ``--tune-budget``
+and compiled modes past ``--compile-budget``.
 Writes ``gpu_check.json`` and prints a markdown report. ``--quick`` shrinks everything (used by
 the tests on a CPU; ``scripts/gpu_check.sh --quick`` runs it on a CPU, with the ``tiny`` size).
 """
@@ -80,6 +85,8 @@ from lantern_rt.runtime.sampling import SamplingConfig, filter_inputs
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, load_tree
 from lantern_rt.settings import CPU_DEFAULT_TREE, GPU_DEFAULT_TREE, MethodConfig, RunPlan
 from lantern_rt.sized_demo.cache import sized_model_dir
+from lantern_rt.tune.report import report as tune_table
+from lantern_rt.tune.tuner import TuneOptions, TuneResult, tune
 
 SAMPLING = SamplingConfig(cfg_scale=3.0)
 GREEDY = SamplingConfig(cfg_scale=3.0, temperature=0.0)
@@ -254,6 +261,73 @@ def sized_rows(
                 gc.collect()
                 torch.cuda.empty_cache()
     return rows
+
+
+# What the check tunes at each sized model (7.): LANTERN++ at the run's k and lambda, B = 1, a
+# chain either side of the depths that pay and the GPU's default tree (the cost model's range:
+# depths 3-8, up to 57 nodes), few images (the quick run's fewer and smaller)
+TUNE_METHOD = MethodConfig("lantern++", k=10, lam=5.0)
+TUNE_TREES = ("chain-3", "chain-8", GPU_DEFAULT_TREE)
+QUICK_TUNE_TREES = ("chain-2", "chain-4")
+
+
+def tune_size(size: str, device: str, quick: bool) -> dict[str, Any]:
+    """``lantern tune --backend torch`` on the demo widened to ``size`` (one thread, CUDA graphs
+    on a GPU): the chosen row at B = 1, its measured s/image against AR's, and the tune's
+    table as the command prints it."""
+    options = TuneOptions(
+        (TUNE_METHOD,),
+        trees=QUICK_TUNE_TREES if quick else TUNE_TREES,
+        images=1 if quick else 2,
+        calibration_images=1 if quick else 2,
+        threads=1,
+        backend="torch",
+        device=device,
+        cuda_graphs=device.startswith("cuda"),
+    )
+    result: TuneResult = tune(open_model_dir(sized_model_dir(size)), options)
+    choice = result.choices[1]
+    ar = next(r for r in result.rows if r.tree is None and r.measured_seconds_per_image is not None)
+    return {
+        "size": size,
+        "trees": list(options.trees),
+        "images": options.images,
+        "calibration_images": options.calibration_images,
+        "cuda_graphs": options.cuda_graphs,
+        "seconds": result.seconds,
+        "chosen": choice.label,
+        "chosen_tree": None if choice.tree is None else [list(p) for p in choice.tree.paths],
+        "chosen_s_per_image": choice.measured_seconds_per_image,
+        "chosen_predicted_s_per_image": choice.seconds_per_image,
+        "ar_s_per_image": ar.measured_seconds_per_image,
+        "speedup_vs_ar": ar.measured_seconds_per_image / choice.measured_seconds_per_image,
+        "rows": [r.to_json() for r in result.rows],
+        "table": tune_table(result),
+        "record": str(result.path),
+    }
+
+
+def tune_report_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The tunes' section (:func:`tune_size`): each size's choice against AR, then its table."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## lantern tune at the sized models (torch, B = 1; issue 61)",
+        "",
+        "| size | chosen | s/img measured | s/img predicted | AR s/img | speedup vs AR | tune s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['chosen']} | {r['chosen_s_per_image']:.4f} | "
+            f"{r['chosen_predicted_s_per_image']:.4f} | {r['ar_s_per_image']:.4f} | "
+            f"{r['speedup_vs_ar']:.2f}x | {r['seconds']:.0f} |"
+        )
+    for r in rows:
+        lines += ["", f"### {r['size']}: named trees {', '.join(r['trees'])}, {r['images']} images each", ""]
+        lines += r["table"]
+    return lines
 
 
 T2I = dict(model_type="t2i", cls_token_num=120, caption_dim=2048)  # LlamaGen-XL T2I's prefix
@@ -624,6 +698,7 @@ def report(result: dict[str, Any]) -> str:
             f"{r['speedup_vs_ar']:.2f}x | {r['greedy_agreement_vs_first_path']:.3f} |"
         )
     lines += sized_report(result.get("sized", []), result.get("llamagen", []), result.get("sized_bandwidth"))
+    lines += tune_report_lines(result.get("tune", []))
     lines += ["", "## Step costs, acceptance included (random weights, sampled LANTERN++)", ""]
     lines += [
         "| preset | dtype | tree | B | ms AR step | ms verify | verify / AR | ms whole step | whole / verify |"
@@ -830,6 +905,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=150.0,
         help="Seconds into the run after which no further size starts (the first always runs).",
     )
+    parser.add_argument(
+        "--tune-budget",
+        type=float,
+        default=270.0,
+        help="Seconds into the run after which no further sized model is tuned (the first always is).",
+    )
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -860,6 +941,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         sized += sized_rows(size, args.device, sized_labels, sized_labels[:1], sized_bw, reference)
         measured.append(size)
+    tunes = []
+    for i, size in enumerate(measured):
+        if i and time.perf_counter() - started > args.tune_budget:
+            print(f"{size}: not tuned (--tune-budget {args.tune_budget:g} s spent)", file=sys.stderr)
+            continue
+        tunes.append(tune_size(size, args.device, args.quick))
+        if cuda:  # the next model loads beside nothing of this one's
+            gc.collect()
+            torch.cuda.empty_cache()
     if builder is not None:
         builder.wait()
     # LlamaGen's loop over the demo and each sized model measured (fp32, the same weights), one at a time
@@ -920,6 +1010,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bandwidth": {"label": found[0], "bytes_per_s": bw} if found else None,
         "sized_bandwidth": bandwidth_label(found, sized_bw),
         "sized": sized,
+        "tune": tunes,
         "llamagen": llamagen,
         "torch": torch.__version__,
         "demo": demo,

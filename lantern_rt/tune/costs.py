@@ -9,7 +9,9 @@ tree's own, and for a tree of another shape fitted linearly in its depth and nod
 trees measured. A step's prediction for a tree
 of n nodes and depth d is verify(n + 1) + draft(d, n) + host(d, n), and holds for the trees
 the model covers (:meth:`CostModel.covers`): depth and nodes within those of the trees measured,
-where the fit interpolates rather than extrapolates.
+where the fit interpolates rather than extrapolates. On a pipeline whose steps are replayed from
+CUDA graphs (torch on a CUDA device) a step is one replay, measured as its verify call (drafting
+included, :mod:`.session`): the verify curve is then the whole step's and drafting adds nothing.
 """
 
 from __future__ import annotations
