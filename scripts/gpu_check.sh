@@ -5,10 +5,11 @@
 # (torch with CUDA and Triton, onnx, onnxruntime, safetensors, click, tqdm, pillow, numpy).
 # It measures the demo widened to GPT-XL (and GPT-L while the time allows: --sizes-budget),
 # built into $LANTERN_CACHE/models (default ~/.cache/lantern-rt/models: 3.1 GB for GPT-XL) in
-# another process while the demo runs (lantern_rt/eval/gpu_check.py says what runs in which order).
+# another process while the demo runs (lantern_rt/eval/gpu_check.py says what runs in which order),
+# and tunes them (`lantern tune --backend torch`, CUDA graphs; a second size past --tune-budget).
 # `scripts/gpu_check.sh --quick [OUT]` is the dry run: tiny sizes on whatever device is here
-# (a CPU: eager and compiled steps, the demo widened to the `tiny` size, LlamaGen's loop on the
-# demo and on it), no TensorRT.
+# (a CPU: eager and compiled steps, the demo widened to the `tiny` size and tuned, LlamaGen's loop
+# on the demo and on it), no TensorRT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

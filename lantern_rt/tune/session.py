@@ -168,6 +168,7 @@ class TuneSession:
         source's drafter when it has one."""
         if batch not in self._pipes:
             self._pipes[batch] = pipe = self._build(batch)
+            self._targets[batch] = _Timed(pipe.target)
             if pipe.step_graphs is not None:
                 pipe.step_graphs.steps = _TimedSteps(pipe.target.cache.length.is_cuda)
         return self._pipes[batch]
@@ -251,7 +252,7 @@ class TuneSession:
         watch: Watcher | None,
     ) -> DecodeRun:
         run = DecodeRun(images, 0.0)
-        target = self._targets.setdefault(batch, _Timed(pipe.target))
+        target = self._targets[batch]
         target.calls = {"prefill": run.calls["prefill"]}
         if graphs is None:
             target.calls["verify"] = run.calls["verify"]
