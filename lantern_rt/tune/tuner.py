@@ -1,12 +1,12 @@
-"""``lantern tune``'s run: export the candidates' graphs once (a model directory on a backend
-that runs bundles) or take a bundle's, or run the model directory itself (torch, which verifies
-any static tree), count each method's acceptance per tree position in calibration decodes, measure the
-step costs per batch size, search the fastest tree (Sequoia's program for a drafter, the best
-window for a Jacobi method), export it (a backend of bundles), then measure every candidate (the tuned trees, every
-named tree, AR) and keep the fastest in the tuning record. A cost round runs after each slice of
-the candidates' measurement, and their rows are predicted from the rounds of before and during
-it: a machine whose speed moves over the minutes of a tune weighs on the predictions as on the
-measurements.
+"""``lantern tune``'s run: export the candidates' graphs once (a model directory on a backend that
+runs bundles) or take a bundle's, or run the model directory itself (torch, which verifies any
+static tree), count each method's acceptance per tree position in calibration decodes, measure
+the step costs per batch size, search the fastest tree (Sequoia's program for a drafter, the
+best window for a Jacobi method), export it (a backend of bundles), then measure every candidate
+(the tuned trees, every named tree, AR) and keep the fastest in the tuning record. A cost round
+runs after each slice of the candidates' measurement, and their rows are predicted from the
+rounds of before and during it: a machine whose speed moves over the minutes of a tune weighs on
+the predictions as on the measurements.
 
 Every measurement runs one decode stream with the graphs reading the whole KV cache (one cache
 window), so that a call's cost does not depend on where in an image it runs.
