@@ -56,7 +56,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tuned(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One tune on torch (CPU, one thread, two images per candidate) in a cache of its own that
+    """One tune on torch (CPU, one thread, two images per candidate, two cost rounds) in a cache of its own that
     holds an onnxruntime record already: (model, the command's result, the cache)."""
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as patch:
@@ -64,7 +64,17 @@ def tuned(model: Path, tmp_path_factory: pytest.TempPathFactory):
         md = open_model_dir(model)
         write_record(record_path(md, "onnxruntime"), ONNX_RECORD)
         args = ["tune", str(model), "--backend", "torch", "--threads", "1", "--images", "2"]
-        args += ["--calibration-images", "2", "--tree", "chain-2", "--tree", "chain-4", "-q"]
+        args += [
+            "--calibration-images",
+            "2",
+            "--max-rounds",
+            "2",
+            "--tree",
+            "chain-2",
+            "--tree",
+            "chain-4",
+            "-q",
+        ]
         yield md, CliRunner().invoke(main, args), cache
 
 
@@ -77,6 +87,9 @@ def test_tune_on_torch_writes_its_own_record_without_an_export(tuned) -> None:
     data = read_record(path, this_machine("torch", "torch"))
     assert data["model"]["tuning_bundle"] is None and data["settings"]["cuda_graphs"] is True
     assert sorted(p.name for p in cache.iterdir()) == ["tuning"]  # no bundle exported
+    assert {c["rounds"] for c in data["batch_sizes"]["1"]["costs_at_search"]["measured"]} == {
+        2
+    }  # --max-rounds
     rows = data["batch_sizes"]["1"]["candidates"]
     measured = {r["label"]: r for r in rows if r["measured_s_per_image"] is not None}
     assert set(measured) >= {"ar", "lantern++ chain-2", "lantern++ chain-4"}

@@ -9,7 +9,7 @@ import click
 from lantern_rt.cli.options import parse_batch_sizes, run_option_type, threads_option
 from lantern_rt.errors import UserError, reports_errors
 from lantern_rt.settings import COUPLINGS, METHODS
-from lantern_rt.tune import CALIBRATION_IMAGES, MEASURED_IMAGES
+from lantern_rt.tune import CALIBRATION_IMAGES, MAX_ROUNDS, MEASURED_IMAGES
 
 SPECULATIVE = tuple(m for m in METHODS if m != "ar")
 
@@ -54,6 +54,14 @@ SPECULATIVE = tuple(m for m in METHODS if m != "ar")
     help="Images decoded per method and calibration tree (classes in turn) to count how often each "
     "tree position is accepted.",
 )
+@click.option(
+    "--max-rounds",
+    type=click.IntRange(min=1, max=100),
+    default=MAX_ROUNDS,
+    show_default=True,
+    help="Cost rounds per batch size before the tree search, at most (they stop sooner once the step "
+    "costs settle): fewer make a quicker, rougher tune.",
+)
 @click.option("--lantern-k", "k", type=click.IntRange(min=0), default=10, show_default=True)
 @click.option("--lantern-delta", "delta", type=float, default=0.1, show_default=True)
 @click.option("--lantern-lambda", "lam", type=float, default=5.0, show_default=True)
@@ -78,6 +86,7 @@ def tune_cmd(
     trees,
     images,
     calibration_images,
+    max_rounds,
     k,
     delta,
     lam,
@@ -125,6 +134,7 @@ def tune_cmd(
         backend,
         device,
         cuda_graphs,
+        max_rounds,
     )
     with _Bar(quiet) as bar:
         result = tune(opened, options, bar)

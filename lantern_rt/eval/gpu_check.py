@@ -265,7 +265,8 @@ def sized_rows(
 
 # What the check tunes at each sized model (7.): LANTERN++ at the run's k and lambda, B = 1, a
 # chain either side of the depths that pay and the GPU's default tree (the cost model's range:
-# depths 3-8, up to 57 nodes), few images (the quick run's fewer and smaller)
+# depths 3-8, up to 57 nodes), few images and the fewest cost rounds that settle (the quick run's
+# fewer and smaller: one image, one round)
 TUNE_METHOD = MethodConfig("lantern++", k=10, lam=5.0)
 TUNE_TREES = ("chain-3", "chain-8", GPU_DEFAULT_TREE)
 QUICK_TUNE_TREES = ("chain-2", "chain-4")
@@ -284,6 +285,7 @@ def tune_size(size: str, device: str, quick: bool) -> dict[str, Any]:
         backend="torch",
         device=device,
         cuda_graphs=device.startswith("cuda"),
+        max_rounds=1 if quick else 3,
     )
     result: TuneResult = tune(open_model_dir(sized_model_dir(size)), options)
     choice = result.choices[1]

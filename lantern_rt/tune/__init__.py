@@ -11,3 +11,6 @@ CALIBRATION_IMAGES = 20
 # calibration covers them (eight left classes 8 and 9 out: chain-8's tau 6.2 on classes 0-7,
 # 5.9 on all ten)
 MEASURED_IMAGES = 10
+# Cost rounds per batch size before the search, at most (lantern_rt.tune.costs: they stop sooner
+# once every candidate's mean step settles)
+MAX_ROUNDS = 6

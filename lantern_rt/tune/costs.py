@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from lantern_rt.runtime.tree import StaticTree, chain_tree
+from lantern_rt.tune import MAX_ROUNDS
 from lantern_rt.tune.session import Candidate, DecodeRun
 
 # Rounds of one batch per candidate, the candidates in turn (a load that comes and goes on a shared
 # machine weighs on each alike): at least MIN_ROUNDS, then until a candidate's mean step moves by
-# less than SETTLED between its rounds, at most MAX_ROUNDS
-MIN_ROUNDS, MAX_ROUNDS, SETTLED = 3, 6, 0.03
+# less than SETTLED between its rounds, at most MAX_ROUNDS (a tune's own, when it asks fewer)
+MIN_ROUNDS, SETTLED = 3, 0.03
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,13 @@ class CostRounds:
         done = self.runs[index]
         done.append(self.decode(self.candidates[index], len(done)))
 
-    def settle(self, after_round: Callable[[], None]) -> None:
+    def settle(self, after_round: Callable[[], None], max_rounds: int = MAX_ROUNDS) -> None:
         """Rounds of the candidates in turn, each until its mean step settles (:data:`SETTLED`),
-        between :data:`MIN_ROUNDS` and :data:`MAX_ROUNDS` rounds; ``after_round()`` after each."""
-        for _ in range(MAX_ROUNDS):
+        between :data:`MIN_ROUNDS` (or ``max_rounds`` when fewer) and ``max_rounds`` rounds;
+        ``after_round()`` after each."""
+        for _ in range(max_rounds):
             for index, (candidate, done) in enumerate(zip(self.candidates, self.runs, strict=True)):
-                if len(done) >= MIN_ROUNDS:
+                if len(done) >= min(MIN_ROUNDS, max_rounds):
                     last, before = step_cost(candidate, done).step, step_cost(candidate, done[:-1]).step
                     if abs(last - before) <= SETTLED * before:
                         continue

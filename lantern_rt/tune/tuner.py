@@ -33,9 +33,9 @@ from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
 from lantern_rt.runtime.tree import MAX_PAC_WIDTH, StaticTree, TreeError, chain_tree, load_tree, pac_tree
 from lantern_rt.settings import MethodConfig, default_sampling
-from lantern_rt.tune import CALIBRATION_IMAGES, MEASURED_IMAGES
+from lantern_rt.tune import CALIBRATION_IMAGES, MAX_ROUNDS, MEASURED_IMAGES
 from lantern_rt.tune.acceptance import AcceptanceCounts, AcceptanceTable, calibration_tree, pooled_counts
-from lantern_rt.tune.costs import MAX_ROUNDS, CostModel, CostRounds
+from lantern_rt.tune.costs import CostModel, CostRounds
 from lantern_rt.tune.dp import Choice, expected_tokens, fastest_tree, image_tokens_per_step
 from lantern_rt.tune.record import TUNED_TREE, record_path, this_machine, write_record
 from lantern_rt.tune.session import Candidate, DecodeRun, TuneSession
@@ -53,8 +53,9 @@ class TuneOptions:
     """What ``lantern tune`` measures: the speculative ``methods`` (their k, lambda and coupling;
     their tree is chosen here), the batch sizes, the named trees (empty: :data:`DRAFTER_TREES`
     and :data:`WINDOW_TREES`), images per candidate and batch size (at least four batches),
-    calibration images, CPU threads, the backend (None: the run's default), the device and
-    whether steps are replayed from CUDA graphs there (torch on a CUDA device, as its runs do)."""
+    calibration images, CPU threads, the backend (None: the run's default), the device,
+    whether steps are replayed from CUDA graphs there (torch on a CUDA device, as its runs do)
+    and the cost rounds before the search, at most (fewer: a quicker, rougher tune)."""
 
     methods: tuple[MethodConfig, ...]
     batch_sizes: tuple[int, ...] = (1,)
@@ -65,6 +66,7 @@ class TuneOptions:
     backend: str | None = None
     device: str = "cpu"
     cuda_graphs: bool = True
+    max_rounds: int = MAX_ROUNDS
 
 
 @dataclass
@@ -257,7 +259,7 @@ class Tuner:
             named[jacobi], skipped[jacobi] = _named(specs, self.fits(jacobi))
         slices = {b: -(-max(opts.images, 4 * b if b > 1 else 1) // b) for b in self.batch_sizes}
         self.progress.start(  # a cost round after each measured slice
-            len(opts.methods) + len(self.batch_sizes) * (MAX_ROUNDS + 1) + 2 * sum(slices.values())
+            len(opts.methods) + len(self.batch_sizes) * (opts.max_rounds + 1) + 2 * sum(slices.values())
         )
         session = self._session(
             [*(t for ts in calibration.values() for t in ts), *(t for ts in named.values() for t in ts)]
@@ -377,7 +379,7 @@ class Tuner:
             candidates,
             lambda candidate, round_: session.decode(candidate, batch, batch, SEED + 2000 + round_),
         )
-        rounds.settle(lambda: self.progress.tick(f"step costs at B={batch}"))
+        rounds.settle(lambda: self.progress.tick(f"step costs at B={batch}"), self.options.max_rounds)
         return rounds
 
     def _search(self, model: CostModel, table: AcceptanceTable, jacobi: bool) -> Choice | None:
