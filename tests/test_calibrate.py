@@ -353,3 +353,33 @@ def test_a_weight_only_bundle_generates_and_tensorrt_refuses_it(weight_only, tmp
     result = CliRunner().invoke(main, ["build-engines", str(out)])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "TensorRT cannot build" in result.output and "--weights-only" in result.output
+
+
+@pytest.mark.slow
+def test_validation_holds_one_set_of_sessions_per_bundle(fp32, calibrated, monkeypatch):
+    """The comparison after a calibration runs the source on one set of sessions (as its speed
+    runs do) and the quantized bundle first as written, then on the runtime's: at no call does
+    the process hold more sessions than the two bundles have graph files, and the report is the
+    one the calibration wrote."""
+    from lantern_rt.calibration import calibrate
+    from lantern_rt.runtime.backends import onnxruntime_backend
+
+    int8, report, _ = calibrated
+    source, quantized = Bundle.open(fp32), Bundle.open(int8)
+    folders = {str(b.path.resolve()) for b in (source, quantized)}
+    graphs = sum(len(b.manifest()["graphs"]) for b in (source, quantized))
+    held = []
+    real = calibrate.generate
+
+    def counting(*args, **kwargs):
+        held.append(
+            sum(str(Path(key[0]).parent) in folders for key in list(onnxruntime_backend._OPEN.keys()))
+        )
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "generate", counting)
+    got = calibrate.validation(source, quantized, [0, 1], calibrate.calibration_method(source), threads=1)
+    assert held and max(held) <= graphs
+    assert [row["run"] for row in got["accuracy"]] == [
+        f"{run} {mode}" for run in ("lantern++ chain-3", "ar") for mode in ("greedy", "sampling")
+    ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import heapq
 import logging
 import math
@@ -728,22 +729,24 @@ def validation(
     """Both bundles with every pipeline of :func:`pipelines` and the same seeds, at the smallest
     batch size they were exported for (an image's tokens do not depend on it).
 
-    ``accuracy``: greedy and sampling on ``AS_WRITTEN`` onnxruntime sessions; per run, the fraction of
+    ``accuracy``: greedy and sampling, the quantized bundle on ``AS_WRITTEN`` onnxruntime sessions
+    (the source on the runtime's: the same sessions as its ``speed`` runs); per run, the fraction of
     equal tokens (position by position), the mean count of equal tokens before the first
     difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
     onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
     """
     sampled = bundle_sampling(source)
     modes = {"greedy": dataclasses.replace(sampled, temperature=0.0), "sampling": sampled}
-    bundles = {source.dtype: source, quantized.dtype: quantized}
     batch = min(source.constants.batch_sizes)
+    # one set of sessions for the source (it has no Q/DQ to run as written), and for the quantized
+    # bundle its sessions as written, then the runtime's: at most two sets alive at a time
+    source_pipes = pipelines(source, method, ort_runner(threads, [CPU]), batch)
     reference = {
-        d: pipelines(b, method, ort_runner(threads, [CPU], AS_WRITTEN), batch) for d, b in bundles.items()
+        source.dtype: source_pipes,
+        quantized.dtype: pipelines(quantized, method, ort_runner(threads, [CPU], AS_WRITTEN), batch),
     }
-    runtime = {d: pipelines(b, method, ort_runner(threads, [CPU]), batch) for d, b in bundles.items()}
     accuracy, speed = [], []
-    for name in reference[source.dtype]:
-        label = "ar" if name == "ar" else f"{method.method} {name}"
+    for name in source_pipes:
         for mode, sampling in modes.items():
             runs = {
                 d: generate(p[name], labels, sampling, seed=seed, progress=progress)
@@ -752,18 +755,32 @@ def validation(
             same = runs[source.dtype].tokens == runs[quantized.dtype].tokens
             accuracy.append(
                 {
-                    "run": f"{label} {mode}",
+                    "run": f"{_run_label(name, method)} {mode}",
                     "token_agreement": float(same.float().mean()),
                     "common_prefix": float(same.int().cumprod(dim=1).sum(dim=1).float().mean()),
                     **{d: {"mean_accepted_length": r.stats.mean_accepted_length} for d, r in runs.items()},
                 }
             )
+    del reference
+    gc.collect()  # the quantized bundle's sessions as written are gone before the runtime's open
+    runtime = {
+        source.dtype: source_pipes,
+        quantized.dtype: pipelines(quantized, method, ort_runner(threads, [CPU]), batch),
+    }
+    for name in source_pipes:
         runs = {
             d: generate(p[name], labels, modes["sampling"], seed=seed, progress=progress)
             for d, p in runtime.items()
         }
-        speed.append({"run": f"{label} sampling", **{d: _speed(r.stats) for d, r in runs.items()}})
+        speed.append(
+            {"run": f"{_run_label(name, method)} sampling", **{d: _speed(r.stats) for d, r in runs.items()}}
+        )
     return {"accuracy": accuracy, "speed": speed}
+
+
+def _run_label(name: str, method: MethodConfig) -> str:
+    """A validation run's label: ``ar``, or the method and the pipeline's tree."""
+    return "ar" if name == "ar" else f"{method.method} {name}"
 
 
 def _speed(stats: GenerationStats) -> dict[str, float]:
