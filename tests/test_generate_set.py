@@ -27,7 +27,8 @@ def cli(*args: str):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """conftest's tiny model (tiny_model_dir's files), whose graphs other modules export too
-    (tests/test_openvino.py's in-place bundle its steps): the run's graph store exports them once."""
+    (tests/test_jacobi.py's first run with sjd's window 3, tests/test_openvino.py's in-place
+    bundle): the run's graph store exports them once."""
     return write_model_dir(tmp_path_factory.mktemp("model") / "tiny", tiny_gpt(), tiny_vq())
 
 
@@ -218,9 +219,10 @@ def test_units_cover_each_class_in_order():
 @pytest.mark.slow
 def test_local_onnxruntime_set_decodes_in_streams_with_generate_s_tokens(tiny_dir, tmp_path, monkeypatch):
     """A local set on onnxruntime chooses its decode streams as ``lantern generate`` does (two
-    on two threads for units of three images) and makes the tokens of one stream."""
+    on two threads for units of three images) and makes the tokens of one stream. The method:
+    sjd with a window of 3, whose first run exports tests/test_jacobi.py's graphs of the model."""
     common = ["-q", "--backend", "onnxruntime", "--model", str(tiny_dir), "--classes", CLASSES]
-    common += ["-n", str(N), "--threads", "2"]
+    common += ["-n", str(N), "--threads", "2", "--method", "sjd", "--window", "3"]
     path = tmp_path / "tokens.npy"
     r = cli(
         "generate", *common, "--streams", "1", "-o", str(tmp_path / "one.png"), "--save-tokens", str(path)

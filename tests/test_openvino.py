@@ -225,8 +225,9 @@ def test_a_qdq_int8_bundle_runs_on_int8_kernels(int8, compiled):
 @needs_openvino
 @pytest.mark.slow  # an export of a tiny model with its cache written in place
 def test_in_place_graphs_are_refused_in_one_line(tmp_path):
+    # sjd's window 3: the graphs of tests/test_jacobi.py's first run of the same model (in place)
     path = make_bundle(
-        tmp_path / "in-place", tiny_gpt(), tiny_vq(), None, [], "fp32", windows=1, in_place=True
+        tmp_path / "in-place", tiny_gpt(), tiny_vq(), None, ["chain-3"], "fp32", windows=1, in_place=True
     )
     args = ["generate", "-q", "--bundle", str(path), "--backend", "openvino", "-n", "1", "-o", "x.png"]
     result = CliRunner().invoke(main, args)
