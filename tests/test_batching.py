@@ -152,15 +152,21 @@ def test_per_image_cache_masks_and_writes():
     assert cache.k[0, 1, 0, 0:2, 0].tolist() == [3, 4]  # image 1 at its own length 0
 
 
+# The tree of batched_bundle: tests/test_calibrate.py's (and test_openvino.py's, test_weight_only.py's)
+# fp32 bundle of the pair holds it too, so that the run exports its B = 1 verify and drafting
+# graphs (the whole cache, standard) once.
+BATCHED_TREE = "chain-3"
+
+
 @pytest.fixture(scope="module")
 def batched_bundle(trained_pair, tmp_path_factory) -> Bundle:
-    """The trained pair's bundle of chain-5 for 3 and 1 images per call, one cache window (a
+    """The trained pair's bundle of BATCHED_TREE for 3 and 1 images per call, one cache window (a
     batch's windows: tests/test_cache_windows.py)."""
     target, drafter = trained_pair
     root = tmp_path_factory.mktemp("batched")
     model = write_model_dir(root / "model", target, tiny_vq())
     add_drafter(model, drafter)
-    trees = [load_tree("chain-5")]
+    trees = [load_tree(BATCHED_TREE)]
     path = export_bundle(
         open_model_dir(model), root / "bundle", trees, threads=1, batch_sizes=[3, 1], windows=1
     )
@@ -183,7 +189,7 @@ def test_the_manifest_records_the_batch_sizes_and_one_weights_file(batched_bundl
     assert {"target_prefill_b3", "target_ar_step_b3", "target_verify_0_b3", "draft_tree_0_b3"} <= set(
         bundle.graphs
     )
-    assert bundle.graph("target_verify_0_b3").input("node_tokens").shape == (3, 6)
+    assert bundle.graph("target_verify_0_b3").input("node_tokens").shape == (3, 4)  # chain-3 and its root
     for name in ("target_prefill", "target_ar_step", "target_verify_0", "draft_tree_0"):
         # a second batch size adds no weights: its graph reads the same tensors of the one file
         # (it adds batch-shaped constants only)
@@ -206,7 +212,7 @@ def test_the_manifest_records_the_batch_sizes_and_one_weights_file(batched_bundl
 def test_onnxruntime_batched_equals_one_at_a_time_and_torch(batched_bundle, trained_pair, sampling):
     """LANTERN++ on onnxruntime at B = 3 gives each image the tokens it gets at B = 1, and torch's."""
     bundle, (target, _) = batched_bundle, trained_pair
-    tree = bundle_trees(bundle)["chain-5"]
+    tree = bundle_trees(bundle)[BATCHED_TREE]
     runs = []
     for batch in (1, 3):
         runner = ort_runner(threads=1)
@@ -375,7 +381,7 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
     from lantern_rt.settings import MethodConfig
 
     pipe = onnxruntime_pipeline(
-        batched_bundle, MethodConfig("lantern++", tree="chain-5"), RunShape(3, streams=2), threads=2
+        batched_bundle, MethodConfig("lantern++", tree=BATCHED_TREE), RunShape(3, streams=2), threads=2
     )
     first, second = pipe.streams
     assert first.target.cache is not second.target.cache
@@ -392,7 +398,7 @@ def test_streams_share_the_sessions_and_keep_every_image_s_tokens(batched_bundle
             "--method",
             "lantern++",
             "--tree",
-            "chain-5",
+            BATCHED_TREE,
         ]
         args += [
             "--classes",
@@ -465,7 +471,7 @@ def test_one_stream_s_pools_spin_only_within_a_call(batched_bundle):
         keys = ("session.intra_op.allow_spinning", "session.force_spinning_stop")
         return {tuple(entry(o, k) for k in keys) for o in options}
 
-    method = MethodConfig("lantern++", tree="chain-5")
+    method = MethodConfig("lantern++", tree=BATCHED_TREE)
     one = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=1), threads=2)
     two = onnxruntime_pipeline(batched_bundle, method, RunShape(1, streams=2), threads=2)
     assert spinning(one) == {("1", "1")} and spinning(two) == {("0", "")}
@@ -478,7 +484,7 @@ def test_bench_rows_at_each_stream_count(batched_bundle, tmp_path):
     """``lantern bench --streams 1,2``: one row per configuration and stream count, each row's
     speedup against the AR row of its own stream count."""
     out = tmp_path / "bench"
-    args = f"bench --bundle {batched_bundle.path} --config ar --config lantern++ --tree chain-5 --streams 1,2"
+    args = f"bench --bundle {batched_bundle.path} --config ar --config lantern++ --tree {BATCHED_TREE} --streams 1,2"
     r = CliRunner().invoke(main, [*args.split(), "-n", "1", "--no-quality", "--out", str(out)])
     assert r.exit_code == 0, r.output
     results = json.loads((out / "results.json").read_text())
