@@ -17,6 +17,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ PREFILL_GRAPH = "target_prefill"
 DRAFTER_PREFILL_GRAPH = "drafter_prefill"  # the drafter over a multi-slot prefix (captions)
 TEXT_ENCODER_GRAPH = "text_encoder"  # prompt token ids -> caption features (text-conditional)
 VQ_DECODE_GRAPH = "vq_decode"
+# The graphs a decode calls once per image (or prompt), not once per step
+PER_IMAGE_GRAPHS = (PREFILL_GRAPH, DRAFTER_PREFILL_GRAPH, TEXT_ENCODER_GRAPH, VQ_DECODE_GRAPH)
 
 # The dtype of each graph input the runtime builds and output it reads, by name, in every bundle
 # whatever its precision: a graph declaring another is refused on open (:func:`_check_dtypes`),
@@ -131,6 +134,12 @@ class GraphEntry:
     def drafting(self) -> bool:
         """Whether this is a drafting graph (the drafter's catch-up and every tree level)."""
         return self.name.startswith(DRAFT_GRAPH_PREFIX)
+
+    @property
+    def per_image(self) -> bool:
+        """Whether a decode calls it once per image, not per step (:data:`PER_IMAGE_GRAPHS`, at
+        any batch size)."""
+        return re.sub(r"_b\d+$", "", self.name) in PER_IMAGE_GRAPHS
 
 
 @dataclass(frozen=True)

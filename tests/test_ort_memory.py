@@ -4,6 +4,7 @@ opened and run through :func:`ort_runner`, fp32, fp16 and int8 Q/DQ weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from pathlib import Path
@@ -163,3 +164,21 @@ def test_factories_share_a_graphs_session_while_a_runner_holds_it(tmp_path):
     del first, second
     gc.collect()
     assert held() is None
+
+
+def test_a_graph_called_once_per_image_never_takes_the_prepacking_budget(tmp_path):
+    """A prefill (at any batch size) shares the weights unpacked however much budget is left; a
+    step graph prepacks its own copy."""
+    entries = shared_bundle(tmp_path, graphs=2, tensors=2)
+    names = ["target_prefill_b2", "target_verify_0"]
+    renamed = [dataclasses.replace(e, name=n) for e, n in zip(entries, names, strict=True)]
+    assert [e.per_image for e in renamed] == [True, False]
+    bundle = SimpleNamespace(file=lambda entry: tmp_path / entry.file)
+    make = ort_runner(threads=1, providers=[CPU])
+    prefill, step = (make(bundle, e) for e in renamed)
+    assert prefill._opened.weights._values and step._opened.weights is None
+    x = torch.randn(ROWS, DIM)
+    want = ort.InferenceSession(str(tmp_path / entries[0].file), providers=[CPU]).run(None, {"x": x.numpy()})[
+        0
+    ]
+    np.testing.assert_allclose(prefill(x=x)["y"].numpy(), want, rtol=1e-5, atol=1e-5)

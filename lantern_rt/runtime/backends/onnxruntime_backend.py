@@ -40,9 +40,11 @@ CPU = "CPUExecutionProvider"
 # The bytes of prepacked weights this process's CPU sessions may hold, each its own copy: past
 # them, a session shares its factory's one copy of the weights, unpacked
 # (:class:`SharedInitializers`). Unpacked MatMul weights ran 1.8x slower at GPT-B's 383 MB and
-# 1.3-1.7x on the demo's 12 MB (BENCHMARKS.md, "Issue 58"), so sessions prepack while memory
-# allows: a quarter of the machine's.
-PREPACK_BUDGET = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+# 1.3-1.7x on the demo's 12 MB (BENCHMARKS.md, "Issue 58"), so a step graph's session prepacks
+# while memory allows: half of the machine's (a process holds one session per graph file, so
+# at most one copy per graph). A graph called once per image never takes the budget: its call
+# is a sliver of an image's time, and its copy could leave a step graph unpacked.
+PREPACK_BUDGET = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 _prepacked = [0]  # the bytes the live prepacked sessions hold, against PREPACK_BUDGET
 _budget_lock = threading.Lock()
 # ONNX element types a graph's external weights are shared in (as numpy arrays)
@@ -296,8 +298,8 @@ def ort_runner(
     and settings: runners of the same graph (one per decode stream, one per pipeline of a bench or
     a calibration) share its session while one of them lives (:data:`_OPEN`). On the CPU,
     sessions prepack their weights, each its own copy, while the process's live copies stay within
-    :data:`PREPACK_BUDGET`; the sessions opened past it share one copy of the bundle's weights
-    (:class:`SharedInitializers`), unpacked."""
+    :data:`PREPACK_BUDGET`; the sessions opened past it, and those of graphs called once per
+    image, share one copy of the bundle's weights (:class:`SharedInitializers`), unpacked."""
     chosen = providers or default_providers()
     shared = SharedInitializers()
 
@@ -311,7 +313,7 @@ def ort_runner(
             tensors = shareable_initializers(path) if chosen[0] == CPU else []
             size = sum(map(_nbytes, tensors))
             with _budget_lock:  # the budget is the process's: a bench holds several pipelines
-                share = bool(tensors) and _prepacked[0] + size > PREPACK_BUDGET
+                share = bool(tensors) and (entry.per_image or _prepacked[0] + size > PREPACK_BUDGET)
                 _prepacked[0] += 0 if share else size
             options = session_options(pool, config, spin, prepack=not share)
             if share:
