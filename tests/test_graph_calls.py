@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lantern_rt.graph_spec import TensorSpec
-from lantern_rt.runtime.backends.bundle_graphs import cache_inputs, ordered
+from lantern_rt.runtime.backends.bundle_graphs import cache_inputs, changed_inputs, ordered
 from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.run_shape import RunShape
 
@@ -55,6 +55,15 @@ def test_named_inputs_come_out_in_the_declared_order():
 def test_a_wrong_call_is_refused_by_name(named, message):
     with pytest.raises(ValueError, match=message):
         ordered(INPUTS, named)
+    with pytest.raises(ValueError, match=message):  # the onnxruntime and OpenVINO runners' check
+        list(changed_inputs(INPUTS, named, [None] * len(INPUTS)))
+
+
+def test_a_runner_rebinds_only_the_inputs_that_are_not_its_buffers():
+    named = inputs()
+    bound = [named["tokens"], None, torch.zeros(4)]  # tokens where it lies; past_k_0 elsewhere
+    got = [(i, spec.name, id(arg)) for i, spec, arg in changed_inputs(INPUTS, named, bound)]
+    assert got == [(1, "cache_length", id(named["cache_length"])), (2, "past_k_0", id(named["past_k_0"]))]
 
 
 @pytest.mark.parametrize("scratch", [0, 3])

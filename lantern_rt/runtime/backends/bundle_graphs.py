@@ -7,7 +7,7 @@ caches, masks and the VQ decoder's fixed batch—lives here once, for every engi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import torch
@@ -87,6 +87,23 @@ def ordered(inputs: tuple[TensorSpec, ...], named: dict[str, Tensor]) -> tuple[T
     for spec, arg in zip(inputs, args, strict=True):
         check_input(spec, arg)
     return args
+
+
+def changed_inputs(
+    inputs: tuple[TensorSpec, ...], named: dict[str, Tensor], bound: list[Tensor | None]
+) -> Iterator[tuple[int, TensorSpec, Tensor]]:
+    """The ``named`` tensors of a graph's declared ``inputs`` that are not already its buffers
+    (``bound[i]``, set where they lie and checked then): ``(i, spec, tensor)``, each checked by
+    :func:`check_input`; ``ValueError`` as :func:`ordered` says unless there is one per input."""
+    if len(named) != len(inputs):
+        ordered(inputs, named)  # raises: which inputs are missing or unknown
+    for i, spec in enumerate(inputs):
+        arg = named.get(spec.name)
+        if arg is None:
+            ordered(inputs, named)  # raises
+        if arg is not bound[i]:
+            check_input(spec, arg)
+            yield i, spec, arg
 
 
 def check_input(spec: TensorSpec, arg: Tensor) -> None:

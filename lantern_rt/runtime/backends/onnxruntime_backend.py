@@ -30,8 +30,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     Outputs,
     RunnerFactory,
     bound_by_pointer,
-    check_input,
-    ordered,
+    changed_inputs,
 )
 
 CUDA = "CUDAExecutionProvider"
@@ -251,15 +250,8 @@ class OrtGraph:
         self._outputs: Outputs = MappingProxyType(self._results)
 
     def __call__(self, **inputs: Tensor) -> Outputs:
-        if len(inputs) != len(self.inputs):
-            ordered(self.inputs, inputs)  # raises: which inputs are missing or unknown
-        for i, spec in enumerate(self.inputs):
-            arg, buffer = inputs.get(spec.name), self._buffers[i]
-            if arg is None:
-                ordered(self.inputs, inputs)  # raises
-            if arg is buffer:
-                continue  # bound where it lies, checked when it was bound
-            check_input(spec, arg)
+        for i, spec, arg in changed_inputs(self.inputs, inputs, self._buffers):
+            buffer = self._buffers[i]
             if not self._in_place[i]:
                 buffer.copy_(arg)
                 continue

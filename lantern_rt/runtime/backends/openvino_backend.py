@@ -23,8 +23,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
     Outputs,
     RunnerFactory,
     bound_by_pointer,
-    check_input,
-    ordered,
+    changed_inputs,
 )
 
 
@@ -83,15 +82,8 @@ class OvGraph:
                 self._request.set_tensor(spec.name, shared(tensor))
 
     def __call__(self, **inputs: Tensor) -> Outputs:
-        if len(inputs) != len(self.inputs):
-            ordered(self.inputs, inputs)  # raises: which inputs are missing or unknown
-        for i, spec in enumerate(self.inputs):
-            arg, buffer = inputs.get(spec.name), self._buffers[i]
-            if arg is None:
-                ordered(self.inputs, inputs)  # raises
-            if arg is buffer:
-                continue  # set where it lies, checked when it was set
-            check_input(spec, arg)
+        for i, spec, arg in changed_inputs(self.inputs, inputs, self._buffers):
+            buffer = self._buffers[i]
             if not self._by_pointer[i]:
                 buffer.copy_(arg)
                 continue
