@@ -26,8 +26,8 @@ from lantern_rt.models.config import ConfigError, GPTConfig, build_config, check
 from lantern_rt.models.target import (
     QKNorm,
     RMSNorm,
-    apply_rope,
     attention_bias,
+    attention_heads,
     cached_attention,
     join_linears,
     rope_rows,
@@ -137,14 +137,7 @@ class DrafterAttention(nn.Module):
         past_k: Tensor | None,
         past_v: Tensor | None,
     ):
-        b, s, _ = x.shape
-        qkv = self.qkv_proj(x).view(b, s, self.n_head + 2 * self.n_kv, self.head_dim)
-        qk, v = qkv.split([self.n_head + self.n_kv, self.n_kv], dim=2)
-        if hasattr(self, "q_norm"):
-            q, k = qk.split([self.n_head, self.n_kv], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        q, k = apply_rope(qk, rope).transpose(1, 2).split([self.n_head, self.n_kv], dim=1)
-        v = v.transpose(1, 2)
+        q, k, v = attention_heads(self, self.qkv_proj(x), self.n_head, self.n_kv, rope)
         return self.o_proj(cached_attention(q, k, v, past_k, past_v, mask)), k, v
 
 

@@ -102,6 +102,22 @@ def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+def attention_heads(
+    module: nn.Module, qkv: Tensor, n_head: int, n_kv: int, rope: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The output of an attention ``module``'s fused q/k/v product, [B, S, (n_head + 2 n_kv) *
+    head_dim], as q [B, n_head, S, D], k and v [B, n_kv, S, D]: q and k through the module's
+    ``q_norm``/``k_norm`` when it has them, then rotated by ``rope``."""
+    b, s, width = qkv.shape
+    heads = n_head + 2 * n_kv
+    qk, v = qkv.view(b, s, heads, width // heads).split([n_head + n_kv, n_kv], dim=2)
+    if hasattr(module, "q_norm"):
+        q, k = qk.split([n_head, n_kv], dim=2)
+        qk = torch.cat([module.q_norm(q), module.k_norm(k)], dim=2)
+    q, k = apply_rope(qk, rope).transpose(1, 2).split([n_head, n_kv], dim=1)
+    return q, k, v.transpose(1, 2)
+
+
 def attention_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool attention ``mask`` (True: attend) as the additive bias scaled dot-product attention
     makes of it (0 or -inf), built once per step instead of once per layer."""
@@ -256,14 +272,8 @@ class Attention(nn.Module):
         S slots in place and attention reads the keys and values where they lie (no join).
         Returns (output, k, v) with k/v of the new positions only.
         """
-        b, s, _ = x.shape
-        qkv = self.wqkv(x).view(b, s, self.n_head + 2 * self.n_kv_head, self.head_dim)
-        qk, v = qkv.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=2)
-        if hasattr(self, "q_norm"):
-            q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        q, k = apply_rope(qk, rope).transpose(1, 2).split([self.n_head, self.n_kv_head], dim=1)
-        v = v.transpose(1, 2)
+        s = x.shape[1]
+        q, k, v = attention_heads(self, self.wqkv(x), self.n_head, self.n_kv_head, rope)
         dropout = self.attn_dropout_p if self.training else 0.0
         if cache is None:
             out = cached_attention(q, k, v, past_k, past_v, mask, dropout)
