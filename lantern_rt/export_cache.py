@@ -5,7 +5,6 @@ besides the command line."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -15,8 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lantern_rt.bundle import BUNDLE_VERSION, MANIFEST
-from lantern_rt.cache_paths import cache_folder, model_fingerprint
-from lantern_rt.fileio import WriteError, held
+from lantern_rt.cache_paths import cache_folder, made_once, model_fingerprint
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH
 from lantern_rt.runtime.run_shape import RunShape, check_batch_sizes
@@ -72,40 +70,25 @@ def cached_bundle(
             sort_keys=True,
         ).encode()
     ).hexdigest()[:16]
-    root = cache_root()
-    out = root / f"{md.name}-{key}"
+    out = cache_root() / f"{md.name}-{key}"
     if (out / MANIFEST).is_file():
         return out
     models = load_export_models(md)
-    with contextlib.ExitStack() as stack:  # one run exports; the others wait, then reuse its bundle
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            waiting = functools.partial(
-                print, f"waiting for another run exporting {md.name}", file=sys.stderr
-            )
-            # the empty lock file stays, after a stopped or killed run too: no lock is left held, and
-            # removing it would let a third run lock a new file while a waiting one holds this one
-            stack.enter_context(held(root / f".{out.name}.lock", create=True, waiting=waiting))
-        except OSError as exc:
-            raise WriteError(
-                f"cannot write the export cache {root}: {exc.strerror or exc} (set LANTERN_CACHE to a "
-                "writable folder)"
-            ) from None
-        if not (out / MANIFEST).is_file():  # staged_bundle removes the .tmp folders of killed runs
-            export_bundle(
-                md,
-                out,
-                trees=trees,
-                dtype=dtype,
-                overwrite=True,
-                progress=True,
-                batch_sizes=sizes,
-                windows=windows,
-                guided=guided,
-                models=models,
-                in_place=in_place,
-                on_start=functools.partial(
-                    print, f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr
-                ),
-            )
-    return out
+    export = functools.partial(  # staged_bundle removes the .tmp folders of killed runs
+        export_bundle,
+        md,
+        out,
+        trees=trees,
+        dtype=dtype,
+        overwrite=True,
+        progress=True,
+        batch_sizes=sizes,
+        windows=windows,
+        guided=guided,
+        models=models,
+        in_place=in_place,
+        on_start=functools.partial(
+            print, f"exporting {md.name} to {out} (once; later runs reuse it)", file=sys.stderr
+        ),
+    )
+    return made_once(out, MANIFEST, export, f"exporting {md.name}", "export")

@@ -4,14 +4,12 @@ the seed and the widening's own source, so a changed recipe builds anew."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import sys
 from pathlib import Path
 
+from lantern_rt.cache_paths import made_once
 from lantern_rt.export_cache import cache_root
-from lantern_rt.fileio import WriteError, held
 from lantern_rt.models.model_dir import DEMO_DIR
 from lantern_rt.sized_demo import sizes, widen
 from lantern_rt.sized_demo.sizes import DEFAULT_SEED, size_shape
@@ -23,26 +21,13 @@ def sized_model_dir(size: str, seed: int = DEFAULT_SEED) -> Path:
     :class:`ConfigError` for an unknown size, :class:`~lantern_rt.fileio.WriteError` when the
     cache cannot be written."""
     size_shape(size)
-    root = cache_root().parent / "models"
-    out = root / f"demo-{size}-{_key(size, seed)}"
-    if (out / "config.json").is_file():
-        return out
-    with contextlib.ExitStack() as stack:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            waiting = functools.partial(
-                print, f"waiting for another run building {out.name}", file=sys.stderr
-            )
-            stack.enter_context(held(root / f".{out.name}.lock", create=True, waiting=waiting))
-        except OSError as exc:
-            raise WriteError(
-                f"cannot write the model cache {root}: {exc.strerror or exc} (set LANTERN_CACHE to a "
-                "writable folder)"
-            ) from None
-        if not (out / "config.json").is_file():
-            print(f"building the demo at {size} in {out} (once; later runs reuse it)", file=sys.stderr)
-            widen.write_widened(out, size, seed)
-    return out
+    out = cache_root().parent / "models" / f"demo-{size}-{_key(size, seed)}"
+
+    def build() -> None:
+        print(f"building the demo at {size} in {out} (once; later runs reuse it)", file=sys.stderr)
+        widen.write_widened(out, size, seed)
+
+    return made_once(out, "config.json", build, f"building {out.name}", "model")
 
 
 def _key(size: str, seed: int) -> str:
