@@ -42,7 +42,16 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from onnx import external_data_helper
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    create_calibrator,
+    quantize_static,
+)
+from onnxruntime.quantization.calibrate import save_tensors_data
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from torch import Tensor
 
@@ -58,7 +67,7 @@ from lantern_rt.bundle import (
     write_manifest,
 )
 from lantern_rt.calibration.errors import CalibrationError
-from lantern_rt.calibration.graph_edits import drop_unread_initializers, reads
+from lantern_rt.calibration.graph_edits import drop_unread_initializers, reads, tensor_values
 from lantern_rt.calibration.weight_only import WeightOnly, block_problems, dequantizable, dequantized_model
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.families.loading import bundle_info, open_bundle
@@ -271,7 +280,7 @@ def record_inputs(
 def quantize_graph(
     src: Path,
     dst: Path,
-    samples: list[dict[str, np.ndarray]],
+    samples: Sequence[dict[str, np.ndarray]],
     vocab: int,
     weight_bits: int | None = None,
     weight_only: WeightOnly | None = None,
@@ -280,11 +289,18 @@ def quantize_graph(
     head (``vocab`` outputs), calibrated on ``samples`` (min/max, symmetric), or with
     ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`), or with
     ``weight_only`` in TensorRT's weight-only form (:func:`write_weight_only`); -> the number of
-    products quantized. Raises :class:`CalibrationError` if it breaks a rule."""
-    model = onnx.load(str(src))
-    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    products quantized. Raises :class:`CalibrationError` if it breaks a rule.
+
+    A Q/DQ graph whose weights lie in an external file is written so too, and its quantization
+    holds about one copy of them besides the int8 one: the products are chosen reading one
+    weight at a time, and the calibration's session is closed before the quantizer loads them
+    (:func:`_quantize`)."""
+    model = onnx.load(str(src), load_external_data=False)
+    external = any(external_data_helper.uses_external_data(t) for t in model.graph.initializer)
+    if weight_only is not None or weight_bits is not None or transposed_weights(model.graph):
+        external_data_helper.load_external_data_for_model(model, str(src.parent))
     folded = fold_weight_transposes(model)
-    nodes = weight_nodes(model, vocab)
+    nodes = weight_nodes(model, vocab, src.parent)
     if weight_only is not None:
         return write_weight_only(src, model, nodes, weight_only, dst)
     if weight_bits is not None:
@@ -298,11 +314,11 @@ def quantize_graph(
             if folded:  # the quantizer reads a file: the folded graph's
                 src = Path(folder) / src.name
                 onnx.save(model, str(src), save_as_external_data=external, location=f"{src.name}.data")
-            _quantize(src, dst, samples, nodes, external)
+            _quantize(src, dst, samples, nodes, external, Path(folder))
     finally:
         logging.disable(logging.NOTSET)
     if has_conditionals(model.graph):
-        _restore_order(dst, external)
+        _restore_order(dst)
     problems = check_graph(dst) + qdq_problems(dst)
     if problems:
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
@@ -342,21 +358,24 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
     exact rewrite); -> how many. The exported drafting graphs read the drafter's weights, shared
     by every tree level, through one Transpose each, which hides them from :func:`weight_nodes`."""
     graph = model.graph
-    consts = {t.name: t for t in graph.initializer}
-    kept = []
-    for node in graph.node:
-        source = consts.get(node.input[0]) if node.op_type == "Transpose" else None
-        if source is None or len(source.dims) != 2:
-            kept.append(node)
-            continue
+    transposed = transposed_weights(graph)
+    for node, source in transposed:
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
         weight = np.ascontiguousarray(onnx.numpy_helper.to_array(source).transpose(perm))
         graph.initializer.append(onnx.numpy_helper.from_array(weight, node.output[0]))
-    folded = len(graph.node) - len(kept)
+    folding = {id(node) for node, _ in transposed}
+    kept = [node for node in graph.node if id(node) not in folding]
     del graph.node[:]
     graph.node.extend(kept)
     drop_unread_initializers(graph)
-    return folded
+    return len(transposed)
+
+
+def transposed_weights(graph: onnx.GraphProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
+    """The Transpose nodes of ``graph`` that read a 2-D initializer, each with it (its data not read)."""
+    consts = {t.name: t for t in graph.initializer}
+    found = ((node, consts.get(node.input[0])) for node in graph.node if node.op_type == "Transpose")
+    return [(node, source) for node, source in found if source is not None and len(source.dims) == 2]
 
 
 def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: Path) -> None:
@@ -393,11 +412,12 @@ def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: P
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
 
 
-def weight_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
+def weight_nodes(model: onnx.ModelProto, vocab: int, folder: Path | None = None) -> list[str]:
     """The MatMul/Gemm nodes whose second input is a learned weight: a constant that is not all
     whole numbers (RoPE's pair-swap matrix of 0 and +-1, and the tree's tables of node ids that
     acceptance multiplies by, are exact in any precision, and quantizing them would only add
-    error), and that does not have ``vocab`` outputs.
+    error), and that does not have ``vocab`` outputs. Weights that ``model`` was loaded without
+    are read one at a time from their files in ``folder``.
 
     The output head stays fp32: the logits decide every draw and acceptance, and on
     onnxruntime's CPU kernels its int8 form is slower (its weight is dequantized at every call:
@@ -409,7 +429,7 @@ def weight_nodes(model: onnx.ModelProto, vocab: int) -> list[str]:
         if node.op_type in QUANTIZED_OPS
         and node.input[1] in consts
         and _outputs(node, consts[node.input[1]]) != vocab
-        and not _whole_numbers(onnx.numpy_helper.to_array(consts[node.input[1]]))
+        and not _whole_numbers(tensor_values(consts[node.input[1]], folder))
     ]
 
 
@@ -425,13 +445,36 @@ def _outputs(node: onnx.NodeProto, weight: onnx.TensorProto) -> int:
 
 
 def _quantize(
-    src: Path, dst: Path, samples: list[dict[str, np.ndarray]], nodes: list[str], external: bool
+    src: Path,
+    dst: Path,
+    samples: Sequence[dict[str, np.ndarray]],
+    nodes: list[str],
+    external: bool,
+    folder: Path,
 ) -> None:
+    """onnxruntime's static quantization of ``src`` into ``dst`` (weights in an external file when
+    ``external``), calibrated first on its own: the calibrator's session and copy of the graph
+    are gone before the quantizer loads the graph, which takes the ranges from a calibration
+    cache in ``folder`` (``quantize_static``'s ``calibration_cache_path``; the same ranges as its
+    own calibration, which would run beside its copy of the weights)."""
+    cache = folder / "ranges.json"
     with _errors_only():
+        calibrator = create_calibrator(
+            src,
+            list(QUANTIZED_OPS),
+            augmented_model_path=str(folder / "augmented.onnx"),
+            calibrate_method=CalibrationMethod.MinMax,
+            use_external_data_format=external,
+            providers=[CPU],
+        )
+        calibrator.collect_data(_Samples(samples))
+        save_tensors_data(calibrator.compute_data(), cache)
+        del calibrator
         quantize_static(
             str(src),
             str(dst),
-            _Samples(samples),
+            None,
+            calibration_cache_path=cache,
             quant_format=QuantFormat.QDQ,
             activation_type=QuantType.QInt8,
             weight_type=QuantType.QInt8,
@@ -439,7 +482,6 @@ def _quantize(
             op_types_to_quantize=list(QUANTIZED_OPS),
             nodes_to_quantize=nodes,
             use_external_data_format=external,
-            calibration_providers=["CPUExecutionProvider"],
             extra_options={
                 "ActivationSymmetric": True,
                 "WeightSymmetric": True,
@@ -461,11 +503,12 @@ def _errors_only() -> Iterator[None]:
         ort.set_default_logger_severity(2)
 
 
-def _restore_order(path: Path, external: bool) -> None:
+def _restore_order(path: Path) -> None:
     """Sort the nodes of the graph at ``path`` again, counting what If branches read from
     outside them: onnxruntime's quantizer sorts by explicit inputs only, so an If (a drafting
-    graph's filter) can land before the logits its branches read."""
-    model = onnx.load(str(path))
+    graph's filter) can land before the logits its branches read. Its weights stay where they
+    are."""
+    model = onnx.load(str(path), load_external_data=False)
     nodes = list(model.graph.node)
     producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
     needs = [{producer[name] for name in reads(node) if name in producer} for node in nodes]
@@ -488,10 +531,7 @@ def _restore_order(path: Path, external: bool) -> None:
         raise CalibrationError(f"{path.stem}: the quantized graph has a cycle")
     del model.graph.node[:]
     model.graph.node.extend(nodes[i] for i in order)
-    location = f"{path.name}.data" if external else None  # where quantize_static put the weights
-    onnx.save(
-        model, str(path), save_as_external_data=external, all_tensors_to_one_file=True, location=location
-    )
+    onnx.save(model, str(path))
 
 
 def qdq_problems(path: Path) -> list[str]:

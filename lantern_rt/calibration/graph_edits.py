@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import onnx
+from onnx import external_data_helper, numpy_helper
 
 from lantern_rt.graph_rules import node_subgraphs, with_subgraphs
 
@@ -23,3 +27,16 @@ def drop_unread_initializers(graph: onnx.GraphProto) -> None:
     read |= {o.name for o in graph.output}
     for tensor in [t for t in graph.initializer if t.name not in read]:
         graph.initializer.remove(tensor)
+
+
+def tensor_values(tensor: onnx.TensorProto, folder: Path | None = None) -> np.ndarray:
+    """``tensor``'s values; those of a tensor whose data lies in an external file (in ``folder``)
+    read into the array alone, the proto left without them."""
+    if not external_data_helper.uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    if folder is None:
+        raise ValueError(f"{tensor.name}'s data lies in an external file: give its folder")
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    external_data_helper.load_external_data_for_tensor(loaded, str(folder))
+    return numpy_helper.to_array(loaded)
