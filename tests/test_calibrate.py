@@ -356,30 +356,32 @@ def test_a_weight_only_bundle_generates_and_tensorrt_refuses_it(weight_only, tmp
 
 
 @pytest.mark.slow
-def test_validation_holds_one_set_of_sessions_per_bundle(fp32, calibrated, monkeypatch):
-    """The comparison after a calibration runs the source on one set of sessions (as its speed
-    runs do) and the quantized bundle first as written, then on the runtime's: at no call does
-    the process hold more sessions than the two bundles have graph files, and the report is the
-    one the calibration wrote."""
+def test_validation_holds_one_bundles_sessions_at_a_time(fp32, calibrated, monkeypatch):
+    """The comparison after a calibration runs one set of sessions at a time: the source's (its
+    reference runs, then its timed ones), the quantized bundle's as written, then the runtime's.
+    At no call does the process hold sessions of both bundles (each set holds about three copies
+    of the fp32 weights: a Q/DQ graph as written folds its weights into fp32), nor more than one
+    bundle's graph files; every run is reported, in order."""
     from lantern_rt.calibration import calibrate
     from lantern_rt.runtime.backends import onnxruntime_backend
 
-    int8, report, _ = calibrated
+    int8, _, _ = calibrated
     source, quantized = Bundle.open(fp32), Bundle.open(int8)
-    folders = {str(b.path.resolve()) for b in (source, quantized)}
-    graphs = sum(len(b.manifest()["graphs"]) for b in (source, quantized))
+    folders = [str(b.path.resolve()) for b in (source, quantized)]
     held = []
     real = calibrate.generate
 
     def counting(*args, **kwargs):
-        held.append(
-            sum(str(Path(key[0]).parent) in folders for key in list(onnxruntime_backend._OPEN.keys()))
-        )
+        keys = list(onnxruntime_backend._OPEN.keys())
+        held.append([sum(str(Path(key[0]).parent) == folder for key in keys) for folder in folders])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(calibrate, "generate", counting)
     got = calibrate.validation(source, quantized, [0, 1], calibrate.calibration_method(source), threads=1)
-    assert held and max(held) <= graphs
-    assert [row["run"] for row in got["accuracy"]] == [
-        f"{run} {mode}" for run in ("lantern++ chain-3", "ar") for mode in ("greedy", "sampling")
-    ]
+    runs = [f"{run} {mode}" for run in ("lantern++ chain-3", "ar") for mode in ("greedy", "sampling")]
+    assert len(held) == 2 * len(runs) + 4  # both bundles' reference runs, two timed runs each
+    assert all(min(counts) == 0 for counts in held), held
+    assert max(map(max, held)) <= len(source.manifest()["graphs"])
+    assert [row["run"] for row in got["accuracy"]] == runs
+    assert [row["run"] for row in got["speed"]] == ["lantern++ chain-3 sampling", "ar sampling"]
+    assert all(row[d]["seconds_per_image"] > 0 for row in got["speed"] for d in ("fp32", "int8"))

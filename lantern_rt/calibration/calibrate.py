@@ -71,7 +71,7 @@ from lantern_rt.calibration.graph_edits import drop_unread_initializers, reads, 
 from lantern_rt.calibration.weight_only import WeightOnly, block_problems, dequantizable, dequantized_model
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.families.loading import bundle_info, open_bundle
-from lantern_rt.generate import generate
+from lantern_rt.generate import Generation, generate
 from lantern_rt.graph_rules import check_graph, with_subgraphs
 from lantern_rt.runtime.backends.bundle_graphs import (
     BundleDrafter,
@@ -114,10 +114,41 @@ QDQ = ("QuantizeLinear", "DequantizeLinear")
 _PRECISION = {"float32": "fp32", "float16": "fp16"}  # a graph kept as it was: its compute dtype
 
 
+class RecordedCalls(Sequence[dict[str, np.ndarray]]):
+    """A graph's recorded calls by slot, each kept in a file of a temporary folder of its own
+    rather than in memory (at GPT-B two step graphs' calls took 1.2x the weight bytes) and read
+    back when indexed, as numpy arrays keyed by input name. The folder goes with the object."""
+
+    def __init__(self, names: Sequence[str]):
+        self._names = list(names)
+        self._folder = tempfile.TemporaryDirectory(prefix="lantern-recorded-")
+        self._count = 0
+
+    def put(self, slot: int, arrays: Sequence[np.ndarray]) -> None:
+        """Keep a call's ``arrays`` (one per input name, in order) in ``slot``: the next one, or
+        one already kept, which they replace."""
+        if not 0 <= slot <= self._count:
+            raise IndexError(f"slot {slot} of {self._count}")
+        np.savez(self._path(slot), *arrays)
+        self._count = max(self._count, slot + 1)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, slot: int) -> dict[str, np.ndarray]:
+        if not 0 <= slot < self._count:
+            raise IndexError(f"slot {slot} of {self._count}")
+        with np.load(self._path(slot)) as stored:
+            return {name: stored[f"arr_{i}"] for i, name in enumerate(self._names)}
+
+    def _path(self, slot: int) -> Path:
+        return Path(self._folder.name) / f"{slot}.npz"
+
+
 class Recorder:
     """Wraps a :data:`RunnerFactory`; keeps copies of at most ``limit`` calls per graph, and of
     no more than ``max_bytes`` of them (but at least one), drawn uniformly from all its calls
-    (reservoir sampling), as numpy arrays keyed by input name, in :attr:`samples` by graph name."""
+    (reservoir sampling), in :attr:`samples` by graph name (on disk: :class:`RecordedCalls`)."""
 
     def __init__(
         self,
@@ -127,17 +158,24 @@ class Recorder:
         max_bytes: int = MAX_RECORDED_BYTES_PER_GRAPH,
         weight_bits: int | None = None,
     ):
-        self.inner, self.limit, self.max_bytes, self._rng = inner, limit, max_bytes, random.Random(seed)
+        self.inner: RunnerFactory | None = inner
+        self.limit, self.max_bytes, self._rng = limit, max_bytes, random.Random(seed)
         self.weight_bits = weight_bits  # which graphs are quantized, so recorded (kept_fp32)
-        self.samples: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.samples: dict[str, RecordedCalls] = {}
         self.calls: dict[str, int] = {}
         self.limits: dict[str, int] = {}  # per graph: calls kept
+
+    def close(self) -> None:
+        """Drop the runner factory, and with it what its sessions shared (the bundle's weights,
+        memory-mapped); the samples and counts stay."""
+        self.inner = None
 
     def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
         runner = self.inner(bundle, entry)
         if kept_fp32(entry, self.weight_bits):
             return runner
-        self.samples.setdefault(entry.name, [])
+        if entry.name not in self.samples:
+            self.samples[entry.name] = RecordedCalls([spec.name for spec in entry.inputs])
         self.calls.setdefault(entry.name, 0)
         call = sum(math.prod(spec.shape) * np.dtype(spec.dtype).itemsize for spec in entry.inputs)
         self.limits[entry.name] = max(1, min(self.limit, self.max_bytes // call))
@@ -151,14 +189,13 @@ class Recorder:
         slot = seen if seen < limit else self._rng.randrange(seen + 1)
         if slot >= limit:
             return
-        record = {
-            spec.name: inputs[spec.name].detach().cpu().numpy().astype(spec.dtype, copy=True)
-            for spec in entry.inputs
-        }
-        if slot < len(kept):
-            kept[slot] = record
-        else:
-            kept.append(record)
+        kept.put(
+            slot,
+            [
+                inputs[spec.name].detach().cpu().numpy().astype(spec.dtype, copy=False)
+                for spec in entry.inputs
+            ],
+        )
 
 
 class _RecordingRunner:
@@ -176,7 +213,7 @@ class _RecordingRunner:
 class _Samples(CalibrationDataReader):
     """onnxruntime's calibration reader over recorded inputs."""
 
-    def __init__(self, samples: list[dict[str, np.ndarray]]):
+    def __init__(self, samples: Sequence[dict[str, np.ndarray]]):
         self._it: Iterator[dict[str, np.ndarray]] = iter(samples)
 
     def get_next(self) -> dict[str, np.ndarray] | None:
@@ -262,13 +299,15 @@ def record_inputs(
     """Generate ``samples`` images (sampling as :func:`bundle_sampling` says) with every pipeline of
     :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder` of the
     graphs to quantize with ``weight_bits`` (:func:`kept_fp32`); each of them must see calls. A
-    prompt-conditioned bundle takes ``prompts``."""
+    prompt-conditioned bundle takes ``prompts``. The recorder comes back closed: no session of
+    the bundle stays open."""
     recorder = Recorder(ort_runner(threads, [CPU]), seed=seed, weight_bits=weight_bits)
     sampling = bundle_sampling(bundle)
     labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
     for i, pipe in enumerate(every):  # the graphs of every batch size see calls
         generate(pipe, labels, sampling, seed=seed, progress=progress, start_index=i * samples)
+    recorder.close()
     missing = [name for name, calls in recorder.calls.items() if not calls]
     if missing:
         raise CalibrationError(
@@ -599,13 +638,15 @@ def calibrate_bundle(
         )
         write_manifest(tmp, manifest)
         quantized = open_bundle(tmp)
+        agreement = graph_agreement(bundle, quantized, recorder, threads)
+        del recorder  # its recorded inputs, before the validation's sessions open
         report = {
             "dtype": dtype,
             "source": bundle.dtype,
             bundle.dtype: str(bundle.path),
             dtype: str(out.resolve()),
             "samples": samples,
-            "graphs": graph_agreement(bundle, quantized, recorder, threads),
+            "graphs": agreement,
             "validation": validation(bundle, quantized, labels, method, seed, threads, progress),
         }
     return report
@@ -648,19 +689,15 @@ def graph_agreement(
     its largest logits error relative to the source's largest logit. A drafting graph is scored on
     its root's distribution ``q[0]``, which depends on its inputs alone (deeper rows follow the
     tokens each graph drew); the drafter's prefill graph (K/V out, no distribution) on the
-    relative error of its keys alone, its agreement None."""
+    relative error of its keys alone, its agreement None. One session is open at a time."""
     options = session_options(threads, AS_WRITTEN)
     result = {}
     for name, samples in recorder.samples.items():
-        source_graph, quantized_graph = (
-            ort.InferenceSession(str(b.file(b.graph(name))), options, providers=["CPUExecutionProvider"])
-            for b in (source, quantized)
+        (scored, wants), (_, gots) = (
+            _scored_outputs(b.file(b.graph(name)), samples, options) for b in (source, quantized)
         )
         agree, error = [], 0.0
-        names = [o.name for o in source_graph.get_outputs()]
-        scored = next((n for n in ("logits", "q") if n in names), names[0])
-        for sample in samples:
-            want, got = (graph.run([scored], sample)[0] for graph in (source_graph, quantized_graph))
+        for want, got in zip(wants, gots, strict=True):
             if scored == "q":
                 want, got = want[:1], got[:1]
             if scored in ("logits", "q"):
@@ -673,6 +710,18 @@ def graph_agreement(
             "max_rel_error": error,
         }
     return result
+
+
+def _scored_outputs(
+    path: Path, samples: Sequence[dict[str, np.ndarray]], options: ort.SessionOptions
+) -> tuple[str, list[np.ndarray]]:
+    """The output of the graph at ``path`` that :func:`graph_agreement` scores (``logits``, else
+    a drafting graph's ``q``, else its first) and its values on each of ``samples``, from one
+    session, closed on return."""
+    graph = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in graph.get_outputs()]
+    scored = next((n for n in ("logits", "q") if n in names), names[0])
+    return scored, [graph.run([scored], sample)[0] for sample in samples]
 
 
 def _write_graphs(
@@ -753,7 +802,11 @@ def _quantized_manifest(
 
 # Run Q/DQ graphs as written (DequantizeLinear, then the float op): the numerics a TensorRT
 # engine implements. onnxruntime's fused int8 CPU kernels are not that reference: on x86 CPUs
-# without VNNI their u8s8 products saturate.
+# without VNNI their u8s8 products saturate. Such a session folds each weight's DequantizeLinear
+# into an fp32 copy of the weight that it holds (prepacked). Without the folding
+# ("optimization.disable_specified_optimizers": "ConstantFolding") it would hold the int8 weights,
+# but its products, on weights dequantized at each call, ran 6-8x slower at GPT-B and rounded
+# differently from the folded ones (greedy AR tokens of one int8 bundle: 43% of them equal).
 AS_WRITTEN = {"session.disable_quant_qdq": "1"}
 
 
@@ -774,47 +827,59 @@ def validation(
     equal tokens (position by position), the mean count of equal tokens before the first
     difference and each bundle's mean accepted length. ``speed``: sampling on the runtime's
     onnxruntime runners; per run, each bundle's mean accepted length and seconds per image.
+
+    One set of sessions is alive at a time, each closed before the next opens: the source's (its
+    reference runs, then its timed ones), the quantized bundle's as written, then the runtime's.
     """
     sampled = bundle_sampling(source)
     modes = {"greedy": dataclasses.replace(sampled, temperature=0.0), "sampling": sampled}
+    timed = {"sampling": sampled}
     batch = min(source.constants.batch_sizes)
-    # one set of sessions for the source (it has no Q/DQ to run as written), and for the quantized
-    # bundle its sessions as written, then the runtime's: at most two sets alive at a time
-    source_pipes = pipelines(source, method, ort_runner(threads, [CPU]), batch)
-    reference = {
-        source.dtype: source_pipes,
-        quantized.dtype: pipelines(quantized, method, ort_runner(threads, [CPU], AS_WRITTEN), batch),
-    }
-    accuracy, speed = [], []
-    for name in source_pipes:
-        for mode, sampling in modes.items():
-            runs = {
-                d: generate(p[name], labels, sampling, seed=seed, progress=progress)
-                for d, p in reference.items()
+
+    def images(
+        bundle: Bundle, config: dict[str, str] | None, *rounds: dict[str, SamplingConfig]
+    ) -> list[dict[tuple[str, str], Generation]]:
+        """Per round, its modes with every pipeline of ``bundle`` (by pipeline and mode), all
+        on one set of sessions (``config``), closed on return."""
+        pipes = pipelines(bundle, method, ort_runner(threads, [CPU], config), batch)
+        done = [
+            {
+                (name, mode): generate(pipe, labels, sampling, seed=seed, progress=progress)
+                for name, pipe in pipes.items()
+                for mode, sampling in chosen.items()
             }
-            same = runs[source.dtype].tokens == runs[quantized.dtype].tokens
-            accuracy.append(
-                {
-                    "run": f"{_run_label(name, method)} {mode}",
-                    "token_agreement": float(same.float().mean()),
-                    "common_prefix": float(same.int().cumprod(dim=1).sum(dim=1).float().mean()),
-                    **{d: {"mean_accepted_length": r.stats.mean_accepted_length} for d, r in runs.items()},
-                }
-            )
-    del reference
-    gc.collect()  # the quantized bundle's sessions as written are gone before the runtime's open
-    runtime = {
-        source.dtype: source_pipes,
-        quantized.dtype: pipelines(quantized, method, ort_runner(threads, [CPU]), batch),
-    }
-    for name in source_pipes:
-        runs = {
-            d: generate(p[name], labels, modes["sampling"], seed=seed, progress=progress)
-            for d, p in runtime.items()
-        }
-        speed.append(
-            {"run": f"{_run_label(name, method)} sampling", **{d: _speed(r.stats) for d, r in runs.items()}}
+            for chosen in rounds
+        ]
+        del pipes
+        gc.collect()  # its sessions are gone before the next bundle's open
+        return done
+
+    reference, source_timed = images(source, None, modes, timed)
+    (written,) = images(quantized, AS_WRITTEN, modes)
+    (quantized_timed,) = images(quantized, None, timed)
+    accuracy = []
+    for (name, mode), want in reference.items():
+        got = written[name, mode]
+        same = want.tokens == got.tokens
+        accuracy.append(
+            {
+                "run": f"{_run_label(name, method)} {mode}",
+                "token_agreement": float(same.float().mean()),
+                "common_prefix": float(same.int().cumprod(dim=1).sum(dim=1).float().mean()),
+                **{
+                    d: {"mean_accepted_length": r.stats.mean_accepted_length}
+                    for d, r in ((source.dtype, want), (quantized.dtype, got))
+                },
+            }
         )
+    speed = [
+        {
+            "run": f"{_run_label(name, method)} {mode}",
+            source.dtype: _speed(run.stats),
+            quantized.dtype: _speed(quantized_timed[name, mode].stats),
+        }
+        for (name, mode), run in source_timed.items()
+    ]
     return {"accuracy": accuracy, "speed": speed}
 
 
