@@ -331,9 +331,9 @@ def quantize_graph(
     products quantized. Raises :class:`CalibrationError` if it breaks a rule.
 
     A Q/DQ graph whose weights lie in an external file is written so too, and its quantization
-    holds about one copy of them besides the int8 one: the products are chosen reading one
-    weight at a time, and the calibration's session is closed before the quantizer loads them
-    (:func:`_quantize`)."""
+    holds at most two copies of them: the products are chosen reading one weight at a time,
+    onnxruntime's calibrator holds one beside its session's, and they are gone before its
+    quantizer loads its own (:func:`_quantize`)."""
     model = onnx.load(str(src), load_external_data=False)
     external = any(external_data_helper.uses_external_data(t) for t in model.graph.initializer)
     if weight_only is not None or weight_bits is not None or transposed_weights(model.graph):
