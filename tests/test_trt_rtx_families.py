@@ -43,13 +43,14 @@ def test_every_graph_of_a_chameleon_bundle_builds(tmp_path):
     from lantern_rt.runtime.tree import load_tree
     from tests.chameleon_fixtures import hf_model, write_authors_drafter, write_model_dir
     from tests.conftest import exported
+    from tests.test_chameleon_runtime import BUNDLE_TREE
 
     model = hf_model()
     root = tmp_path / "anole"
     write_authors_drafter(root / "drafter", model)
     md = open_model_dir(write_model_dir(root, model, root / "drafter"))
     # test_chameleon_runtime.py's trees and windows: its export serves this bundle's graphs
-    bundle = Bundle.open(exported(md, tmp_path / "bundle", [load_tree("chain-5")], windows=1))
+    bundle = Bundle.open(exported(md, tmp_path / "bundle", [load_tree(BUNDLE_TREE)], windows=1))
     assert bundle.gpt.model_type == "chameleon" and bundle.has_drafter
     assert {"drafter_prefill", "draft_tree_0", "target_verify_0"} <= set(bundle.graphs)
     assert_every_graph_builds(bundle)
