@@ -36,10 +36,12 @@ OFF = {
     "sampled": SamplingConfig(cfg_scale=1.0, temperature=1.0),
     "below-1": SamplingConfig(cfg_scale=0.5, temperature=1.0),  # LlamaGen: the conditional rows alone
 }
+# one chain of two levels (a drafting graph's export costs about 2 s a level)
+TREE = "chain-2"
 METHODS = {
     "ar": MethodConfig("ar"),
-    "lantern++": MethodConfig("lantern++", tree="chain-3", k=5, lam=5.0),
-    "sjd++": MethodConfig("sjd++", tree="chain-3"),
+    "lantern++": MethodConfig("lantern++", tree=TREE, k=5, lam=5.0),
+    "sjd++": MethodConfig("sjd++", tree=TREE),
 }
 
 
@@ -98,7 +100,7 @@ def test_the_comparison_catches_a_mixing_rule_that_reads_the_unconditional_rows(
 @pytest.fixture(scope="module")
 def one_row_bundle(model_dir, tmp_path_factory) -> Bundle:
     path = tmp_path_factory.mktemp("guidance-bundle") / "bundle"
-    trees = [load_tree("chain-3")]
+    trees = [load_tree(TREE)]
     return Bundle.open(
         export_bundle(model_dir, path, trees, threads=1, batch_sizes=(1, 2), windows=2, guided=False)
     )
