@@ -37,7 +37,7 @@ def test_target_classifies_real_images_by_likelihood(demo):
     """Real test images are most likely under their own class: the target is class-conditional."""
     _, target, vq = demo
     x, y = load_fashion_mnist("test")
-    idx = torch.arange(0, 10000, 250)  # 40 images
+    idx = torch.arange(0, 10000, 500)  # 20 images (accuracy 0.9, as on 40; each class costs 0.5 s)
     with torch.inference_mode():
         codes = vq.encode(torch.from_numpy(to_model_range(x[idx])))[1].flatten(1)
         nll = torch.stack(
