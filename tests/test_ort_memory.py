@@ -132,9 +132,11 @@ def test_the_prepacking_budget_is_the_process_s(tmp_path, monkeypatch):
     room for one graph's weights, a second factory's session shares its weights unpacked; once
     the first session is gone its bytes return to the budget."""
     entries = shared_bundle(tmp_path, graphs=2, tensors=2)
-    monkeypatch.setattr(onnxruntime_backend, "PREPACK_BUDGET", 2 * DIM * DIM * 4)
     bundle = SimpleNamespace(file=lambda entry: tmp_path / entry.file)
     gc.collect()
+    # room for one graph's weights beside what sessions of earlier tests in this process hold
+    held = onnxruntime_backend._prepacked[0]
+    monkeypatch.setattr(onnxruntime_backend, "PREPACK_BUDGET", held + 2 * DIM * DIM * 4)
     first = ort_runner(threads=1, providers=[CPU])(bundle, entries[0])
     assert first._opened.weights is None  # prepacked: its own copy
     second = ort_runner(threads=1, providers=[CPU])(bundle, entries[1])
