@@ -512,7 +512,9 @@ _CONSTANTS = {
 _GRAPH = {"file": _STR, "inputs": _LIST, "outputs": _LIST}
 _IO = {"name": _STR, "shape": _LIST, "dtype": _STR}
 _TREE = {"name": _STR, "paths": _LIST}
-WEIGHT_ONLY_DTYPES = ("int8-weights", "int4-weights")  # onnxruntime's MatMulNBits: no TensorRT engines
+# onnxruntime's MatMulNBits, no TensorRT engines: every weight product's weights, or the
+# drafter's alone (its target fp32)
+WEIGHT_ONLY_DTYPES = ("int8-weights", "int4-weights", "int8-drafter", "int4-drafter")
 # TensorRT's weight-only form: int8/int4 weights behind block-wise DequantizeLinear, fp16 activations
 TENSORRT_WEIGHT_ONLY_DTYPES = ("w8a16", "w4a16")
 DTYPES = ("fp32", "fp16", "int8", *WEIGHT_ONLY_DTYPES, *TENSORRT_WEIGHT_ONLY_DTYPES)

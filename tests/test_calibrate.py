@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -353,6 +354,75 @@ def test_a_weight_only_bundle_generates_and_tensorrt_refuses_it(weight_only, tmp
     result = CliRunner().invoke(main, ["build-engines", str(out)])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "TensorRT cannot build" in result.output and "--weights-only" in result.output
+
+
+@pytest.fixture(scope="module")
+def drafter_only(fp32) -> tuple[Path, dict]:
+    """The bundle whose drafter alone has 8-bit weights, and the CLI's JSON report."""
+    out, report = fp32.with_name("d8"), fp32.with_name("d8.json")
+    args = ["calibrate", str(fp32), "--weights-only", "8", "--drafter-only", "--samples", "1"]
+    result = CliRunner().invoke(
+        main, [*args, "--out", str(out), "--threads", "1", "--report-json", str(report), "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    return out, json.loads(report.read_text())
+
+
+@pytest.mark.slow
+def test_drafter_only_quantizes_the_drafter_alone_and_keeps_the_target(fp32, drafter_only):
+    """A drafter-only bundle: each drafter graph has a MatMulNBits on every learned weight, its
+    output head included; every target graph computes what the fp32 one does (the same nodes
+    and weights), so AR's greedy tokens are all equal and LANTERN++ still accepts drafts."""
+    from lantern_rt.calibration.calibrate import fold_weight_transposes, weight_nodes
+
+    out, report = drafter_only
+    want, got = Bundle.open(fp32), Bundle.open(out)
+    vocab = want.constants.vocab_size
+    assert (
+        got.dtype == "int8-drafter"
+        and "the drafter's graphs alone" in got.manifest()["calibration"]["scheme"]
+    )
+    drafter = {name for name, e in got.graphs.items() if e.drafting or name == "drafter_prefill"}
+    assert drafter and set(report["graphs"]) == drafter  # only what is quantized is recorded and scored
+    for name, entry in got.graphs.items():
+        before = onnx.load(str(want.file(want.graph(name))))
+        after = onnx.load(str(got.file(entry)))
+        if name not in drafter:
+            assert not matmul_nbits(after) and got.manifest()["graphs"][name]["precision"] == "fp32", name
+            assert [n.op_type for n in after.graph.node] == [n.op_type for n in before.graph.node], name
+            weights = lambda m: sorted(onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer)  # noqa: E731
+            assert weights(after) == weights(before), name
+            continue
+        assert got.manifest()["graphs"][name]["precision"] == "int8-weights"
+        fold_weight_transposes(before)
+        every = weight_nodes(before, None)
+        assert len(matmul_nbits(after)) == len(every), name
+        if entry.drafting:  # the head too, once per tree level: products the target's rule keeps
+            assert len(every) > len(weight_nodes(before, vocab)), name
+    rows = {row["run"]: row for row in report["validation"]["accuracy"]}
+    assert rows["ar greedy"]["token_agreement"] == 1.0 and rows["ar sampling"]["token_agreement"] == 1.0
+    assert rows["lantern++ chain-3 greedy"]["token_agreement"] >= MIN_WEIGHT_ONLY_GREEDY
+    speed = {row["run"]: row for row in report["validation"]["speed"]}
+    assert speed["lantern++ chain-3 sampling"]["int8-drafter"]["mean_accepted_length"] > 1
+
+
+def test_drafter_only_is_refused_without_weights_only_or_a_drafter(tmp_path):
+    """--drafter-only names the option it needs; a bundle without a drafter is refused before
+    any image is made; both in one line, exit 2, nothing written."""
+    from lantern_rt.calibration.calibrate import calibrate_bundle, quantized_dtype
+    from lantern_rt.calibration.errors import CalibrationError
+
+    out = tmp_path / "d4"
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--drafter-only", "--out", str(out)])
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "--weights-only" in result.output
+    assert not out.exists()
+    assert quantized_dtype(4, drafter_only=True) == "int4-drafter"
+    with pytest.raises(CalibrationError, match="MatMulNBits"):
+        quantized_dtype(None, drafter_only=True)
+    plain = SimpleNamespace(dtype="fp32", has_drafter=False, path=tmp_path)
+    with pytest.raises(CalibrationError, match="no drafter graphs to quantize"):
+        calibrate_bundle(plain, out, 1, weight_bits=4, drafter_only=True)  # type: ignore[arg-type]
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.bundle import DTYPES, MANIFEST, WEIGHT_ONLY_DTYPES, Bundle, BundleError, GraphEntry
-from lantern_rt.calibration.calibrate import WEIGHT_ONLY_DTYPE
+from lantern_rt.calibration.calibrate import DRAFTER_WEIGHT_ONLY_DTYPE, WEIGHT_ONLY_DTYPE
 from lantern_rt.cli import main
 from lantern_rt.engines import compat, plans, runner
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable
@@ -193,7 +193,7 @@ def test_precision_comes_from_the_bundle(bundle):
 
 
 def test_weight_only_bundles_are_refused_naming_the_fix(bundle, monkeypatch):
-    assert set(WEIGHT_ONLY_DTYPE.values()) == set(WEIGHT_ONLY_DTYPES)
+    assert {*WEIGHT_ONLY_DTYPE.values(), *DRAFTER_WEIGHT_ONLY_DTYPE.values()} == set(WEIGHT_ONLY_DTYPES)
     check_buildable(bundle)
     for dtype in WEIGHT_ONLY_DTYPES:
         monkeypatch.setattr(bundle, "dtype", dtype)

@@ -88,14 +88,14 @@ from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
 
 
-def kept_fp32(entry: GraphEntry, weight_bits: int | None = None) -> bool:
-    """Graphs left in fp32: the VQ decoder (convolutions that run once per image), and in a Q/DQ
+def kept_fp32(entry: GraphEntry, weight_bits: int | None = None, drafter_only: bool = False) -> bool:
+    """Graphs left in fp32: the VQ decoder (convolutions that run once per image), in a Q/DQ
     bundle (``weight_bits`` None) the drafter's graphs: their products have a few rows each, where
     onnxruntime's unfused Quantize/DequantizeLinear cost more than int8 saves, and the drafter's
-    accuracy is acceptance (docs/method.md §14). A verify graph's acceptance has no weights: only
-    its target step's MatMuls are quantized."""
+    accuracy is acceptance (docs/method.md §14); with ``drafter_only`` the target's graphs. A
+    verify graph's acceptance has no weights: only its target step's MatMuls are quantized."""
     drafter = entry.drafting or entry.name == DRAFTER_PREFILL_GRAPH
-    return entry.name == VQ_DECODE_GRAPH or (weight_bits is None and drafter)
+    return entry.name == VQ_DECODE_GRAPH or (drafter if weight_bits is None else drafter_only and not drafter)
 
 
 QUANTIZED_OPS = ("MatMul", "Gemm")
@@ -103,6 +103,8 @@ QUANTIZED_OPS = ("MatMul", "Gemm")
 # fp32 scale per block; accuracy level 4 lets onnxruntime quantize each activation block to int8
 # as it runs and use int8 dot products (VNNI/AMX), the level its CPU kernels are fastest at.
 WEIGHT_ONLY_DTYPE = {4: "int4-weights", 8: "int8-weights"}  # bundle.WEIGHT_ONLY_DTYPES
+# the target's graphs as they were (fp32), the drafter's weight-only
+DRAFTER_WEIGHT_ONLY_DTYPE = {4: "int4-drafter", 8: "int8-drafter"}
 WEIGHT_BLOCK = 32
 WEIGHT_ONLY_ACCURACY_LEVEL = 4
 MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
@@ -157,10 +159,12 @@ class Recorder:
         seed: int = 0,
         max_bytes: int = MAX_RECORDED_BYTES_PER_GRAPH,
         weight_bits: int | None = None,
+        drafter_only: bool = False,
     ):
         self.inner: RunnerFactory | None = inner
         self.limit, self.max_bytes, self._rng = limit, max_bytes, random.Random(seed)
-        self.weight_bits = weight_bits  # which graphs are quantized, so recorded (kept_fp32)
+        # which graphs are quantized, so recorded (kept_fp32)
+        self.weight_bits, self.drafter_only = weight_bits, drafter_only
         self.samples: dict[str, RecordedCalls] = {}
         self.calls: dict[str, int] = {}
         self.limits: dict[str, int] = {}  # per graph: calls kept
@@ -172,7 +176,7 @@ class Recorder:
 
     def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
         runner = self.inner(bundle, entry)
-        if kept_fp32(entry, self.weight_bits):
+        if kept_fp32(entry, self.weight_bits, self.drafter_only):
             return runner
         if entry.name not in self.samples:
             self.samples[entry.name] = RecordedCalls([spec.name for spec in entry.inputs])
@@ -295,13 +299,16 @@ def record_inputs(
     progress: bool = False,
     prompts: Sequence[str] = (),
     weight_bits: int | None = None,
+    drafter_only: bool = False,
 ) -> Recorder:
     """Generate ``samples`` images (sampling as :func:`bundle_sampling` says) with every pipeline of
     :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder` of the
-    graphs to quantize with ``weight_bits`` (:func:`kept_fp32`); each of them must see calls. A
-    prompt-conditioned bundle takes ``prompts``. The recorder comes back closed: no session of
-    the bundle stays open."""
-    recorder = Recorder(ort_runner(threads, [CPU]), seed=seed, weight_bits=weight_bits)
+    graphs to quantize with ``weight_bits`` and ``drafter_only`` (:func:`kept_fp32`); each of them
+    must see calls. A prompt-conditioned bundle takes ``prompts``. The recorder comes back
+    closed: no session of the bundle stays open."""
+    recorder = Recorder(
+        ort_runner(threads, [CPU]), seed=seed, weight_bits=weight_bits, drafter_only=drafter_only
+    )
     sampling = bundle_sampling(bundle)
     labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
@@ -320,12 +327,12 @@ def quantize_graph(
     src: Path,
     dst: Path,
     samples: Sequence[dict[str, np.ndarray]],
-    vocab: int,
+    vocab: int | None,
     weight_bits: int | None = None,
     weight_only: WeightOnly | None = None,
 ) -> int:
     """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes but the output
-    head (``vocab`` outputs), calibrated on ``samples`` (min/max, symmetric), or with
+    head (``vocab`` outputs; None: the head too), calibrated on ``samples`` (min/max, symmetric), or with
     ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`), or with
     ``weight_only`` in TensorRT's weight-only form (:func:`write_weight_only`); -> the number of
     products quantized. Raises :class:`CalibrationError` if it breaks a rule.
@@ -379,17 +386,22 @@ def write_weight_only(
     return len(nodes)
 
 
-def quantized_dtype(weight_bits: int | None, weight_only: WeightOnly | None = None) -> str:
-    """The dtype of a quantized bundle: ``weight_only``'s, else ``int8`` (Q/DQ) without
-    ``weight_bits``, else the MatMulNBits one; :class:`CalibrationError` for a width other than
-    4 or 8."""
+def quantized_dtype(
+    weight_bits: int | None, weight_only: WeightOnly | None = None, drafter_only: bool = False
+) -> str:
+    """The dtype of a quantized bundle (or graph): ``weight_only``'s, else ``int8`` (Q/DQ)
+    without ``weight_bits``, else the MatMulNBits one, of the drafter alone with
+    ``drafter_only``; :class:`CalibrationError` for a width other than 4 or 8, or
+    ``drafter_only`` without ``weight_bits``."""
+    if drafter_only and (weight_bits is None or weight_only is not None):
+        raise CalibrationError("only the MatMulNBits form (--weights-only) quantizes the drafter alone")
     if weight_only is not None:
         return weight_only.dtype
     if weight_bits is None:
         return "int8"
     if weight_bits not in WEIGHT_ONLY_DTYPE:
         raise CalibrationError(f"weights are quantized to 4 or 8 bits, not {weight_bits}")
-    return WEIGHT_ONLY_DTYPE[weight_bits]
+    return (DRAFTER_WEIGHT_ONLY_DTYPE if drafter_only else WEIGHT_ONLY_DTYPE)[weight_bits]
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> int:
@@ -451,16 +463,17 @@ def quantize_weights(model: onnx.ModelProto, nodes: list[str], bits: int, dst: P
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
 
 
-def weight_nodes(model: onnx.ModelProto, vocab: int, folder: Path | None = None) -> list[str]:
+def weight_nodes(model: onnx.ModelProto, vocab: int | None, folder: Path | None = None) -> list[str]:
     """The MatMul/Gemm nodes whose second input is a learned weight: a constant that is not all
     whole numbers (RoPE's pair-swap matrix of 0 and +-1, and the tree's tables of node ids that
     acceptance multiplies by, are exact in any precision, and quantizing them would only add
-    error), and that does not have ``vocab`` outputs. Weights that ``model`` was loaded without
-    are read one at a time from their files in ``folder``.
+    error), and that does not have ``vocab`` outputs (None: every one). Weights that ``model``
+    was loaded without are read one at a time from their files in ``folder``.
 
-    The output head stays fp32: the logits decide every draw and acceptance, and on
+    A target's output head stays fp32: its logits decide every draw and acceptance, and on
     onnxruntime's CPU kernels its int8 form is slower (its weight is dequantized at every call:
-    BENCHMARKS.md, "INT8 on a CPU with VNNI")."""
+    BENCHMARKS.md, "INT8 on a CPU with VNNI"). A drafter's head in a drafter-only bundle is
+    quantized: its logits only steer which tokens are proposed."""
     consts = {t.name: t for t in model.graph.initializer}
     return [
         node.name
@@ -606,11 +619,13 @@ def calibrate_bundle(
     prompts: Sequence[str] = (),
     weight_bits: int | None = None,
     weight_only: WeightOnly | None = None,
+    drafter_only: bool = False,
 ) -> dict[str, Any]:
     """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
-    bundle has a drafter), or with ``weight_bits`` (4 or 8) a weight-only copy (MatMulNBits), or
-    of an fp16 ``bundle`` with ``weight_only`` TensorRT's weight-only copy; compare it with
+    bundle has a drafter), or with ``weight_bits`` (4 or 8) a weight-only copy (MatMulNBits; with
+    ``drafter_only`` of the drafter's graphs alone, its head included, the target's kept as they
+    were), or of an fp16 ``bundle`` with ``weight_only`` TensorRT's weight-only copy; compare it with
     ``bundle`` on ``validate`` images (default: one per class, or per prompt of a
     prompt-conditioned bundle, which takes ``prompts``) before the rename, so that a failed
     comparison leaves nothing at ``out``, and return the report (see :func:`validation` and
@@ -619,8 +634,12 @@ def calibrate_bundle(
     out = Path(out)
     if weight_bits is not None and weight_only is not None:
         raise CalibrationError("choose MatMulNBits (--weights-only) or TensorRT's form (--weights), not both")
-    dtype = quantized_dtype(weight_bits, weight_only)
+    dtype = quantized_dtype(weight_bits, weight_only, drafter_only)
     _check_source(bundle, weight_only)
+    if drafter_only and not bundle.has_drafter:
+        raise CalibrationError(
+            f"{bundle.path} has no drafter graphs to quantize: drop the drafter-only choice"
+        )
     if samples < 1:
         raise CalibrationError(f"samples must be at least 1, got {samples}")
     if out.resolve() == bundle.path:
@@ -630,11 +649,11 @@ def calibrate_bundle(
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
     method = method or calibration_method(bundle)
     bits = weight_only.bits if weight_only is not None else weight_bits
-    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, bits)
+    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, bits, drafter_only)
     with staged_bundle(out) as tmp:
-        graphs = _write_graphs(bundle, recorder, tmp, weight_bits, weight_only)
+        graphs = _write_graphs(bundle, recorder, tmp, weight_bits, weight_only, drafter_only)
         manifest = _quantized_manifest(
-            bundle, graphs, recorder, method, samples, seed, weight_bits, weight_only
+            bundle, graphs, recorder, method, samples, seed, weight_bits, weight_only, drafter_only
         )
         write_manifest(tmp, manifest)
         quantized = open_bundle(tmp)
@@ -725,21 +744,26 @@ def _scored_outputs(
 
 
 def _write_graphs(
-    bundle: Bundle, recorder: Recorder, tmp: Path, weight_bits: int | None, weight_only: WeightOnly | None
+    bundle: Bundle,
+    recorder: Recorder,
+    tmp: Path,
+    weight_bits: int | None,
+    weight_only: WeightOnly | None,
+    drafter_only: bool = False,
 ) -> dict[str, Any]:
-    """Quantized graphs (Q/DQ, ``weight_bits`` weights or ``weight_only``'s form), the graphs
-    kept as they were (a graph of TensorRT's form with no weight to quantize among them),
-    copies of the other files in ``tmp``, all the graphs' weights in one shared file again; the
-    new manifest's graph entries."""
+    """Quantized graphs (Q/DQ, ``weight_bits`` weights or ``weight_only``'s form; with
+    ``drafter_only`` the drafter's, heads included), the graphs kept as they were (a graph of
+    TensorRT's form with no weight to quantize among them), copies of the other files in
+    ``tmp``, all the graphs' weights in one shared file again; the new manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
-    vocab = bundle.constants.vocab_size
+    vocab = None if drafter_only else bundle.constants.vocab_size
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
         bits = weight_only.bits if weight_only is not None else weight_bits
         made = (
             0
-            if kept_fp32(entry, bits)
+            if kept_fp32(entry, bits, drafter_only)
             else quantize_graph(src, dst, recorder.samples[name], vocab, weight_bits, weight_only)
         )
         if not made:
@@ -771,6 +795,7 @@ def _quantized_manifest(
     seed: int,
     weight_bits: int | None,
     weight_only: WeightOnly | None,
+    drafter_only: bool = False,
 ) -> dict[str, Any]:
     """The source's manifest with the quantized graphs and what the calibration did (its
     ``files`` are :func:`~lantern_rt.bundle.write_manifest`'s)."""
@@ -783,8 +808,14 @@ def _quantized_manifest(
         scheme = (
             f"MatMulNBits: {weight_bits}-bit symmetric weights in blocks of {WEIGHT_BLOCK}, "
             f"accuracy level {WEIGHT_ONLY_ACCURACY_LEVEL}; activations not quantized ahead of time"
+            + (
+                "; the drafter's graphs alone, its output head included, the target's as they were"
+                if drafter_only
+                else ""
+            )
         )
-    new = {**source.manifest(), "dtype": quantized_dtype(weight_bits, weight_only), "graphs": graphs}
+    dtype = quantized_dtype(weight_bits, weight_only, drafter_only)
+    new = {**source.manifest(), "dtype": dtype, "graphs": graphs}
     new["versions"] = {**source.versions, "onnxruntime": ort.__version__}
     new["calibration"] = {
         "source_manifest_sha256": source.manifest_sha256,

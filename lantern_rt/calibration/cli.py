@@ -38,6 +38,14 @@ from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
     "VNNI CPUs) instead of Q/DQ int8: faster AR on a CPU, acceptance close to fp32, no TensorRT.",
 )
 @click.option(
+    "--drafter-only",
+    is_flag=True,
+    help="With --weights-only: quantize the drafter's graphs alone, its output head included, and keep "
+    "the target's fp32. The target decides every token, so AR and the images' distribution stay the "
+    "fp32 bundle's; drafting gets cheaper, at a small cost in acceptance (dtype int4-drafter or "
+    "int8-drafter).",
+)
+@click.option(
     "--weights",
     "weight_format",
     type=click.Choice(list(WEIGHT_FORMATS)),
@@ -101,6 +109,7 @@ def calibrate_cmd(
     samples,
     out,
     weight_bits,
+    drafter_only,
     weight_format,
     block_size,
     method,
@@ -125,6 +134,10 @@ def calibrate_cmd(
         raise UserError(f"cannot write {report_json}: its folder does not exist")
     if block_size is not None and weight_format is None:
         raise UserError("--block-size sets the blocks of --weights: add --weights int4 or int8, or drop it")
+    if drafter_only and weight_bits is None:
+        raise UserError(
+            "--drafter-only quantizes the drafter's weights: add --weights-only 4 or 8, or drop it"
+        )
     weight_only = (
         None if weight_format is None else WeightOnly.named(weight_format, block_size or DEFAULT_BLOCK)
     )
@@ -144,6 +157,7 @@ def calibrate_cmd(
         prompts=prompts,
         weight_bits=None if weight_bits is None else int(weight_bits),
         weight_only=weight_only,
+        drafter_only=drafter_only,
     )
     click.echo(markdown_table(report))
     if report_json is not None:
