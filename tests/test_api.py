@@ -16,14 +16,15 @@ from lantern_rt.generate import image_generator
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.decode import IDLE, decode_images
 
-# exports the demo for batch size 2 into the run's export cache (about a minute), once for
-# tests/test_serve.py too
+# exports the demo for batch size 2 with the tree chain-2 into the run's export cache (about 45 s),
+# once for tests/test_serve.py too (a drafting graph's export costs about 2 s a level)
 pytestmark = pytest.mark.slow
+TREE = "chain-2"
 
 
 @pytest.fixture(scope="module")
 def generator() -> lantern_rt.api.Generator:
-    return lantern_rt.load(batch_size=2, streams=1, threads=1)
+    return lantern_rt.load(batch_size=2, streams=1, threads=1, tree=TREE)
 
 
 def alone(generator, label: int, seed: int, index: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ talked to over HTTP as a client would (httpx, the openai package), checked again
 generate`` and against the server's own metrics.
 
 The servers run on the run's export cache (tests/conftest.py), where the demo is exported once
-for batch size 2, for tests/test_api.py too: a fast server (lantern++) for equality,
+for batch size 2 with the tree chain-2, for tests/test_api.py too: a fast server (lantern++) for equality,
 concurrency, bad requests, metrics and the openai client, and a slow one (AR, a small queue and
 a short deadline) for what needs time to pass: joining a running batch, 429, 504, a client
 leaving, SIGTERM.
@@ -36,6 +36,7 @@ from PIL import Image  # noqa: E402
 
 from lantern_rt.images import grid  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
+from tests.test_api import TREE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 GEN = "/v1/images/generations"
@@ -89,7 +90,7 @@ def stop(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("fast") / "log", "--max-queue-images", "32")
+    server = start_server(tmp_path_factory.mktemp("fast") / "log", "--tree", TREE, "--max-queue-images", "32")
     yield server
     stop(server)
 
@@ -132,7 +133,7 @@ def test_same_images_as_lantern_generate(fast: Server, tmp_path: Path) -> None:
     out = tmp_path / "grid.png"
     subprocess.run(
         [sys.executable, "-m", "lantern_rt.cli", "generate", "--class", "3", "-n", "2", "--seed", "7"]
-        + ["--batch-size", "2", "-q", "-o", str(out)],
+        + ["--batch-size", "2", "--tree", TREE, "-q", "-o", str(out)],
         check=True,
         capture_output=True,
     )
