@@ -230,6 +230,20 @@ def test_tensorrt_refuses_the_bundle(bundles):
         build_engines(bundles[True])
 
 
+def test_a_bench_plans_at_the_batch_sizes_it_is_asked_for(bundles, tmp_path):
+    """``lantern bench --batch-size 2`` on a bundle exported for two images per call alone: every
+    row is planned at B = 2, and no check asks the bundle for graphs of another batch size."""
+    from lantern_rt.eval.bench import BenchSettings, bench_plans
+
+    settings = BenchSettings(
+        out=tmp_path, configs=("ar", "lantern++"), backends=("onnxruntime",), batch_sizes=(2,)
+    )
+    plans = bench_plans(bundles[True], settings)
+    assert len(plans) == 2 and {plan.shape.batch_size for plan in plans} == {2}
+    with pytest.raises(BundleError, match="batch sizes 2, not 1"):
+        bench_plans(bundles[True], BenchSettings(out=tmp_path, configs=("ar",), backends=("onnxruntime",)))
+
+
 def test_int8_calibration_keeps_the_graphs_in_place(bundles, tmp_path, capfd):
     """``lantern calibrate`` on an in-place bundle: Q/DQ on the target's step graphs, which still
     write the cache in place (the drafting graphs stay fp32, in place too), without onnxruntime's

@@ -571,7 +571,8 @@ def bench_plans(source: ModelDir | Bundle, s: BenchSettings) -> list[RunPlan]:
     (the others at one); a configuration naming no tree runs on each of ``s.trees`` (default:
     the tree a run of each backend chooses)."""
     backends = tuple(dict.fromkeys(s.backends)) or cpu_backends(isinstance(source, Bundle))
-    plan = {b: resolve(source, dataclasses.replace(s.options, backend=b, compile=False)) for b in backends}
+    first = dataclasses.replace(s.options, batch_size=s.batch_sizes[0], compile=False)
+    plan = {b: resolve(source, dataclasses.replace(first, backend=b)) for b in backends}
     trees = s.trees or tuple(dict.fromkeys(plan[b].method.tree for b in backends))
     configs = expand_configs(s.configs, trees, plan[backends[0]].info.gpt.block_size)
     streaming = [b for b in backends if plan[b].record.streams]
