@@ -41,9 +41,9 @@ from lantern_rt.settings import MAX_SEED, METHODS, capped_threads
     "--drafter-only",
     is_flag=True,
     help="With --weights-only: quantize the drafter's graphs alone, its output head included, and keep "
-    "the target's fp32. The target decides every token, so AR and the images' distribution stay the "
-    "fp32 bundle's; drafting gets cheaper, at a small cost in acceptance (dtype int4-drafter or "
-    "int8-drafter).",
+    "the target's fp32. Every token is still tested against the fp32 target and AR is the fp32 "
+    "bundle's; drafting gets cheaper, and acceptance moves with the drafter's draws (dtype "
+    "int4-drafter or int8-drafter).",
 )
 @click.option(
     "--weights",
