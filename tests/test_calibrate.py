@@ -356,6 +356,11 @@ def test_a_weight_only_bundle_generates_and_tensorrt_refuses_it(weight_only, tmp
     assert "TensorRT cannot build" in result.output and "--weights-only" in result.output
 
 
+def initializer_bytes(model: onnx.ModelProto) -> list[bytes]:
+    """Every weight of ``model``, as its raw bytes, in sorted order (names aside)."""
+    return sorted(onnx.numpy_helper.to_array(t).tobytes() for t in model.graph.initializer)
+
+
 @pytest.fixture(scope="module")
 def drafter_only(fp32) -> tuple[Path, dict]:
     """The bundle whose drafter alone has 8-bit weights, and the CLI's JSON report."""
@@ -390,8 +395,7 @@ def test_drafter_only_quantizes_the_drafter_alone_and_keeps_the_target(fp32, dra
         if name not in drafter:
             assert not matmul_nbits(after) and got.manifest()["graphs"][name]["precision"] == "fp32", name
             assert [n.op_type for n in after.graph.node] == [n.op_type for n in before.graph.node], name
-            weights = lambda m: sorted(onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer)  # noqa: E731
-            assert weights(after) == weights(before), name
+            assert initializer_bytes(after) == initializer_bytes(before), name
             continue
         assert got.manifest()["graphs"][name]["precision"] == "int8-weights"
         fold_weight_transposes(before)

@@ -757,10 +757,10 @@ def _write_graphs(
     ``tmp``, all the graphs' weights in one shared file again; the new manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
     vocab = None if drafter_only else bundle.constants.vocab_size
+    bits = weight_only.bits if weight_only is not None else weight_bits
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
-        bits = weight_only.bits if weight_only is not None else weight_bits
         made = (
             0
             if kept_fp32(entry, bits, drafter_only)
