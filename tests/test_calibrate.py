@@ -17,6 +17,9 @@ from click.testing import CliRunner
 
 from lantern_rt.bundle import Bundle
 from lantern_rt.calibration.calibrate import MAX_SAMPLES_PER_GRAPH, Recorder, qdq_problems, spread_labels
+from lantern_rt.calibration.errors import CalibrationError
+from lantern_rt.calibration.quantization import Quantization
+from lantern_rt.calibration.weight_only import WeightOnly
 from lantern_rt.cli import main
 from lantern_rt.graph_rules import check_graph
 from lantern_rt.runtime.backends.onnxruntime_backend import ort_runner
@@ -275,7 +278,7 @@ def test_weight_only_graphs_quantize_exactly_the_weight_matmuls(fp32, weight_onl
         assert check_graph(got.file(entry)) == []
         assert (entry.inputs, entry.outputs) == (want.graphs[name].inputs, want.graphs[name].outputs)
     step = want.file(want.graph("target_ar_step"))
-    quantize_graph(step, tmp_path / "w4.onnx", [], vocab, weight_bits=4)
+    quantize_graph(step, tmp_path / "w4.onnx", [], vocab, Quantization(weight_bits=4))
     w4 = matmul_nbits(onnx.load(str(tmp_path / "w4.onnx")))
     assert len(w4) == len(weight_nodes(onnx.load(str(step)), vocab))
     assert all(next(a.i for a in n.attribute if a.name == "bits") == 4 for n in w4)
@@ -410,22 +413,52 @@ def test_drafter_only_quantizes_the_drafter_alone_and_keeps_the_target(fp32, dra
     assert speed["lantern++ chain-3 sampling"]["int8-drafter"]["mean_accepted_length"] > 1
 
 
+def test_each_quantization_keeps_its_graphs_and_names_its_dtype():
+    """Which graphs each quantization leaves as they were, the dtype it names and the precision
+    it writes on a quantized graph: Q/DQ keeps the drafter's graphs (and the VQ decoder),
+    weight-only keeps only the VQ decoder, drafter-only keeps the target's; an impossible
+    combination is refused when the value is made."""
+    entries = {
+        "target": SimpleNamespace(name="target_verify_0", drafting=False),
+        "drafting": SimpleNamespace(name="drafter_tree_0", drafting=True),
+        "drafter_prefill": SimpleNamespace(name="drafter_prefill", drafting=False),
+        "vq": SimpleNamespace(name="vq_decode", drafting=False),
+    }
+    cases = {  # quantization: (graphs kept, dtype, a quantized graph's precision, head width)
+        Quantization(): ({"drafting", "drafter_prefill", "vq"}, "int8", "int8", 16),
+        Quantization(4): ({"vq"}, "int4-weights", "int4-weights", 16),
+        Quantization(8, drafter_only=True): ({"target", "vq"}, "int8-drafter", "int8-weights", None),
+        Quantization(weight_only=WeightOnly(4)): ({"vq"}, "w4a16", "w4a16", 16),
+    }
+    for quantization, (kept, dtype, precision, head) in cases.items():
+        assert {k for k, entry in entries.items() if quantization.kept(entry)} == kept, quantization
+        assert (quantization.dtype, quantization.graph_precision) == (dtype, precision)
+        assert quantization.head_vocab(16) == head
+        assert ("drafter's graphs alone" in quantization.scheme()) == quantization.drafter_only
+    for bad, match in (
+        (dict(weight_bits=4, weight_only=WeightOnly(4)), "not both"),
+        (dict(drafter_only=True), "MatMulNBits"),
+        (dict(weight_only=WeightOnly(8), drafter_only=True), "not both|MatMulNBits"),
+        (dict(weight_bits=2), "4 or 8 bits"),
+    ):
+        with pytest.raises(CalibrationError, match=match):
+            Quantization(**bad)
+
+
 def test_drafter_only_is_refused_without_weights_only_or_a_drafter(tmp_path):
     """--drafter-only names the option it needs; a bundle without a drafter is refused before
     any image is made; both in one line, exit 2, nothing written."""
-    from lantern_rt.calibration.calibrate import calibrate_bundle, quantized_dtype
-    from lantern_rt.calibration.errors import CalibrationError
+    from lantern_rt.calibration.calibrate import calibrate_bundle
 
     out = tmp_path / "d4"
     result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--drafter-only", "--out", str(out)])
     assert result.exit_code == 2 and result.output.count("\n") == 1 and "--weights-only" in result.output
     assert not out.exists()
-    assert quantized_dtype(4, drafter_only=True) == "int4-drafter"
     with pytest.raises(CalibrationError, match="MatMulNBits"):
-        quantized_dtype(None, drafter_only=True)
+        Quantization(drafter_only=True)
     plain = SimpleNamespace(dtype="fp32", has_drafter=False, path=tmp_path)
     with pytest.raises(CalibrationError, match="no drafter graphs to quantize"):
-        calibrate_bundle(plain, out, 1, weight_bits=4, drafter_only=True)  # type: ignore[arg-type]
+        calibrate_bundle(plain, out, 1, quantization=Quantization(4, drafter_only=True))  # type: ignore[arg-type]
     assert not out.exists()
 
 

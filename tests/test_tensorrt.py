@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from lantern_rt.bundle import DTYPES, MANIFEST, WEIGHT_ONLY_DTYPES, Bundle, BundleError, GraphEntry
-from lantern_rt.calibration.calibrate import DRAFTER_WEIGHT_ONLY_DTYPE, WEIGHT_ONLY_DTYPE
+from lantern_rt.calibration.quantization import DRAFTER_WEIGHT_ONLY_DTYPE, WEIGHT_ONLY_DTYPE
 from lantern_rt.cli import main
 from lantern_rt.engines import compat, plans, runner
 from lantern_rt.engines.compat import EngineError, TensorRTUnavailable

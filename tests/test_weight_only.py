@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from lantern_rt.bundle import TENSORRT_WEIGHT_ONLY_DTYPES, Bundle
 from lantern_rt.calibration.calibrate import AS_WRITTEN, fold_weight_transposes, record_inputs, weight_nodes
+from lantern_rt.calibration.quantization import Quantization
 from lantern_rt.calibration.weight_only import WeightOnly, dequantizable, dequantized_model
 from lantern_rt.cli import main
 from lantern_rt.graph_rules import WEIGHT_ONLY_OPSET, check_graph
@@ -280,7 +281,7 @@ def test_the_graphs_compute_the_dequantized_model_close_to_fp32(pair_bundles, we
     within ERROR_PER_WEIGHT_ERROR times the weights' relative quantization error (plus fp16's own
     error) of the fp32 graph's."""
     fp32, fp16 = (Bundle.open(pair_bundles[d]) for d in ("fp32", "fp16"))
-    recorder = record_inputs(fp16, 1, MethodConfig("lantern++"), weight_bits=4)
+    recorder = record_inputs(fp16, 1, MethodConfig("lantern++"), quantization=Quantization(weight_bits=4))
     options = ort.SessionOptions()
     for key, value in AS_WRITTEN.items():
         options.add_session_config_entry(key, value)

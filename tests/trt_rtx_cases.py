@@ -71,14 +71,17 @@ def demo_bundle(out: Path, precision: str) -> Path:
     def calibrate(dest: Path) -> None:
         from lantern_rt.calibration import calibrate as calibrate_module
         from lantern_rt.calibration.calibrate import calibrate_bundle
+        from lantern_rt.calibration.quantization import Quantization
         from lantern_rt.calibration.weight_only import WeightOnly
 
         source = demo_bundle(dest.with_name(f"{dest.name}.source"), "fp32" if bits is None else "fp16")
-        weight_only = None if bits is None else WeightOnly(bits, block=32)  # 32 divides the demo's widths
+        quantization = Quantization(
+            weight_only=None if bits is None else WeightOnly(bits, block=32)
+        )  # 32 divides the demo's widths
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(calibrate_module, "validation", lambda *args, **kwargs: {})
             calibrate_bundle(
-                Bundle.open(source), dest, samples=1, validate=1, threads=1, weight_only=weight_only
+                Bundle.open(source), dest, samples=1, validate=1, threads=1, quantization=quantization
             )
         shutil.rmtree(source)
 

@@ -1,11 +1,12 @@
 """INT8 by calibration: a Q/DQ bundle made from an fp32 bundle and the inputs its graphs really see
-(or, with ``weight_bits``, a weight-only bundle: the same MatMuls' weights in 4 or 8 bits).
+(or a weight-only bundle: the same MatMuls' weights in 4 or 8 bits; the choice is one
+:class:`~.quantization.Quantization`).
 
 :func:`calibrate_bundle` generates images with the fp32 bundle on onnxruntime through a recording
 :data:`RunnerFactory` (the decode loop is unchanged), quantizes the target's graphs with
 onnxruntime's static QDQ quantizer (symmetric int8, zero points 0, per-channel weight scales, only
 the weight MatMul/Gemm inputs: attention products, softmax, the output head that makes the logits,
-the drafter's graphs and the VQ decoder stay fp32, :func:`kept_fp32`), writes the new bundle as
+the drafter's graphs and the VQ decoder stay fp32, :meth:`~.quantization.Quantization.kept`), writes the new bundle as
 the exporter does (:func:`lantern_rt.bundle.staged_bundle` and
 :func:`~lantern_rt.bundle.write_manifest`), and compares it with the fp32 bundle: accuracy with the
 Q/DQ numerics as written (what TensorRT implements), speed on the runtime's onnxruntime sessions.
@@ -15,7 +16,7 @@ A weight-only bundle (docs/method.md §14) replaces each of those MatMuls by onn
 and the drafter's graphs: no activation is quantized ahead of time, so the recorded inputs serve
 only the comparison with fp32. TensorRT cannot build it; it is an onnxruntime bundle.
 
-TensorRT's weight-only form (``weight_only``, :mod:`.weight_only`: W4A16 or W8A16) is made from
+TensorRT's weight-only form (:mod:`.weight_only`: W4A16 or W8A16) is made from
 an fp16 bundle instead: the same MatMuls' weights as int4 or int8 blocks behind a block-wise
 ``DequantizeLinear`` (standard ONNX, opset 21), activations fp16; TensorRT builds it and
 onnxruntime runs it, so it is compared with the fp16 bundle here.
@@ -57,8 +58,6 @@ from torch import Tensor
 
 from lantern_rt.assembly import Pipeline, bundle_pipeline, jacobi_speculation, speculation
 from lantern_rt.bundle import (
-    DRAFTER_PREFILL_GRAPH,
-    VQ_DECODE_GRAPH,
     WEIGHTS,
     Bundle,
     GraphEntry,
@@ -68,6 +67,7 @@ from lantern_rt.bundle import (
 )
 from lantern_rt.calibration.errors import CalibrationError
 from lantern_rt.calibration.graph_edits import drop_unread_initializers, reads, tensor_values
+from lantern_rt.calibration.quantization import WEIGHT_BLOCK, WEIGHT_ONLY_ACCURACY_LEVEL, Quantization
 from lantern_rt.calibration.weight_only import WeightOnly, block_problems, dequantizable, dequantized_model
 from lantern_rt.engines.conditionals import has_conditionals
 from lantern_rt.families.loading import bundle_info, open_bundle
@@ -87,26 +87,7 @@ from lantern_rt.settings import MethodConfig, calibration_method, default_sampli
 from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
 
-
-def kept_fp32(entry: GraphEntry, weight_bits: int | None = None, drafter_only: bool = False) -> bool:
-    """Graphs left in fp32: the VQ decoder (convolutions that run once per image), in a Q/DQ
-    bundle (``weight_bits`` None) the drafter's graphs: their products have a few rows each, where
-    onnxruntime's unfused Quantize/DequantizeLinear cost more than int8 saves, and the drafter's
-    accuracy is acceptance (docs/method.md §14); with ``drafter_only`` the target's graphs. A
-    verify graph's acceptance has no weights: only its target step's MatMuls are quantized."""
-    drafter = entry.drafting or entry.name == DRAFTER_PREFILL_GRAPH
-    return entry.name == VQ_DECODE_GRAPH or (drafter if weight_bits is None else drafter_only and not drafter)
-
-
 QUANTIZED_OPS = ("MatMul", "Gemm")
-# Weight-only bundles: the dtype per weight width; weights in blocks of 32 along the input, one
-# fp32 scale per block; accuracy level 4 lets onnxruntime quantize each activation block to int8
-# as it runs and use int8 dot products (VNNI/AMX), the level its CPU kernels are fastest at.
-WEIGHT_ONLY_DTYPE = {4: "int4-weights", 8: "int8-weights"}  # bundle.WEIGHT_ONLY_DTYPES
-# the target's graphs as they were (fp32), the drafter's weight-only
-DRAFTER_WEIGHT_ONLY_DTYPE = {4: "int4-drafter", 8: "int8-drafter"}
-WEIGHT_BLOCK = 32
-WEIGHT_ONLY_ACCURACY_LEVEL = 4
 MAX_SAMPLES_PER_GRAPH = 32  # recorded calls kept per graph (a demo target step: ~4 MB each)
 # and at most this many bytes of them (at least one call). A demo step at B = 1 takes 12 MB a
 # call (8 of them its neighbour table), so 21 calls; at B = 32 126 MB, so 2: 32 calls of each
@@ -158,13 +139,11 @@ class Recorder:
         limit: int = MAX_SAMPLES_PER_GRAPH,
         seed: int = 0,
         max_bytes: int = MAX_RECORDED_BYTES_PER_GRAPH,
-        weight_bits: int | None = None,
-        drafter_only: bool = False,
+        quantization: Quantization = Quantization(),
     ):
         self.inner: RunnerFactory | None = inner
         self.limit, self.max_bytes, self._rng = limit, max_bytes, random.Random(seed)
-        # which graphs are quantized, so recorded (kept_fp32)
-        self.weight_bits, self.drafter_only = weight_bits, drafter_only
+        self.quantization = quantization  # the graphs it quantizes are the ones recorded
         self.samples: dict[str, RecordedCalls] = {}
         self.calls: dict[str, int] = {}
         self.limits: dict[str, int] = {}  # per graph: calls kept
@@ -176,7 +155,7 @@ class Recorder:
 
     def __call__(self, bundle: Bundle, entry: GraphEntry) -> GraphRunner:
         runner = self.inner(bundle, entry)
-        if kept_fp32(entry, self.weight_bits, self.drafter_only):
+        if self.quantization.kept(entry):
             return runner
         if entry.name not in self.samples:
             self.samples[entry.name] = RecordedCalls([spec.name for spec in entry.inputs])
@@ -298,17 +277,14 @@ def record_inputs(
     threads: int = 0,
     progress: bool = False,
     prompts: Sequence[str] = (),
-    weight_bits: int | None = None,
-    drafter_only: bool = False,
+    quantization: Quantization = Quantization(),
 ) -> Recorder:
     """Generate ``samples`` images (sampling as :func:`bundle_sampling` says) with every pipeline of
     :func:`pipelines`, at each of the bundle's batch sizes, through a :class:`Recorder` of the
-    graphs to quantize with ``weight_bits`` and ``drafter_only`` (:func:`kept_fp32`); each of them
+    graphs that ``quantization`` quantizes (:meth:`Quantization.kept`); each of them
     must see calls. A prompt-conditioned bundle takes ``prompts``. The recorder comes back
     closed: no session of the bundle stays open."""
-    recorder = Recorder(
-        ort_runner(threads, [CPU]), seed=seed, weight_bits=weight_bits, drafter_only=drafter_only
-    )
+    recorder = Recorder(ort_runner(threads, [CPU]), seed=seed, quantization=quantization)
     sampling = bundle_sampling(bundle)
     labels = conditions(bundle, samples, prompts)
     every = [p for b in bundle.constants.batch_sizes for p in pipelines(bundle, method, recorder, b).values()]
@@ -328,14 +304,13 @@ def quantize_graph(
     dst: Path,
     samples: Sequence[dict[str, np.ndarray]],
     vocab: int | None,
-    weight_bits: int | None = None,
-    weight_only: WeightOnly | None = None,
+    quantization: Quantization = Quantization(),
 ) -> int:
     """Write ``src`` with Q/DQ on the inputs of its weight MatMul/Gemm nodes but the output
-    head (``vocab`` outputs; None: the head too), calibrated on ``samples`` (min/max, symmetric), or with
-    ``weight_bits`` those nodes' weights alone (:func:`quantize_weights`), or with
-    ``weight_only`` in TensorRT's weight-only form (:func:`write_weight_only`); -> the number of
-    products quantized. Raises :class:`CalibrationError` if it breaks a rule.
+    head (``vocab`` outputs; None: the head too), calibrated on ``samples`` (min/max, symmetric), or
+    with ``quantization``'s MatMulNBits weights those nodes' weights alone
+    (:func:`quantize_weights`), or in TensorRT's weight-only form (:func:`write_weight_only`);
+    -> the number of products quantized. Raises :class:`CalibrationError` if it breaks a rule.
 
     A Q/DQ graph whose weights lie in an external file is written so too, and its quantization
     holds at most two copies of them: the products are chosen reading one weight at a time,
@@ -343,7 +318,8 @@ def quantize_graph(
     quantizer loads its own (:func:`_quantize`)."""
     model = onnx.load(str(src), load_external_data=False)
     external = any(external_data_helper.uses_external_data(t) for t in model.graph.initializer)
-    if weight_only is not None or weight_bits is not None or transposed_weights(model.graph):
+    weight_only, weight_bits = quantization.weight_only, quantization.weight_bits
+    if quantization.bits is not None or transposed_weights(model.graph):
         external_data_helper.load_external_data_for_model(model, str(src.parent))
     folded = fold_weight_transposes(model)
     nodes = weight_nodes(model, vocab, src.parent)
@@ -384,24 +360,6 @@ def write_weight_only(
     if problems:
         raise CalibrationError(f"{dst.stem}: {problems[0]}")
     return len(nodes)
-
-
-def quantized_dtype(
-    weight_bits: int | None, weight_only: WeightOnly | None = None, drafter_only: bool = False
-) -> str:
-    """The dtype of a quantized bundle (or graph): ``weight_only``'s, else ``int8`` (Q/DQ)
-    without ``weight_bits``, else the MatMulNBits one, of the drafter alone with
-    ``drafter_only``; :class:`CalibrationError` for a width other than 4 or 8, or
-    ``drafter_only`` without ``weight_bits``."""
-    if drafter_only and (weight_bits is None or weight_only is not None):
-        raise CalibrationError("only the MatMulNBits form (--weights-only) quantizes the drafter alone")
-    if weight_only is not None:
-        return weight_only.dtype
-    if weight_bits is None:
-        return "int8"
-    if weight_bits not in WEIGHT_ONLY_DTYPE:
-        raise CalibrationError(f"weights are quantized to 4 or 8 bits, not {weight_bits}")
-    return (DRAFTER_WEIGHT_ONLY_DTYPE if drafter_only else WEIGHT_ONLY_DTYPE)[weight_bits]
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> int:
@@ -617,26 +575,22 @@ def calibrate_bundle(
     overwrite: bool = False,
     progress: bool = False,
     prompts: Sequence[str] = (),
-    weight_bits: int | None = None,
-    weight_only: WeightOnly | None = None,
-    drafter_only: bool = False,
+    quantization: Quantization = Quantization(),
 ) -> dict[str, Any]:
     """Write an int8 Q/DQ copy of the fp32 ``bundle`` at ``out`` (temporary folder, then rename),
     calibrated on ``samples`` generated images per pipeline (default method: lantern++ when the
-    bundle has a drafter), or with ``weight_bits`` (4 or 8) a weight-only copy (MatMulNBits; with
-    ``drafter_only`` of the drafter's graphs alone, its head included, the target's kept as they
-    were), or of an fp16 ``bundle`` with ``weight_only`` TensorRT's weight-only copy; compare it with
-    ``bundle`` on ``validate`` images (default: one per class, or per prompt of a
-    prompt-conditioned bundle, which takes ``prompts``) before the rename, so that a failed
+    bundle has a drafter), or the copy ``quantization`` says: MatMulNBits weights (of the
+    drafter's graphs alone, its head included, with ``drafter_only``), or of an fp16 ``bundle``
+    TensorRT's weight-only form; compare it with ``bundle`` on ``validate`` images (default: one
+    per class, or per prompt of a prompt-conditioned bundle, which takes ``prompts``) before
+    the rename, so that a failed
     comparison leaves nothing at ``out``, and return the report (see :func:`validation` and
     :func:`markdown_table`; the copy is named by its dtype, ``report["dtype"]``, the source by
     its own, ``report["source"]``)."""
     out = Path(out)
-    if weight_bits is not None and weight_only is not None:
-        raise CalibrationError("choose MatMulNBits (--weights-only) or TensorRT's form (--weights), not both")
-    dtype = quantized_dtype(weight_bits, weight_only, drafter_only)
-    _check_source(bundle, weight_only)
-    if drafter_only and not bundle.has_drafter:
+    dtype = quantization.dtype
+    _check_source(bundle, quantization)
+    if quantization.drafter_only and not bundle.has_drafter:
         raise CalibrationError(
             f"{bundle.path} has no drafter graphs to quantize: drop the drafter-only choice"
         )
@@ -648,13 +602,10 @@ def calibrate_bundle(
         raise CalibrationError(f"{out} already exists; choose another folder or overwrite it")
     labels = conditions(bundle, validate, prompts)  # refuses a mismatch before any work
     method = method or calibration_method(bundle)
-    bits = weight_only.bits if weight_only is not None else weight_bits
-    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, bits, drafter_only)
+    recorder = record_inputs(bundle, samples, method, seed, threads, progress, prompts, quantization)
     with staged_bundle(out) as tmp:
-        graphs = _write_graphs(bundle, recorder, tmp, weight_bits, weight_only, drafter_only)
-        manifest = _quantized_manifest(
-            bundle, graphs, recorder, method, samples, seed, weight_bits, weight_only, drafter_only
-        )
+        graphs = _write_graphs(bundle, recorder, tmp, quantization)
+        manifest = _quantized_manifest(bundle, graphs, recorder, method, samples, seed, quantization)
         write_manifest(tmp, manifest)
         quantized = open_bundle(tmp)
         agreement = graph_agreement(bundle, quantized, recorder, threads)
@@ -671,10 +622,11 @@ def calibrate_bundle(
     return report
 
 
-def _check_source(bundle: Bundle, weight_only: WeightOnly | None) -> None:
-    """:class:`CalibrationError` unless ``bundle`` is what the quantization is made from: an fp32
+def _check_source(bundle: Bundle, quantization: Quantization) -> None:
+    """:class:`CalibrationError` unless ``bundle`` is what ``quantization`` is made from: an fp32
     bundle, or for TensorRT's weight-only form an fp16 one that TensorRT can build whose weights
-    take ``weight_only``'s blocks (checked before any image is generated)."""
+    take that form's blocks (checked before any image is generated)."""
+    weight_only = quantization.weight_only
     if weight_only is None:
         if bundle.dtype != "fp32":
             raise CalibrationError(f"{bundle.path} is a {bundle.dtype} bundle; calibrate an fp32 bundle")
@@ -690,7 +642,7 @@ def _check_source(bundle: Bundle, weight_only: WeightOnly | None) -> None:
             "export it again without --cache-in-place"
         )
     for name, entry in bundle.graphs.items():
-        if kept_fp32(entry, weight_only.bits):
+        if quantization.kept(entry):
             continue
         model = onnx.load(str(bundle.file(entry)))
         fold_weight_transposes(model)
@@ -747,24 +699,20 @@ def _write_graphs(
     bundle: Bundle,
     recorder: Recorder,
     tmp: Path,
-    weight_bits: int | None,
-    weight_only: WeightOnly | None,
-    drafter_only: bool = False,
+    quantization: Quantization,
 ) -> dict[str, Any]:
-    """Quantized graphs (Q/DQ, ``weight_bits`` weights or ``weight_only``'s form; with
-    ``drafter_only`` the drafter's, heads included), the graphs kept as they were (a graph of
-    TensorRT's form with no weight to quantize among them), copies of the other files in
-    ``tmp``, all the graphs' weights in one shared file again; the new manifest's graph entries."""
+    """The graphs ``quantization`` quantizes, quantized, the others kept as they were (and a
+    graph of TensorRT's form with no weight to quantize), copies of the other files in ``tmp``,
+    all the graphs' weights in one shared file again; the new manifest's graph entries."""
     raw = bundle.manifest()["graphs"]
-    vocab = None if drafter_only else bundle.constants.vocab_size
-    bits = weight_only.bits if weight_only is not None else weight_bits
+    vocab = quantization.head_vocab(bundle.constants.vocab_size)
     graphs = {}
     for name, entry in bundle.graphs.items():
         src, dst = bundle.file(entry), tmp / entry.file
         made = (
             0
-            if kept_fp32(entry, bits, drafter_only)
-            else quantize_graph(src, dst, recorder.samples[name], vocab, weight_bits, weight_only)
+            if quantization.kept(entry)
+            else quantize_graph(src, dst, recorder.samples[name], vocab, quantization)
         )
         if not made:
             onnx.save(onnx.load(str(src)), str(dst))  # its weights inline, until shared below
@@ -776,7 +724,7 @@ def _write_graphs(
         kept = {k: v for k, v in raw[name].items() if k != "max_abs_err"}  # that was fp32 vs torch
         graphs[name] = {
             **kept,
-            "precision": quantized_dtype(weight_bits, weight_only),
+            "precision": quantization.graph_precision,
             "calibration_samples": len(recorder.samples[name]),
         }
     share_weights([tmp / entry.file for entry in bundle.graphs.values()], tmp / WEIGHTS)
@@ -793,34 +741,21 @@ def _quantized_manifest(
     method: MethodConfig,
     samples: int,
     seed: int,
-    weight_bits: int | None,
-    weight_only: WeightOnly | None,
-    drafter_only: bool = False,
+    quantization: Quantization,
 ) -> dict[str, Any]:
     """The source's manifest with the quantized graphs and what the calibration did (its
     ``files`` are :func:`~lantern_rt.bundle.write_manifest`'s)."""
-    tool = f"onnxruntime.quantization {ort.__version__}"
-    if weight_only is not None:
-        scheme, tool = weight_only.scheme(), f"lantern_rt.calibration.weight_only, onnx {onnx.__version__}"
-    elif weight_bits is None:
-        scheme = "QDQ int8, symmetric (zero points 0), per-channel weights, min/max activations"
-    else:
-        scheme = (
-            f"MatMulNBits: {weight_bits}-bit symmetric weights in blocks of {WEIGHT_BLOCK}, "
-            f"accuracy level {WEIGHT_ONLY_ACCURACY_LEVEL}; activations not quantized ahead of time"
-            + (
-                "; the drafter's graphs alone, its output head included, the target's as they were"
-                if drafter_only
-                else ""
-            )
-        )
-    dtype = quantized_dtype(weight_bits, weight_only, drafter_only)
-    new = {**source.manifest(), "dtype": dtype, "graphs": graphs}
+    tool = (
+        f"onnxruntime.quantization {ort.__version__}"
+        if quantization.weight_only is None
+        else f"lantern_rt.calibration.weight_only, onnx {onnx.__version__}"
+    )
+    new = {**source.manifest(), "dtype": quantization.dtype, "graphs": graphs}
     new["versions"] = {**source.versions, "onnxruntime": ort.__version__}
     new["calibration"] = {
         "source_manifest_sha256": source.manifest_sha256,
         "tool": tool,
-        "scheme": scheme,
+        "scheme": quantization.scheme(),
         "ops": [f"{op} with constant weights" for op in QUANTIZED_OPS],
         "method": method.method,
         "params": method.params(),

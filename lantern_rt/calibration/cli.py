@@ -125,6 +125,7 @@ def calibrate_cmd(
     see while generating, or (--weights-only, --weights) their weights alone, and compare the
     result with BUNDLE on onnxruntime."""
     from lantern_rt.calibration.calibrate import calibrate_bundle, markdown_table
+    from lantern_rt.calibration.quantization import Quantization
     from lantern_rt.calibration.weight_only import WeightOnly
     from lantern_rt.families.loading import open_bundle
     from lantern_rt.settings import MethodConfig
@@ -138,8 +139,12 @@ def calibrate_cmd(
         raise UserError(
             "--drafter-only quantizes the drafter's weights: add --weights-only 4 or 8, or drop it"
         )
-    weight_only = (
-        None if weight_format is None else WeightOnly.named(weight_format, block_size or DEFAULT_BLOCK)
+    quantization = Quantization(
+        weight_bits=None if weight_bits is None else int(weight_bits),
+        weight_only=None
+        if weight_format is None
+        else WeightOnly.named(weight_format, block_size or DEFAULT_BLOCK),
+        drafter_only=drafter_only,
     )
     config = None if method is None else MethodConfig(method)
     prompts = read_prompts((), prompts_file) if prompts_file is not None else []
@@ -155,9 +160,7 @@ def calibrate_cmd(
         overwrite=force,
         progress=not quiet,
         prompts=prompts,
-        weight_bits=None if weight_bits is None else int(weight_bits),
-        weight_only=weight_only,
-        drafter_only=drafter_only,
+        quantization=quantization,
     )
     click.echo(markdown_table(report))
     if report_json is not None:
