@@ -59,15 +59,13 @@ def guided_rows(images: int, guided: bool) -> int:
 TOPK_LIMIT = 3840
 
 
-def filter_logits(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int
-) -> Tensor:
-    """Temperature, then top-k (0 = off), then top-p applied to logits [B, ..., V]; removed
-    entries are -inf. The settings are tensors, each image's [B] (or [1]: every image's), so
-    that a fixed-shape graph can take them as inputs.
+def filter_logits(logits: Tensor, temperature: Tensor, k: Tensor, p: Tensor, sort_width: int) -> Tensor:
+    """Temperature, then top-k (``k``; 0 = off), then top-p (``p``; 1 = off) applied to logits
+    [B, ..., V]; removed entries are -inf. The settings are tensors, each image's [B] (or [1]:
+    every image's), so that a fixed-shape graph can take them as inputs (:class:`FilterInputs`).
 
     Tokens are kept by value: at least the k-th largest logit, and at least the smallest of the
-    fewest largest whose mass reaches ``top_p`` (tokens tied with a threshold all stay). Both
+    fewest largest whose mass reaches ``p`` (tokens tied with a threshold all stay). Both
     thresholds are read from the ``sort_width`` largest logits: exact when ``sort_width`` is V,
     or top-k is on and at most ``sort_width`` (see :func:`check_sort_width`).
 
@@ -75,26 +73,27 @@ def filter_logits(
     on: its sort costs more than the rest of a drafter level. Eager code always filters (a
     no-op when both are off), as a CUDA-graph capture needs: ``torch.cond`` would sync.
     """
-    temperature, top_k, top_p = (per_row(t, logits) for t in (temperature, top_k, top_p))
+    temperature, k, p = (per_row(t, logits) for t in (temperature, k, p))
     logits = logits.float() / temperature
     if not torch.compiler.is_exporting():
-        return _top_k_top_p(logits, top_k, top_p, sort_width)
-    on = ((top_k > 0) | (top_p < 1.0)).any()  # any image's filter on: each row filters as it says
-    return torch.cond(on, partial(_top_k_top_p, sort_width=sort_width), _unfiltered, (logits, top_k, top_p))
+        return _keep_top(logits, k, p, sort_width)
+    on = ((k > 0) | (p < 1.0)).any()  # any image's filter on: each row filters as it says
+    return torch.cond(on, partial(_keep_top, sort_width=sort_width), _unfiltered, (logits, k, p))
 
 
-def _top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, sort_width: int) -> Tensor:
+def _keep_top(logits: Tensor, k: Tensor, p: Tensor, sort_width: int) -> Tensor:
+    """The top-k, then top-p, filter of :func:`filter_logits` on tempered logits."""
     top = torch.topk(logits, sort_width, dim=-1).values  # descending
-    index = (top_k.clamp(1, sort_width) - 1).expand(*top.shape[:-1], 1)
-    kth = torch.where(top_k > 0, top.gather(-1, index), float("-inf"))
+    index = (k.clamp(1, sort_width) - 1).expand(*top.shape[:-1], 1)
+    kth = torch.where(k > 0, top.gather(-1, index), float("-inf"))
     logits = logits.masked_fill(logits < kth, float("-inf"))
     top = top.masked_fill(top < kth, float("-inf"))
     mass = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
     before = torch.cumsum(mass, dim=-1) - mass  # the mass of the larger logits
-    kept = before <= top_p
+    kept = before <= p
     smallest = torch.where(kept, top, float("inf")).amin(dim=-1, keepdim=True)
     # top-p off keeps every token top-k kept, beyond the sort width too (a no-op when both are off)
-    smallest = torch.where(top_p >= 1.0, float("-inf"), smallest)
+    smallest = torch.where(p >= 1.0, float("-inf"), smallest)
     return logits.masked_fill(logits < smallest, float("-inf"))
 
 
@@ -112,7 +111,7 @@ def check_sort_width(cfg: SamplingConfig, vocab: int, sort_width: int) -> None:
             f"top-k {cfg.top_k} is above {sort_width}, the most this runtime's drafter keeps for a "
             f"vocabulary of {vocab}: use {option('top_k', sort_width)} or less"
         )
-    if cfg.top_p < 1.0 and cfg.top_k == 0:
+    if cfg.filters and cfg.top_k == 0:  # top-p alone
         raise SamplingError(
             f"top-p on a vocabulary of {vocab} needs a top-k of at most {sort_width} as well: add "
             f"{option('top_k')}"
