@@ -1,83 +1,34 @@
 """A pipeline and its assembly: what turns conditions into images on one backend (:class:`Pipeline`),
-the one assembly of a :class:`~lantern_rt.runtime.decode.Speculation`, and each kind of backend's
-pipeline: torch's over a model directory's models, a bundle's over an engine's graph runners.
+and each kind of backend's pipeline: torch's over a model directory's models, a bundle's over an
+engine's graph runners (its decode streams from :func:`~lantern_rt.runtime.backends.bundle_graphs.bundle_stream`).
 The backend registry (:mod:`lantern_rt.backends`) builds through these, for a plan that
 :func:`lantern_rt.settings.resolve` checked; :func:`lantern_rt.pipeline.build_pipeline` is the
 entry point."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from lantern_rt.bundle import BatchGraphs, Bundle
+from lantern_rt.bundle import Bundle
 from lantern_rt.errors import option, warn
 from lantern_rt.families.loading import bundle_info, load_drafter, load_neighbors, load_target, load_vq
 from lantern_rt.families.registry import family_named
-from lantern_rt.models.config import ConfigError, GPTConfig
+from lantern_rt.models.config import ConfigError
 from lantern_rt.models.model_dir import ModelDir
 from lantern_rt.models.target import grid_codes
-from lantern_rt.runtime.backends.base import Drafter, TargetBackend
-from lantern_rt.runtime.backends.bundle_graphs import (
-    BundleDrafter,
-    BundleTarget,
-    BundleVQDecoder,
-    RunnerFactory,
-    bundle_trees,
-)
+from lantern_rt.runtime.backends.base import TargetBackend
+from lantern_rt.runtime.backends.bundle_graphs import BundleVQDecoder, RunnerFactory, bundle_stream
 from lantern_rt.runtime.backends.torch_backend import TorchDrafter, TorchTarget
 from lantern_rt.runtime.decode import Condition, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
-from lantern_rt.runtime.jacobi import JacobiDrafter
 from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.run_shape import RunShape
+from lantern_rt.runtime.speculation import jacobi_speculation, speculation
 from lantern_rt.runtime.streams import Stream, cpu_streams, stream_threads
-from lantern_rt.runtime.tree import StaticTree, load_tree
-
-
-def speculation(
-    drafter: Drafter,
-    tree: StaticTree,
-    method: MethodConfig,
-    neighbors: torch.Tensor | Callable[[int], torch.Tensor],
-    device: torch.device | str,
-) -> Speculation:
-    """A speculative ``method``'s drafter, tree, acceptance rule and neighbour table on
-    ``device``: ``neighbors`` itself (a bundle's whole table, which its acceptance graphs take
-    whatever the method), or ``neighbors(k)`` for the relaxed methods (none for exact)."""
-    relax = method.relaxation()
-    if isinstance(neighbors, torch.Tensor):
-        table = neighbors.to(device)
-    else:
-        table = neighbors(relax.k).to(device) if relax.relaxed else None
-    return Speculation(drafter, tree, relax, table)
-
-
-def jacobi_speculation(
-    target: TargetBackend,
-    gpt: GPTConfig,
-    tree: StaticTree,
-    method: MethodConfig,
-    neighbors: torch.Tensor | Callable[[int], torch.Tensor],
-) -> Speculation:
-    """A Jacobi ``method``'s window (``tree``, a chain or a pac tree) with its coupling over
-    ``target``'s batch and cache, on the target's device: no drafter (docs/method.md §11)."""
-    cache = target.cache
-    row = gpt.grid_size + gpt.row_end  # tokens per image row: the spatial drafts' "above"
-    window = JacobiDrafter(
-        tree,
-        cache.images,
-        gpt.vocab_size,
-        cache.capacity,
-        target.cls_token_num,
-        row,
-        cache.length.device,
-        method.drafts_coupling,
-    )
-    return speculation(window, tree, method, neighbors, cache.length.device)
+from lantern_rt.runtime.tree import load_tree
 
 
 @dataclass
@@ -170,42 +121,29 @@ def torch_pipeline(
 
 
 def bundle_pipeline(
-    graphs: BatchGraphs, method: MethodConfig, runner: RunnerFactory, backend: str
+    bundle: Bundle, batch: int, method: MethodConfig, runner: RunnerFactory, backend: str, streams: int = 1
 ) -> Pipeline:
-    """A bundle's graphs for one batch size (:meth:`Bundle.batch`) run by an engine's graph
-    runners (``backend`` names it); no torch model is built."""
-    bundle = graphs.bundle
+    """A bundle's graphs for ``batch`` images a step run by an engine's graph runners
+    (``backend`` names it) in ``streams`` decode streams; no torch model is built."""
     info = bundle_info(bundle)
-    first = bundle_stream(graphs, method, runner, backend)
-    target = first.target
-    decoder = BundleVQDecoder(bundle, runner)
-    condition = family_named(info.family).bundle_conditioner(bundle, runner, target.cache.k.device, warn)
+    first, *more = (bundle_stream(bundle, batch, method, runner, backend) for _ in range(streams))
+    device = first.target.cache.k.device
+    if streams > 1 and device.type != "cpu":
+        raise ConfigError(
+            f"{option('streams')} shares out CPU cores; this pipeline runs on {device}: use "
+            f"{option('streams', 1)} (and a larger {option('batch_size')})"
+        )
     return Pipeline(
         info=info,
         backend=backend,
-        target=target,
+        target=first.target,
         speculation=first.speculation,
-        condition=condition,
-        decode_codes=decoder.decode,
+        condition=family_named(info.family).bundle_conditioner(bundle, runner, device, warn),
+        decode_codes=BundleVQDecoder(bundle, runner).decode,
         method=method,
-        device=str(target.cache.k.device),
+        device=str(device),
+        more_streams=tuple(more),
     )
-
-
-def bundle_stream(graphs: BatchGraphs, method: MethodConfig, runner: RunnerFactory, backend: str) -> Stream:
-    """The target (its own cache) and the speculation ``method`` runs over a bundle's graphs for
-    one batch size: what a decode stream holds."""
-    bundle = graphs.bundle
-    target = BundleTarget(graphs, runner, backend)
-    spec = None
-    if method.jacobi:
-        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
-        spec = jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors())
-    elif method.method != "ar":
-        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
-        drafter = BundleDrafter(graphs, runner, backend)
-        spec = speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device)
-    return Stream(target, spec)
 
 
 def onnxruntime_pipeline(
@@ -228,18 +166,10 @@ def onnxruntime_pipeline(
         streams = 1
         if default_providers()[0] != CUDA:
             streams, threads = cpu_streams(shape, threads, images)
-    graphs = bundle.batch(shape.batch_size)
     # one stream calls its sessions alone: their pools may spin within a call (not measured
     # shared by several streams)
     runner = ort_runner(stream_threads(threads, streams), spin=streams == 1)
-    pipe = bundle_pipeline(graphs, method, runner, "onnxruntime")
-    if streams > 1 and pipe.device != "cpu":
-        raise ConfigError(
-            f"{option('streams')} shares out CPU cores; this pipeline runs on {pipe.device}: use "
-            f"{option('streams', 1)} (and a larger {option('batch_size')})"
-        )
-    more = tuple(bundle_stream(graphs, method, runner, "onnxruntime") for _ in range(streams - 1))
-    return dataclasses.replace(pipe, more_streams=more)
+    return bundle_pipeline(bundle, shape.batch_size, method, runner, "onnxruntime", streams)
 
 
 def openvino_pipeline(
@@ -259,8 +189,5 @@ def openvino_pipeline(
     check_runnable(bundle)
     streams, threads = cpu_streams(shape, threads, images)
     stream_threads(threads, streams)  # raises for fewer threads than streams
-    graphs = bundle.batch(shape.batch_size)
     runner = ov_runner(threads, streams)
-    pipe = bundle_pipeline(graphs, method, runner, "openvino")
-    more = tuple(bundle_stream(graphs, method, runner, "openvino") for _ in range(streams - 1))
-    return dataclasses.replace(pipe, more_streams=more)
+    return bundle_pipeline(bundle, shape.batch_size, method, runner, "openvino", streams)

@@ -138,7 +138,7 @@ def _tensorrt(
     from lantern_rt.engines.runner import trt_runner
 
     runner = trt_runner(source, cuda_graphs=options.cuda_graphs)  # type: ignore[arg-type]
-    return bundle_pipeline(source.batch(shape.batch_size), method, runner, "tensorrt")  # type: ignore[union-attr]
+    return bundle_pipeline(source, shape.batch_size, method, runner, "tensorrt")  # type: ignore[arg-type]
 
 
 def _require_tensorrt() -> object:

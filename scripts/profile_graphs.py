@@ -59,9 +59,7 @@ def main() -> None:
         return make
 
     for profile in (False, True):
-        pipe = bundle_pipeline(
-            bundle.batch(1), MethodConfig(method=args.method), runner(profile), "onnxruntime"
-        )
+        pipe = bundle_pipeline(bundle, 1, MethodConfig(method=args.method), runner(profile), "onnxruntime")
         t0 = time.perf_counter()
         generate(pipe, labels, SamplingConfig(cfg_scale=3.0), progress=False)
         if not profile:

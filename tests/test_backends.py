@@ -58,9 +58,7 @@ TOY_CALLS: list[str] = []
 
 def toy_pipeline(source: Bundle, method: MethodConfig, shape: RunShape, options: EngineOptions) -> Pipeline:
     """The toy engine's pipeline: the bundle's graphs for the batch size, run by :class:`ToyGraph`."""
-    return bundle_pipeline(
-        source.batch(shape.batch_size), method, lambda b, e: ToyGraph(b, e, TOY_CALLS), "toy"
-    )
+    return bundle_pipeline(source, shape.batch_size, method, lambda b, e: ToyGraph(b, e, TOY_CALLS), "toy")
 
 
 TOY = Backend("toy", "onnxruntime", "pip install onnxruntime", frozenset({BUNDLE}), toy_pipeline)

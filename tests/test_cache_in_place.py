@@ -187,7 +187,7 @@ def test_graph_outputs_in_another_order_decode_the_same_tokens(bundles, in_place
     method = MethodConfig("lantern++", tree=CHAIN, k=5)
     got, want = (
         generate(
-            bundle_pipeline(bundles[in_place].batch(2), method, make, "onnxruntime"),
+            bundle_pipeline(bundles[in_place], 2, method, make, "onnxruntime"),
             [0, 1, 2],
             GREEDY,
             seed=7,

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from lantern_rt.assembly import jacobi_speculation
 from lantern_rt.bundle import Bundle, BundleError, step_windows, window_needed
 from lantern_rt.export.exporter import export_bundle
 from lantern_rt.families.loading import open_model_dir
@@ -22,6 +21,7 @@ from lantern_rt.runtime.decode import decode_images
 from lantern_rt.runtime.kv_cache import KVCache, cache_windows
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.speculation import jacobi_speculation
 from lantern_rt.runtime.tree import ROOT_ONLY, load_tree
 from lantern_rt.settings import MethodConfig
 from tests.conftest import tiny_gpt, tiny_vq, write_model_dir

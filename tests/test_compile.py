@@ -173,7 +173,7 @@ def test_generate_compile_reports_its_compile_time_once(tiny_model_dir, tmp_path
 def test_compiled_jacobi_steps_give_eager_tokens(tree, coupling):
     """sjd (a Jacobi window, no drafter; a chain or a pac tree, its coupling's state updated in
     place) compiles whole too: eager's greedy tokens."""
-    from lantern_rt.assembly import jacobi_speculation
+    from lantern_rt.runtime.speculation import jacobi_speculation
     from lantern_rt.settings import MethodConfig
 
     model = tiny_gpt()

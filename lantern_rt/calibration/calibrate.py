@@ -56,7 +56,7 @@ from onnxruntime.quantization.calibrate import save_tensors_data
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 from torch import Tensor
 
-from lantern_rt.assembly import Pipeline, bundle_pipeline, jacobi_speculation, speculation
+from lantern_rt.assembly import Pipeline, bundle_pipeline
 from lantern_rt.bundle import (
     WEIGHTS,
     Bundle,
@@ -83,6 +83,7 @@ from lantern_rt.runtime.backends.bundle_graphs import (
 )
 from lantern_rt.runtime.backends.onnxruntime_backend import CPU, ort_runner, session_options
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.speculation import jacobi_speculation, speculation
 from lantern_rt.settings import MethodConfig, calibration_method, default_sampling
 from lantern_rt.shared_weights import share_weights
 from lantern_rt.stats import GenerationStats
@@ -228,8 +229,7 @@ def pipelines(
     """An ``ar`` pipeline and, for a speculative ``method``, one per tree of the bundle (a Jacobi
     method: per chain with a verify graph), all on one set of graph runners, ``batch`` images
     per step."""
-    graphs = bundle.batch(batch)
-    ar = bundle_pipeline(graphs, MethodConfig("ar"), runner, "onnxruntime")
+    ar = bundle_pipeline(bundle, batch, MethodConfig("ar"), runner, "onnxruntime")
     if method.method == "ar":
         return {"ar": ar}
     if method.jacobi:
@@ -248,7 +248,7 @@ def pipelines(
         } | {"ar": ar}
     if not bundle.has_drafter:
         raise CalibrationError(f"{bundle.path} has no drafter graphs: use method ar")
-    drafter = BundleDrafter(graphs, runner, "onnxruntime")
+    drafter = BundleDrafter(bundle.batch(batch), runner, "onnxruntime")
     return {
         name: dataclasses.replace(
             ar,

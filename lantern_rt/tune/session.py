@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lantern_rt.assembly import Pipeline, jacobi_speculation, speculation
+from lantern_rt.assembly import Pipeline
 from lantern_rt.bundle import Bundle
 from lantern_rt.families.loading import bundle_info, load_neighbors
 from lantern_rt.generate import image_job
@@ -29,6 +29,7 @@ from lantern_rt.runtime.acceptance import Verified
 from lantern_rt.runtime.decode import Speculation, StepCache, decode_images
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
+from lantern_rt.runtime.speculation import jacobi_speculation, speculation
 from lantern_rt.runtime.tree import StaticTree, tree_to_json
 from lantern_rt.settings import MethodConfig, RunPlan
 

@@ -30,12 +30,15 @@ from lantern_rt.errors import option
 from lantern_rt.graph_spec import TensorSpec, dtype_name
 from lantern_rt.runtime.acceptance import RelaxInputs, Verified
 from lantern_rt.runtime.backends.base import CatchUp, Draft, DraftOutputs
-from lantern_rt.runtime.drafting import TreeDrafter
+from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, TreeDrafter
 from lantern_rt.runtime.jacobi import is_window
 from lantern_rt.runtime.kv_cache import KVCache
+from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import FilterInputs
-from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree
+from lantern_rt.runtime.speculation import jacobi_speculation, speculation
+from lantern_rt.runtime.streams import Stream
+from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree, load_tree
 
 
 class GraphRunner(Protocol):
@@ -328,3 +331,20 @@ def bundle_windows(bundle: Bundle) -> dict[str, StaticTree]:
     """The bundle's trees that can serve a Jacobi window (docs/method.md §11), by name: its chains
     and pac trees with a verify graph."""
     return {n: t for n, t in bundle_trees(bundle).items() if is_window(t) and bundle.trees[n].verify}
+
+
+def bundle_stream(
+    bundle: Bundle, batch: int, method: MethodConfig, runner: RunnerFactory, name: str
+) -> Stream:
+    """The target (its own cache) and the speculation ``method`` runs over a bundle's graphs for
+    ``batch`` images, on ``runner``'s engine (``name``): what a decode stream holds."""
+    graphs = bundle.batch(batch)
+    target = BundleTarget(graphs, runner, name)
+    if method.method == "ar":
+        return Stream(target)
+    if method.jacobi:
+        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
+        return Stream(target, jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors()))
+    tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
+    drafter = BundleDrafter(graphs, runner, name)
+    return Stream(target, speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device))
