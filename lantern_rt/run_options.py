@@ -23,7 +23,13 @@ from lantern_rt.backends import BACKENDS
 from lantern_rt.errors import option
 from lantern_rt.models.config import ConfigError
 from lantern_rt.runtime.method import COUPLINGS, DEFAULT_COUPLING, METHODS
-from lantern_rt.runtime.run_shape import AUTO_STREAMS_MAX, MAX_BATCH_SIZE, MAX_STREAMS
+from lantern_rt.runtime.run_shape import (
+    AUTO_STREAMS_MAX,
+    CACHE_WINDOWS,
+    MAX_BATCH_SIZE,
+    MAX_CACHE_WINDOWS,
+    MAX_STREAMS,
+)
 
 DEFAULT_WINDOW = 5  # a Jacobi window's draft positions, when neither window nor tree is given
 AUTO = "auto"  # the method of a run that names none: its tuning record's choice, else the defaults
@@ -154,6 +160,15 @@ class RunOptions:
         "for it: lantern export --batch-size).",
         minimum=1,
         maximum=MAX_BATCH_SIZE,
+    )
+    cache_windows: int = declared(
+        CACHE_WINDOWS,
+        "Windows of the KV cache a target step reads (docs/method.md §12): the step graphs per batch "
+        "size a model directory's first-use export writes (1: the fastest export, every step over the "
+        "whole cache), and the torch backend's; the tokens do not depend on it. A bundle keeps the "
+        "windows it was exported with (lantern export --cache-windows).",
+        minimum=1,
+        maximum=MAX_CACHE_WINDOWS,
     )
     streams: int | None = declared(
         1,

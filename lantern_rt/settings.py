@@ -141,7 +141,9 @@ def resolve(
     )
     mc.relaxation()  # validates k, delta and lambda
     sampling = default_sampling(info, options)
-    shape = RunShape(options.batch_size, sampling.guided, streams=options.streams)
+    shape = RunShape(
+        options.batch_size, sampling.guided, cache_windows=options.cache_windows, streams=options.streams
+    )
     plan = RunPlan(
         source,
         record.name,

@@ -24,7 +24,7 @@ TREE = "chain-2"
 
 @pytest.fixture(scope="module")
 def generator() -> lantern_rt.api.Generator:
-    return lantern_rt.load(batch_size=2, streams=1, threads=1, tree=TREE)
+    return lantern_rt.load(batch_size=2, streams=1, threads=1, tree=TREE, cache_windows=1)
 
 
 def alone(generator, label: int, seed: int, index: int) -> torch.Tensor:

@@ -304,7 +304,9 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
     model = write_model_dir(tmp_path / "model", target, tiny_vq())
     add_drafter(model, drafter)
     monkeypatch.setenv("LANTERN_CACHE", str(tmp_path / "cache"))
-    images = ["--classes", "0,3", "-n", "2", "-q", "--tree", FRESH_TREE]
+    # one cache window: the first-use export shared by generate, bench and generate-set, the
+    # quickest (windows: tests/test_cache_windows.py)
+    images = ["--classes", "0,3", "-n", "2", "-q", "--tree", FRESH_TREE, "--cache-windows", "1"]
 
     def generate(source: list[str], name: str, *extra: str) -> np.ndarray:
         out = tmp_path / f"{name}.npy"
@@ -324,7 +326,10 @@ def test_a_batch_size_alone_works_on_a_fresh_cache_and_from_export(trained_pair,
 
     want = generate(["--model", str(model)], "torch", "--backend", "torch")
     assert np.array_equal(generate(["--model", str(model)], "cached", "--batch-size", "2"), want)
-    bench = ["bench", "--model", str(model), "--tree", FRESH_TREE, "--config", "ar", "--config", "lantern++"]
+    cached = [Bundle.open(m.parent) for m in (tmp_path / "cache").glob("bundles/*/manifest.json")]
+    assert [len(b.constants.cache_windows) for b in cached] == [1]  # --cache-windows reached the export
+    bench = [*("bench", "--model", str(model), "--tree", FRESH_TREE, "--cache-windows", "1")]
+    bench += ["--config", "ar", "--config", "lantern++"]
     r = CliRunner().invoke(
         main, [*bench, "--batch-size", "2", "-n", "1", "--no-quality", "--out", str(tmp_path / "bench")]
     )

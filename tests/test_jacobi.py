@@ -476,6 +476,7 @@ def test_a_model_without_a_drafter_generates_with_sjd(family, request, tmp_path)
     model = request.getfixturevalue(fixture[family])
     assert "drafter" not in json.loads((model / "config.json").read_text())["files"]
     what = ["--class", "1"] if family == "c2i" else ["--prompt", "a red cat"]
+    what += ["--cache-windows", "1"]  # the quickest first-use export (windows: tests/test_cache_windows.py)
     ar, _ = cli_tokens(model, tmp_path, "ar", *what, "--backend", "torch")
     for backend in ("onnxruntime", "torch"):
         got, stats = cli_tokens(

@@ -99,7 +99,7 @@ from lantern_rt.sized_demo.sizes import SIZES
     help="Add rows for LlamaGen's own sampler loop (plain batched AR, torch eager) at each batch size. "
     "With --bundle it runs --model (default: the demo), the model the bundle was exported from.",
 )
-@run_options(*sampling_options(), "device", "threads", "cuda_graphs", "compile")
+@run_options(*sampling_options(), "device", "threads", "cuda_graphs", "compile", "cache_windows")
 @click.option("--no-quality", is_flag=True, help="Speed only: skip the classifier metrics and calibration.")
 @click.option(
     "--ar-seeds",

@@ -549,8 +549,9 @@ class BenchSettings:
     prompts: tuple[str, ...] = ()  # a text-to-image model's prompts (instead of classes)
     seed: int = 0
     warmup: int = 1
-    # every row's run options: its sampling, device, threads, CUDA graphs and compiled steps (the
-    # torch rows'); the backends, configs, trees, batch sizes and streams above and below set the rest
+    # every row's run options: its sampling, device, threads, CUDA graphs, compiled steps (the
+    # torch rows') and cache windows; the backends, configs, trees, batch sizes and streams above
+    # and below set the rest
     options: RunOptions = RunOptions()
     quality: bool = True
     ar_seeds: int = 2
