@@ -7,6 +7,7 @@ caches, masks and the VQ decoder's fixed batch—lives here once, for every engi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
@@ -300,11 +301,14 @@ class BundleDrafter(TreeDrafter):
 
 
 class BundleVQDecoder:
-    """The bundle's ``vq_decode`` graph: codes [N, grid^2] -> images [N, C, H, W] in about [-1, 1]."""
+    """The bundle's ``vq_decode`` graph: codes [N, grid^2] -> images [N, C, H, W] in about [-1, 1].
+    Safe to call from several threads at once (a server's requests decode their images while the
+    decode loop runs): one call runs the graph at a time, as its runner's buffers are its own."""
 
     def __init__(self, bundle: Bundle, runner: RunnerFactory):
         entry = bundle.graph(VQ_DECODE_GRAPH)
         self._graph = runner(bundle, entry)
+        self._lock = threading.Lock()
         self.batch = entry.inputs[0].shape[0]
 
     def decode(self, codes: Tensor) -> Tensor:
@@ -314,7 +318,8 @@ class BundleVQDecoder:
             chunk = codes[start : start + self.batch]
             padded = torch.zeros(self.batch, *codes.shape[1:], dtype=codes.dtype, device=codes.device)
             padded[: len(chunk)] = chunk
-            images.append(self._graph(codes=padded)["images"][: len(chunk)].clone())
+            with self._lock:  # the runner's input and output buffers hold one call's
+                images.append(self._graph(codes=padded)["images"][: len(chunk)].clone())
         return torch.cat(images)
 
 
