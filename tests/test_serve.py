@@ -3,7 +3,7 @@ talked to over HTTP as a client would (httpx, the openai package), checked again
 generate`` and against the server's own metrics.
 
 The servers run on the run's export cache (tests/conftest.py), where the demo is exported once
-for batch size 2 with the tree chain-2, for tests/test_api.py too: a fast server (lantern++) for equality,
+for batch size 2 with the tree chain-2 and one cache window, for tests/test_api.py too: a fast server (lantern++) for equality,
 concurrency, bad requests, metrics and the openai client, and a slow one (AR, a small queue and
 a short deadline) for what needs time to pass: joining a running batch, 429, 504, a client
 leaving, SIGTERM.
@@ -63,9 +63,13 @@ class Server:
         return 0.0
 
 
+SHAPE = ("--batch-size", "2", "--cache-windows", "1")
+
+
 def start_server(log: Path, *options: str) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "lantern_rt.cli", "serve", "--port", str(port), "--batch-size", "2"]
+    # the bundle of tests/test_api.py's generator (one cache window), exported once a run
+    command = [sys.executable, "-m", "lantern_rt.cli", "serve", "--port", str(port), *SHAPE]
     process = subprocess.Popen([*command, *options], stdout=log.open("w"), stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + 600  # the first start exports the demo
@@ -133,7 +137,7 @@ def test_same_images_as_lantern_generate(fast: Server, tmp_path: Path) -> None:
     out = tmp_path / "grid.png"
     subprocess.run(
         [sys.executable, "-m", "lantern_rt.cli", "generate", "--class", "3", "-n", "2", "--seed", "7"]
-        + ["--batch-size", "2", "--tree", TREE, "-q", "-o", str(out)],
+        + [*SHAPE, "--tree", TREE, "-q", "-o", str(out)],
         check=True,
         capture_output=True,
     )
