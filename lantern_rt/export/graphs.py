@@ -327,7 +327,7 @@ class TargetVerify(nn.Module):
         h, positions, mask, past = self._inputs(inputs)
         window = [t[..., : self.window, :] for t in past]
         past_k, past_v = _split_past(tuple(window))
-        logits, hidden, k, v = self.model.step(h, positions, mask, torch.stack(past_k), torch.stack(past_v))
+        logits, hidden, k, v = self.model.step(h, positions, mask, past_k, past_v)  # no stacked copy
         if self.scratch:  # the caches with each row's nodes written at its length
             slots = cfg_rows(inputs[1], self.rows)[:, None] + torch.arange(h.shape[1])
             index = slots[:, None, :, None].expand(*k.shape[1:])

@@ -10,6 +10,8 @@ prefix, 1D RoPE, per-head q/k norms), converted from its Hugging Face layout by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -452,11 +454,17 @@ class Transformer(nn.Module):
         return self.cls_embedding(cond, train=False)[:, : self.config.cls_token_num]
 
     def step(
-        self, h: Tensor, positions: Tensor, mask: Tensor, past_k: Tensor | None, past_v: Tensor | None
+        self,
+        h: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        past_k: Tensor | Sequence[Tensor] | None,
+        past_v: Tensor | Sequence[Tensor] | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One decode call over new embeddings ``h`` [B, S, dim] at ``positions`` [S] or [B, S].
 
-        ``past_k``/``past_v``: [n_layer, B, Hkv, P, D], or None for an empty cache (P = 0);
+        ``past_k``/``past_v``: [n_layer, B, Hkv, P, D] (or each layer's [B, Hkv, P, D] in a
+        sequence: no stacked copy of a large cache), or None for an empty cache (P = 0);
         ``mask``: bool [B or 1, 1, S, P + S]. Returns fp32 logits [B, S, V], the final-norm
         hidden state [B, S, dim] and the new keys/values [n_layer, B, Hkv, S, D] of these S
         positions.
