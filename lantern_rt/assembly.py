@@ -26,7 +26,7 @@ from lantern_rt.runtime.decode import Condition, Speculation, StepCache
 from lantern_rt.runtime.drafting import MAX_DRAFT_WIDTH, drafter_capacity
 from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.run_shape import RunShape
-from lantern_rt.runtime.speculation import jacobi_speculation, speculation
+from lantern_rt.runtime.speculation import method_speculation
 from lantern_rt.runtime.streams import Stream, cpu_streams, stream_threads
 from lantern_rt.runtime.tree import load_tree
 
@@ -82,26 +82,18 @@ def torch_pipeline(
     tree = None if method.method == "ar" else load_tree(method.tree, max_width=MAX_DRAFT_WIDTH)
     nodes = tree.num_nodes + 1 if tree else 1  # the K/V a verify writes into the cache
     target = TorchTarget(target_model, shape, scratch=nodes)
-    spec = None
-    if method.jacobi:
-        spec = jacobi_speculation(target, md.gpt, tree, method, lambda k: load_neighbors(md, k))
-    elif method.method != "ar":
-        drafter = load_drafter(md, method.drafter, device)
-        capacity = drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size)
-        spec = speculation(
-            TorchDrafter(
-                drafter,
-                target_model.output,
-                capacity,
-                shape,
-                prefix=md.gpt.cls_token_num - 1,
-                layout=md.gpt,
-            ),
-            tree,
-            method,
-            lambda k: load_neighbors(md, k),
-            device,
+    spec = drafter = None
+    if method.method != "ar" and not method.jacobi:  # a Jacobi window drafts without a drafter
+        drafter = TorchDrafter(
+            load_drafter(md, method.drafter, device),
+            target_model.output,
+            drafter_capacity(md.gpt.cls_token_num, md.gpt.block_size),
+            shape,
+            prefix=md.gpt.cls_token_num - 1,
+            layout=md.gpt,
         )
+    if tree is not None:
+        spec = method_speculation(target, md.gpt, tree, method, drafter, lambda k: load_neighbors(md, k))
 
     @torch.inference_mode()
     def decode_codes(codes: torch.Tensor) -> torch.Tensor:

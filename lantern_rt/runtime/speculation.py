@@ -52,3 +52,20 @@ def jacobi_speculation(
         method.drafts_coupling,
     )
     return speculation(window, tree, method, neighbors, cache.length.device)
+
+
+def method_speculation(
+    target: TargetBackend,
+    gpt: GPTConfig,
+    tree: StaticTree,
+    method: MethodConfig,
+    drafter: Drafter | None,
+    neighbors: Neighbors,
+) -> Speculation:
+    """A speculative ``method``'s speculation over ``target`` on ``tree``: the Jacobi window of
+    the tree for a Jacobi method (``drafter`` None), else ``drafter``, on the target's device."""
+    if method.jacobi:
+        return jacobi_speculation(target, gpt, tree, method, neighbors)
+    if drafter is None:
+        raise ValueError(f"{method.method} drafts with a drafter: pass one")
+    return speculation(drafter, tree, method, neighbors, target.cache.length.device)

@@ -37,7 +37,7 @@ from lantern_rt.runtime.kv_cache import KVCache
 from lantern_rt.runtime.method import MethodConfig
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import FilterInputs
-from lantern_rt.runtime.speculation import jacobi_speculation, speculation
+from lantern_rt.runtime.speculation import method_speculation
 from lantern_rt.runtime.streams import Stream
 from lantern_rt.runtime.tree import ROOT_ONLY, StaticTree, build_tree, load_tree
 
@@ -129,11 +129,6 @@ def cache_inputs(cache: KVCache) -> dict[str, Tensor]:
     }
 
 
-def kv_layers(entry: GraphEntry) -> int:
-    """Layers of a step graph: how many ``past_k_{i}`` inputs it declares."""
-    return sum(spec.name.startswith("past_k_") for spec in entry.inputs)
-
-
 def cache_for(
     entry: GraphEntry,
     graphs: BatchGraphs,
@@ -149,15 +144,15 @@ def cache_for(
     after the window, for graphs that write their rows into the cache; ``at_length``: at each
     image's length, else at the window's end, see :class:`KVCache`), on ``device``, keeping
     the visibility of ``prefix`` condition slots, read through ``windows``."""
-    past = entry.input("past_k_0")
-    _, heads, slots, head_dim = past.shape
+    pasts = [spec for spec in entry.inputs if spec.name.startswith(CACHE_INPUTS[0])]  # a layer each
+    _, heads, slots, head_dim = pasts[0].shape
     shape = RunShape(graphs.size, graphs.bundle.constants.guided)
     return KVCache(
-        kv_layers(entry),
+        len(pasts),
         heads,
         slots - scratch,
         head_dim,
-        past.torch_dtype,
+        pasts[0].torch_dtype,
         device,
         shape,
         prefix=prefix,
@@ -347,9 +342,9 @@ def bundle_stream(
     target = BundleTarget(graphs, runner, name)
     if method.method == "ar":
         return Stream(target)
-    if method.jacobi:
-        window = load_tree(method.tree, MAX_DRAFT_WIDTH)
-        return Stream(target, jacobi_speculation(target, bundle.gpt, window, method, bundle.neighbors()))
-    tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
-    drafter = BundleDrafter(graphs, runner, name)
-    return Stream(target, speculation(drafter, tree, method, bundle.neighbors(), target.cache.k.device))
+    if method.jacobi:  # the window drafts from the target's own distributions
+        tree, drafter = load_tree(method.tree, MAX_DRAFT_WIDTH), None
+    else:
+        tree = bundle_trees(bundle).get(method.tree) or load_tree(method.tree, MAX_DRAFT_WIDTH)
+        drafter = BundleDrafter(graphs, runner, name)
+    return Stream(target, method_speculation(target, bundle.gpt, tree, method, drafter, bundle.neighbors()))
