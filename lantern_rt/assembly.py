@@ -118,13 +118,14 @@ def bundle_pipeline(
     """A bundle's graphs for ``batch`` images a step run by an engine's graph runners
     (``backend`` names it) in ``streams`` decode streams; no torch model is built."""
     info = bundle_info(bundle)
-    first, *more = (bundle_stream(bundle, batch, method, runner, backend) for _ in range(streams))
+    first = bundle_stream(bundle, batch, method, runner, backend)
     device = first.target.cache.k.device
     if streams > 1 and device.type != "cpu":
         raise ConfigError(
             f"{option('streams')} shares out CPU cores; this pipeline runs on {device}: use "
             f"{option('streams', 1)} (and a larger {option('batch_size')})"
         )
+    more = tuple(bundle_stream(bundle, batch, method, runner, backend) for _ in range(streams - 1))
     return Pipeline(
         info=info,
         backend=backend,
@@ -134,7 +135,7 @@ def bundle_pipeline(
         decode_codes=BundleVQDecoder(bundle, runner).decode,
         method=method,
         device=str(device),
-        more_streams=tuple(more),
+        more_streams=more,
     )
 
 

@@ -29,7 +29,7 @@ from lantern_rt.runtime.acceptance import Verified
 from lantern_rt.runtime.decode import Speculation, StepCache, decode_images
 from lantern_rt.runtime.run_shape import RunShape
 from lantern_rt.runtime.sampling import SamplingConfig
-from lantern_rt.runtime.speculation import jacobi_speculation, speculation
+from lantern_rt.runtime.speculation import method_speculation
 from lantern_rt.runtime.tree import StaticTree, tree_to_json
 from lantern_rt.settings import MethodConfig, RunPlan
 
@@ -219,13 +219,15 @@ class TuneSession:
         key = (batch, method, tree.paths)
         if key not in self._specs:
             pipe = self.pipeline(batch)
-            if method.jacobi:
-                spec = jacobi_speculation(pipe.target, self.info.gpt, tree, method, self._neighbors())
-            else:
-                drafter = _Timed(pipe.speculation.drafter)
-                device = pipe.target.cache.k.device
-                spec = speculation(drafter, tree, method, self._neighbors(), device)  # type: ignore[arg-type]
-            self._specs[key] = spec
+            drafter = None if method.jacobi else _Timed(pipe.speculation.drafter)
+            self._specs[key] = method_speculation(
+                pipe.target,
+                self.info.gpt,
+                tree,
+                method,
+                drafter,  # type: ignore[arg-type]
+                self._neighbors(),
+            )
         return self._specs[key]
 
     def decode(
